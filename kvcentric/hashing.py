@@ -1,0 +1,111 @@
+"""Chained block hashes and store keys: the one spec every kvcentric process shares.
+
+ARCHITECTURE.md §3:
+
+- Tokens are cut into blocks of ``block_size`` tokens; only full blocks are hashed.
+- ``h_0 = H(seed)``, ``h_i = H(h_{i-1} || tokens_i as little-endian u32)``, ``H`` = xxh3_128.
+- ``seed`` = UTF-8 of ``model_id | cache_salt`` (the salt is empty by default).
+- key = ``kvc/v1/{model_id}/{layout_sig}/{tp_rank}of{tp_size}/{h_i hex}``.
+
+Hashes depend only on the inputs, never on Python's hash seed, the process or the machine,
+so the connector, the router and the benchmarks agree on every block.
+``tests/data/hash_vectors.json`` holds published test vectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+KEY_PREFIX = "kvc/v1"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def hash_seed(model_id: str, cache_salt: str | None = None) -> bytes:
+    """Return the seed bytes ``model_id | cache_salt`` (UTF-8) that start every chain."""
+    if not model_id:
+        raise ValueError("model_id must be a non-empty string")
+    return f"{model_id}|{cache_salt or ''}".encode()
+
+
+def root_hash(seed: bytes) -> bytes:
+    """``h_0 = xxh3_128(seed)`` as 16 big-endian digest bytes."""
+    return xxhash.xxh3_128_digest(seed)
+
+
+def _tokens_le_u32(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    seed: bytes,
+    *,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Chained xxh3_128 digests of the full blocks of ``token_ids``.
+
+    Args:
+        token_ids: prompt tokens; a trailing partial block is ignored.
+        block_size: tokens per block (> 0).
+        seed: chain seed from :func:`hash_seed`.
+        parent: digest of the block preceding ``token_ids[0]``; ``None`` means the chain
+            starts at ``h_0 = H(seed)``. Lets callers extend a chain incrementally.
+
+    Returns:
+        ``[h_1, ..., h_k]`` (16 bytes each) for the ``k = len(token_ids) // block_size`` full
+        blocks.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    raw = _tokens_le_u32(token_ids)
+    nbytes = block_size * 4
+    prev = root_hash(seed) if parent is None else parent
+    out: list[bytes] = []
+    digest = xxhash.xxh3_128_digest
+    for start in range(0, (len(raw) // nbytes) * nbytes, nbytes):
+        prev = digest(prev + raw[start : start + nbytes])
+        out.append(prev)
+    return out
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Builds store keys for one (model, KV layout, TP rank).
+
+    Two engines share KV only when every field here is equal; ``layout_sig`` folds in
+    everything that decides the bytes of a block (see :mod:`kvcentric.layout`).
+    """
+
+    model_id: str
+    layout_sig: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.model_id or "/" in self.layout_sig or not self.layout_sig:
+            raise ValueError("model_id and layout_sig must be non-empty; layout_sig has no '/'")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}of{self.tp_size}")
+
+    @property
+    def prefix(self) -> str:
+        return f"{KEY_PREFIX}/{self.model_id}/{self.layout_sig}/{self.tp_rank}of{self.tp_size}/"
+
+    def key(self, block_hash: bytes) -> str:
+        """The object key of one block hash."""
+        return self.prefix + block_hash.hex()
+
+    def keys(self, hashes: Sequence[bytes]) -> list[str]:
+        """Object keys of a chain of block hashes, in order."""
+        p = self.prefix
+        return [p + h.hex() for h in hashes]

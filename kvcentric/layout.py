@@ -1,0 +1,82 @@
+"""KV block layout: what decides the bytes of one stored block, and its short signature.
+
+A stored object is one full block of ``block_size`` tokens, all layers, K and V, for one TP
+rank. Its bytes depend on the number of layers, the block size, the number of KV heads,
+the head size, the dtype, how the engine lays a block out in memory, and whether K and V
+are split (MHA) or fused into one latent (MLA). All of that goes into :meth:`signature`,
+which is part of every key, so two engines share KV only when the bytes mean the same.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import xxhash
+
+# Names of the in-memory layouts we know how to pack (see kvcentric.connector.vllm_layout).
+KNOWN_LAYOUTS = frozenset({"cpu_lbhnc", "flash_nhd", "flash_hnd", "flashinfer_nhd",
+                           "flashinfer_hnd", "mla", "sglang_page_first", "sglang_layer_first",
+                           "raw"})
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one stored block object.
+
+    ``block_size`` is tokens per *stored* block (a multiple of the engine page size).
+    ``bytes_per_layer`` is the size of one layer's slice of one stored block.
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: str
+    mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.layout not in KNOWN_LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; known: {sorted(KNOWN_LAYOUTS)}")
+        if _itemsize(self.dtype) <= 0:
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+    @property
+    def bytes_per_layer(self) -> int:
+        kv = 1 if self.mla else 2
+        return kv * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.bytes_per_layer
+
+    def signature(self) -> str:
+        """16 hex chars of xxh3_64 over the canonical JSON of every field."""
+        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_64_hexdigest(canon.encode())
+
+
+_ITEMSIZES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "uint8": 1, "int8": 1,
+}
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZES.get(dtype.removeprefix("torch."), 0)
+
+
+def dtype_name(dtype: object) -> str:
+    """Canonical name of a torch/numpy dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = str(dtype).removeprefix("torch.")
+    if _itemsize(name) <= 0:
+        raise ValueError(f"unsupported KV dtype {dtype!r}")
+    return name

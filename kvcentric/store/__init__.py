@@ -1,0 +1,42 @@
+"""KV stores: one interface (:class:`KVStore`), backends ``local`` and ``mooncake``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvcentric.config import StoreConfig
+from kvcentric.store.base import (
+    ERR_CORRUPT,
+    ERR_EXISTS,
+    ERR_HAS_LEASE,
+    ERR_INVALID,
+    ERR_NO_SPACE,
+    ERR_NOT_FOUND,
+    ERR_TRANSFER,
+    ERR_UNAVAILABLE,
+    OK,
+    KVStore,
+    ReadLease,
+    StoreUnavailable,
+    WriteSlot,
+)
+
+__all__ = [
+    "ERR_CORRUPT", "ERR_EXISTS", "ERR_HAS_LEASE", "ERR_INVALID", "ERR_NO_SPACE",
+    "ERR_NOT_FOUND", "ERR_TRANSFER", "ERR_UNAVAILABLE", "OK", "KVStore", "ReadLease",
+    "StoreConfig", "StoreUnavailable", "WriteSlot", "open_store",
+]
+
+
+def open_store(config: Mapping[str, Any] | StoreConfig | None = None) -> KVStore:
+    """Open the store ``config`` names (a dict like the connector's ``store`` extra config,
+    or a :class:`StoreConfig`). The ``local`` backend starts its coordinator if needed."""
+    cfg = StoreConfig.from_dict(config)
+    if cfg.backend == "local":
+        from kvcentric.store.local.client import LocalStore
+
+        return LocalStore(cfg)
+    from kvcentric.store.mooncake import MooncakeStore  # type: ignore[import-not-found]
+
+    return MooncakeStore(cfg)  # type: ignore[no-any-return]

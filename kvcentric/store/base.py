@@ -1,0 +1,175 @@
+"""The ``KVStore`` interface every backend implements (ARCHITECTURE.md §4).
+
+Contract, common to all backends:
+
+- Keys are strings from :class:`kvcentric.hashing.KeySpace`; values are opaque byte ranges.
+- ``batch_exists(keys)`` returns the length of the *leading run* of present keys (prefix
+  semantics): keys after the first missing one are not counted.
+- ``batch_put_from(keys, ptrs, sizes)`` copies each ``sizes[i]`` bytes at address ``ptrs[i]``
+  into the store and returns one code per key: ``0`` stored (or already present), negative
+  on failure (``ERR_NO_SPACE`` when the capacity bound cannot be met).
+- ``batch_get_into(keys, ptrs, sizes)`` copies each object into caller memory and returns one
+  value per key: the bytes read, or a negative error (``ERR_NOT_FOUND``, ``ERR_CORRUPT``...).
+- A block being written is invisible until committed; a block being read is never evicted or
+  overwritten under its reader; a reader never sees a torn block.
+- Memory behind ``ptrs`` is owned by the caller and must stay valid for the call; backends
+  that need registered memory (RDMA) require :meth:`register_buffer` first.
+- No call blocks longer than the configured op timeout; an unreachable store fails calls
+  with ``ERR_UNAVAILABLE`` so engines recompute.
+
+Optional zero-copy paths with working defaults:
+
+- :meth:`batch_alloc` / :meth:`batch_commit` / :meth:`batch_abort`: write an object in place
+  (local store: straight into shared memory), visible only after commit.
+- :meth:`batch_acquire`: read objects in place under a lease until released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+OK = 0
+ERR_NO_SPACE = -200
+ERR_INVALID = -600
+ERR_NOT_FOUND = -704
+ERR_EXISTS = -705
+ERR_HAS_LEASE = -706
+ERR_TRANSFER = -800
+ERR_CORRUPT = -900
+ERR_UNAVAILABLE = -1000
+
+ERROR_NAMES = {
+    ERR_NO_SPACE: "no space", ERR_INVALID: "invalid argument", ERR_NOT_FOUND: "not found",
+    ERR_EXISTS: "exists", ERR_HAS_LEASE: "has lease", ERR_TRANSFER: "transfer failed",
+    ERR_CORRUPT: "checksum mismatch", ERR_UNAVAILABLE: "store unavailable",
+}
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached or did not answer in time."""
+
+
+@dataclass
+class WriteSlot:
+    """Memory for one object being written in place; invisible until committed.
+
+    ``ptr`` points at ``size`` writable bytes owned by the store until commit/abort.
+    """
+
+    key: str
+    ptr: int
+    size: int
+    handle: Any = None
+
+
+@dataclass
+class ReadLease:
+    """In-place read access to the leading ``len(ptrs)`` of the requested keys.
+
+    The bytes at ``ptrs[i]`` stay valid and unchanged until :meth:`KVStore.release`.
+    ``checksums`` holds the object checksums when the store verifies them, else ``None``s.
+    """
+
+    keys: list[str]
+    ptrs: list[int]
+    sizes: list[int]
+    checksums: list[int | None] = field(default_factory=list)
+    handle: Any = None
+
+
+class KVStore(ABC):
+    """Abstract KV block store. See the module docstring for the contract."""
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        parents: Sequence[str | None] | None = None,
+    ) -> list[int]:
+        """Store objects; ``parents[i]`` names the chain predecessor of ``keys[i]`` so the
+        store can evict leaves first (``None``: a root or unknown)."""
+
+    @abstractmethod
+    def batch_get_into(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]: ...
+
+    @abstractmethod
+    def remove(self, key: str, force: bool = False) -> int: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        """Register caller memory used with put/get; a no-op where not needed."""
+        return OK
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return OK
+
+    def health_check(self) -> bool:
+        """True when the store answers; cheap, called by degrade paths."""
+        try:
+            self.stats()
+            return True
+        except StoreUnavailable:
+            return False
+
+    # ---- zero-copy write, default: private staging memory + batch_put_from at commit ----
+    def batch_alloc(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        parents: Sequence[str | None] | None = None,
+    ) -> list[WriteSlot | None]:
+        """Reserve write slots; ``None`` for keys already stored (nothing to write)."""
+        present = self.batch_exists(keys) if keys else 0
+        out: list[WriteSlot | None] = [None] * present
+        for i in range(present, len(keys)):
+            buf = ctypes.create_string_buffer(sizes[i])
+            parent = parents[i] if parents else None
+            out.append(WriteSlot(keys[i], ctypes.addressof(buf), sizes[i], (buf, parent)))
+        return out
+
+    def batch_commit(self, slots: Sequence[WriteSlot]) -> list[int]:
+        """Make written slots visible; returns one code per slot."""
+        if not slots:
+            return []
+        return self.batch_put_from(
+            [s.key for s in slots], [s.ptr for s in slots], [s.size for s in slots],
+            [s.handle[1] for s in slots],
+        )
+
+    def batch_abort(self, slots: Sequence[WriteSlot]) -> None:
+        """Drop slots without publishing them."""
+
+    # ---- zero-copy read, default: copy into private memory ----
+    def batch_acquire(self, keys: Sequence[str], sizes: Sequence[int]) -> ReadLease:
+        """Lease the leading run of present ``keys`` for in-place reads."""
+        bufs = [ctypes.create_string_buffer(s) for s in sizes]
+        got = self.batch_get_into(keys, [ctypes.addressof(b) for b in bufs], sizes)
+        n = next((i for i, g in enumerate(got) if g != sizes[i]), len(got))
+        return ReadLease(list(keys[:n]), [ctypes.addressof(b) for b in bufs[:n]],
+                         list(sizes[:n]), [None] * n, bufs)
+
+    def release(self, lease: ReadLease) -> None:
+        """End a read lease; its pointers become invalid."""
+        lease.handle = None
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

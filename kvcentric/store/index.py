@@ -1,0 +1,210 @@
+"""Object index of the local store: states, leases, prefix chains and leaf-first LRU eviction.
+
+Runs inside the coordinator only; single-threaded. An object is PENDING from ``alloc`` until
+``commit`` (invisible to every reader) and COMMITTED after. Committed objects are immutable.
+
+Eviction (ARCHITECTURE.md §4): LRU over *leaves* of prefix chains. A child is linked to its
+parent when committed; a parent with resident children is not evictable, because a child is
+useless without its ancestors, and a prefix lookup touches a parent before its children,
+so a parent is never younger than its children. When a parent's last child is evicted, the
+parent becomes a leaf at the cold end of the LRU. Objects under a read lease are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcentric.store.allocator import ExtentAllocator
+from kvcentric.store.base import ERR_EXISTS, ERR_HAS_LEASE, ERR_INVALID, ERR_NO_SPACE, \
+    ERR_NOT_FOUND, OK
+
+PENDING, COMMITTED = 0, 1
+
+
+@dataclass(eq=False)
+class Entry:
+    key: str
+    offset: int
+    size: int
+    owner: int
+    parent: str | None
+    state: int = PENDING
+    readers: int = 0
+    children: int = 0
+    checksum: int | None = None
+    removed: bool = False  # dropped from the index while leased; freed at last release
+    parent_entry: Entry | None = None  # linked at commit; identity guards against key reuse
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    evictions: int = 0
+    rejected_puts: int = 0
+    lookups: int = 0
+
+
+@dataclass
+class Lease:
+    entries: list[Entry] = field(default_factory=list)
+    owner: int = 0
+
+
+class ObjectIndex:
+    """All metadata of one arena. ``owner`` ids identify client connections."""
+
+    def __init__(self, capacity: int) -> None:
+        self.alloc = ExtentAllocator(capacity)
+        self.entries: dict[str, Entry] = {}
+        self._leaves: OrderedDict[str, Entry] = OrderedDict()  # evictable candidates, LRU first
+        self._leases: dict[int, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self.counters = Counters()
+
+    # ---- writes ----
+    def reserve(self, key: str, size: int, parent: str | None, owner: int) -> int:
+        """Reserve a PENDING object; returns its offset, or ERR_EXISTS / ERR_NO_SPACE."""
+        if size <= 0 or size > self.alloc.capacity:
+            return ERR_INVALID
+        if key in self.entries:
+            return ERR_EXISTS
+        offset = self.alloc.alloc(size)
+        while offset is None and self._evict_one():
+            offset = self.alloc.alloc(size)
+        if offset is None:
+            self.counters.rejected_puts += 1
+            return ERR_NO_SPACE
+        self.entries[key] = Entry(key, offset, size, owner, parent)
+        return offset
+
+    def commit(self, key: str, owner: int, checksum: int | None) -> int:
+        e = self.entries.get(key)
+        if e is None or e.state != PENDING or e.owner != owner:
+            return ERR_NOT_FOUND
+        e.state, e.checksum = COMMITTED, checksum
+        parent = self.entries.get(e.parent) if e.parent else None
+        if parent is not None and parent.state == COMMITTED:
+            parent.children += 1
+            self._leaves.pop(parent.key, None)
+            e.parent_entry = parent
+        self._leaves[key] = e
+        self.counters.puts += 1
+        self.counters.put_bytes += e.size
+        return OK
+
+    def abort(self, key: str, owner: int) -> None:
+        e = self.entries.get(key)
+        if e is not None and e.state == PENDING and e.owner == owner:
+            del self.entries[key]
+            self.alloc.free(e.offset, e.size)
+
+    # ---- reads ----
+    def leading_run(self, keys: Sequence[str]) -> int:
+        self.counters.lookups += 1
+        n = 0
+        for k in keys:
+            e = self.entries.get(k)
+            if e is None or e.state != COMMITTED:
+                break
+            n += 1
+        return n
+
+    def acquire(self, keys: Sequence[str], owner: int) -> tuple[int, list[Entry]]:
+        """Lease the leading run of committed ``keys``; returns (lease id, entries)."""
+        got: list[Entry] = []
+        for k in keys:
+            e = self.entries.get(k)
+            if e is None or e.state != COMMITTED:
+                break
+            e.readers += 1
+            if k in self._leaves:
+                self._leaves.move_to_end(k)
+            got.append(e)
+        c = self.counters
+        c.hits += len(got)
+        c.misses += len(keys) - len(got)
+        c.gets += len(got)
+        c.get_bytes += sum(e.size for e in got)
+        if not got:
+            return 0, got
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = Lease(got, owner)
+        return lease_id, got
+
+    def release(self, lease_id: int, owner: int) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return
+        del self._leases[lease_id]
+        for e in lease.entries:
+            e.readers -= 1
+            if e.removed and e.readers == 0:
+                self.alloc.free(e.offset, e.size)
+
+    # ---- removal and eviction ----
+    def remove(self, key: str, force: bool = False) -> int:
+        e = self.entries.get(key)
+        if e is None or e.state != COMMITTED:
+            return ERR_NOT_FOUND
+        if e.readers and not force:
+            return ERR_HAS_LEASE
+        self._drop(e)
+        return OK
+
+    def _drop(self, e: Entry) -> None:
+        del self.entries[e.key]
+        self._leaves.pop(e.key, None)
+        parent = e.parent_entry
+        if parent is not None and self.entries.get(parent.key) is parent:
+            parent.children -= 1
+            if parent.children == 0:
+                self._leaves[parent.key] = parent
+                self._leaves.move_to_end(parent.key, last=False)
+        if e.readers:
+            e.removed = True  # freed when the last reader releases
+        else:
+            self.alloc.free(e.offset, e.size)
+
+    def _evict_one(self) -> bool:
+        for key, e in self._leaves.items():
+            if e.readers == 0:
+                self._drop(e)
+                self.counters.evictions += 1
+                return True
+        return False
+
+    def clear(self) -> int:
+        """Remove every committed, unleased object; returns how many."""
+        victims = [e for e in self.entries.values() if e.state == COMMITTED and not e.readers]
+        for e in victims:
+            self._drop(e)
+        return len(victims)
+
+    def drop_owner(self, owner: int) -> tuple[int, int]:
+        """Reclaim a gone client's leases and pending writes; returns (leases, pendings)."""
+        lease_ids = [lid for lid, lease in self._leases.items() if lease.owner == owner]
+        for lid in lease_ids:
+            self.release(lid, owner)
+        pending = [e.key for e in self.entries.values() if e.state == PENDING and e.owner == owner]
+        for key in pending:
+            self.abort(key, owner)
+        return len(lease_ids), len(pending)
+
+    def stats(self) -> dict[str, int]:
+        committed = sum(1 for e in self.entries.values() if e.state == COMMITTED)
+        return {
+            "capacity_bytes": self.alloc.capacity,
+            "used_bytes": self.alloc.used,
+            "keys": committed,
+            "pending": len(self.entries) - committed,
+            "leases": len(self._leases),
+            **vars(self.counters),
+        }

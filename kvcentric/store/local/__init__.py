@@ -1,0 +1,1 @@
+"""The embedded ``local`` backend: a shared-memory arena plus a metadata coordinator."""

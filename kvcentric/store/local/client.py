@@ -1,0 +1,236 @@
+"""``LocalStore``: the embedded shared-memory backend, client side.
+
+Every process maps the coordinator's arena file (tmpfs) and copies bytes itself with one
+``memmove`` per object; the coordinator only allocates, leases and commits. So a put or a
+get costs one memcpy plus two small round trips per batch, and engines on one node share
+physical pages.
+
+Ownership: memory behind caller ``ptrs`` is the caller's. ``WriteSlot.ptr`` and
+``ReadLease.ptrs`` point into the shared arena and are valid only until commit/abort and
+release respectively.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+
+from kvcentric.config import StoreConfig
+from kvcentric.store.base import ERR_CORRUPT, ERR_EXISTS, ERR_INVALID, ERR_NOT_FOUND, \
+    ERR_UNAVAILABLE, OK, KVStore, ReadLease, StoreUnavailable, WriteSlot
+from kvcentric.store.local import launcher
+from kvcentric.store.local.rpc import RpcClient
+
+log = logging.getLogger("kvcentric.store")
+
+
+def checksum(ptr: int, size: int) -> int:
+    """xxh3_64 of ``size`` bytes at ``ptr`` (no copy)."""
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(ptr))
+
+
+class _Arena:
+    """A mapping of the coordinator's arena file; ``base`` is its address here."""
+
+    def __init__(self, path: str, capacity: int, arena_id: str) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._anchor: Any = ctypes.c_char.from_buffer(self.mm)
+        self.base = ctypes.addressof(self._anchor)
+        self.capacity = capacity
+        self.arena_id = arena_id
+
+    def close(self) -> None:
+        self._anchor = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view handed to a caller is still alive; the GC will unmap
+            pass
+
+
+class LocalStore(KVStore):
+    """Client of a local store; starts the coordinator on first use when ``autostart``."""
+
+    def __init__(self, cfg: StoreConfig) -> None:
+        self.cfg = cfg
+        self._rpc = RpcClient(cfg.socket_path, cfg.op_timeout_s)
+        self._arena: _Arena | None = None
+        self._arena_gen = -1
+        self._connect()
+
+    # ---- connection management ----
+    def _connect(self) -> None:
+        if self.cfg.autostart:
+            launcher.ensure_running(self.cfg)
+        hello = self._rpc.call("hello")
+        if self._arena is None or self._arena.arena_id != hello["arena_id"]:
+            if self._arena is not None:
+                self._arena.close()
+            self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"])
+        self._arena_gen = self._rpc.generation
+
+    def _call(self, op: str, *args: Any) -> Any:
+        """One round trip; reconnects (and restarts the coordinator) after a failure."""
+        if not self._rpc.connected:
+            self._connect()
+        return self._rpc.call(op, *args)
+
+    @property
+    def arena(self) -> _Arena:
+        if self._arena is None or self._rpc.generation != self._arena_gen:
+            self._connect()
+        assert self._arena is not None
+        return self._arena
+
+    def arena_view(self, ptr: int, size: int) -> memoryview:
+        """A writable memoryview of ``size`` arena bytes at ``ptr`` (from a slot or lease)."""
+        off = ptr - self.arena.base
+        if off < 0 or off + size > self.arena.capacity:
+            raise ValueError("pointer is not inside the arena")
+        return memoryview(self.arena.mm)[off : off + size]
+
+    # ---- KVStore ----
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(self._call("exists", list(keys)))
+        except StoreUnavailable:
+            return 0
+
+    def batch_alloc(self, keys: Sequence[str], sizes: Sequence[int],
+                    parents: Sequence[str | None] | None = None) -> list[WriteSlot | None]:
+        return self._reserve(keys, sizes, parents)[0]
+
+    def _reserve(self, keys: Sequence[str], sizes: Sequence[int],
+                 parents: Sequence[str | None] | None) -> tuple[list[WriteSlot | None], list[int]]:
+        """Slots for new keys (None where the key exists or space ran out) and reserve codes."""
+        if len(keys) != len(sizes) or (parents is not None and len(parents) != len(keys)):
+            raise ValueError("keys, sizes and parents must have equal lengths")
+        if not keys:
+            return [], []
+        arena = self.arena
+        gen = self._rpc.generation
+        codes = self._call("reserve", list(keys), [int(s) for s in sizes],
+                           list(parents) if parents is not None else [None] * len(keys))
+        slots = [WriteSlot(k, arena.base + off, int(s), gen) if off >= 0 else None
+                 for k, s, off in zip(keys, sizes, codes)]
+        return slots, codes
+
+    def batch_commit(self, slots: Sequence[WriteSlot]) -> list[int]:
+        if not slots:
+            return []
+        if any(s.handle != self._rpc.generation for s in slots):
+            return [ERR_UNAVAILABLE] * len(slots)  # reconnected: those slots were reclaimed
+        sums = [checksum(s.ptr, s.size) if self.cfg.verify_checksums else None for s in slots]
+        try:
+            return list(self._call("commit", [s.key for s in slots], sums))
+        except StoreUnavailable:
+            return [ERR_UNAVAILABLE] * len(slots)
+
+    def batch_abort(self, slots: Sequence[WriteSlot]) -> None:
+        live = [s.key for s in slots if s.handle == self._rpc.generation]
+        if live:
+            try:
+                self._call("abort", live)
+            except StoreUnavailable:
+                pass  # the coordinator reclaims them with the connection
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                       parents: Sequence[str | None] | None = None) -> list[int]:
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            raise ValueError("keys, ptrs and sizes must have equal lengths")
+        try:
+            slots, codes = self._reserve(keys, sizes, parents)
+        except StoreUnavailable:
+            return [ERR_UNAVAILABLE] * len(keys)
+        live = [s for s in slots if s is not None]
+        for s, src in zip(slots, ptrs):
+            if s is not None:
+                ctypes.memmove(s.ptr, src, s.size)
+        committed = iter(self.batch_commit(live))
+        # a key already stored (or being stored by another writer) counts as stored
+        return [next(committed) if s is not None else (OK if c == ERR_EXISTS else c)
+                for s, c in zip(slots, codes)]
+
+    def batch_acquire(self, keys: Sequence[str], sizes: Sequence[int] | None = None) -> ReadLease:
+        if not keys:
+            return ReadLease([], [], [], [], None)
+        arena = self.arena
+        gen = self._rpc.generation
+        lease_id, entries = self._call("acquire", list(keys))
+        n = len(entries)
+        return ReadLease(list(keys[:n]), [arena.base + off for off, _, _ in entries],
+                         [size for _, size, _ in entries], [c for _, _, c in entries],
+                         (lease_id, gen))
+
+    def release(self, lease: ReadLease) -> None:
+        if lease.handle is None:
+            return
+        lease_id, gen = lease.handle
+        lease.handle = None
+        if lease_id and gen == self._rpc.generation:
+            try:
+                self._call("release", lease_id)
+            except StoreUnavailable:
+                pass
+
+    def lease_valid(self, lease: ReadLease) -> bool:
+        """False when the connection dropped since ``lease`` was taken (it was reclaimed)."""
+        return lease.handle is not None and lease.handle[1] == self._rpc.generation
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
+                       sizes: Sequence[int]) -> list[int]:
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            raise ValueError("keys, ptrs and sizes must have equal lengths")
+        try:
+            lease = self.batch_acquire(keys)
+        except StoreUnavailable:
+            return [ERR_UNAVAILABLE] * len(keys)
+        out = [ERR_NOT_FOUND] * len(keys)
+        try:
+            for i, (src, size) in enumerate(zip(lease.ptrs, lease.sizes)):
+                if size > sizes[i]:
+                    out[i] = ERR_INVALID
+                    continue
+                ctypes.memmove(ptrs[i], src, size)
+                out[i] = size
+            self._verify(lease, ptrs, out)
+            if not self.lease_valid(lease):
+                return [ERR_UNAVAILABLE] * len(keys)  # copied without a lease: can't trust it
+        finally:
+            self.release(lease)
+        return out
+
+    def _verify(self, lease: ReadLease, ptrs: Sequence[int], out: list[int]) -> None:
+        if not self.cfg.verify_checksums:
+            return
+        for i, want in enumerate(lease.checksums):
+            if out[i] > 0 and want is not None and checksum(ptrs[i], out[i]) != want:
+                log.warning("checksum mismatch for %s: treating as missing", lease.keys[i])
+                out[i] = ERR_CORRUPT
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return int(self._call("remove", key, force))
+
+    def clear(self) -> int:
+        """Remove every unleased object; returns how many."""
+        return int(self._call("clear"))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._call("stats"))
+
+    def close(self) -> None:
+        self._rpc.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None

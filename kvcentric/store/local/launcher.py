@@ -1,0 +1,107 @@
+"""Start, find and stop local store coordinators.
+
+The first client that finds no coordinator starts one as a detached process (its own
+session, so it outlives the client); a file lock makes concurrent first clients start
+exactly one. ``kvcentric store serve`` runs one in the foreground instead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvcentric.config import StoreConfig
+
+
+def config_json(cfg: StoreConfig) -> str:
+    """Serialise what the coordinator needs of ``cfg``."""
+    return json.dumps({"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
+                       "runtime_dir": str(cfg.runtime_dir), "idle_timeout_s": cfg.idle_timeout_s})
+
+
+def is_running(cfg: StoreConfig) -> bool:
+    """True when a coordinator accepts connections on ``cfg.socket_path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(cfg.socket_path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+@contextmanager
+def start_lock(cfg: StoreConfig) -> Iterator[None]:
+    """Exclusive lock held while checking for and starting a coordinator."""
+    cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(cfg.lock_path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_running(cfg: StoreConfig) -> None:
+    """Make sure a coordinator serves ``cfg``; start a detached one if needed.
+
+    Raises ``TimeoutError`` if a started coordinator does not answer within
+    ``cfg.start_timeout_s``.
+    """
+    if is_running(cfg):
+        return
+    with start_lock(cfg):
+        if is_running(cfg):
+            return
+        log_path = cfg.runtime_dir / f"{cfg.name}.log"
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvcentric.store.local.server",
+                 "--config-json", config_json(cfg)],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+            )
+        _wait_up(cfg, proc, log_path)
+
+
+def _wait_up(cfg: StoreConfig, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + cfg.start_timeout_s
+    while time.monotonic() < deadline:
+        if is_running(cfg):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"store coordinator exited with {proc.returncode}; see {log_path}")
+        time.sleep(0.02)
+    proc.kill()
+    raise TimeoutError(f"store coordinator did not start in {cfg.start_timeout_s} s")
+
+
+def stop(cfg: StoreConfig, timeout_s: float = 10.0) -> bool:
+    """Ask the coordinator of ``cfg`` to shut down; True if one was running."""
+    from kvcentric.store.local.rpc import RpcClient
+
+    if not is_running(cfg):
+        return False
+    with RpcClient(cfg.socket_path, timeout_s) as rpc:
+        rpc.call("shutdown")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and is_running(cfg):
+        time.sleep(0.02)
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False

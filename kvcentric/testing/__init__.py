@@ -1,0 +1,1 @@
+"""Test and benchmark helpers (synthetic models, fixtures); not used at serving time."""

@@ -1,0 +1,382 @@
+"""Deterministic random-weight Llama checkpoints for tests and benchmarks.
+
+``build_model(size, out_dir)`` writes a complete Hugging Face model directory
+(``config.json``, ``generation_config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``) that vLLM and transformers load
+like any real checkpoint.  Nothing is downloaded.
+
+Contracts:
+
+* Weights are a pure function of the :class:`ModelSpec`: they are drawn from
+  per-tensor seeded ``torch.Generator`` integer streams (Mersenne Twister) and
+  scaled with exact IEEE arithmetic, so the safetensors bytes are identical on
+  any machine.  The tokenizer is trained by ``tokenizers`` on a corpus from a
+  seeded ``random.Random``; its files are identical for a given ``tokenizers``
+  version.
+* Weights are stored in float32 and ``config.json`` says ``float32``.  vLLM's
+  ``dtype="auto"`` turns float32 checkpoints into bfloat16 (CPU) / float16;
+  pass ``dtype="float32"`` where tests compare token streams across runs or
+  batch shapes (bfloat16 rounding can flip a greedy argmax every ~100 tokens).
+* Weight scales are large enough that greedy decoding has no near-ties (logit
+  gaps far above float32 noise) and produces varied tokens, never a fixed point.
+* The special tokens (``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3) have zero
+  ``lm_head`` rows, so their logit is exactly 0 while the others spread with std
+  ``logit_std``: the model practically never emits EOS and generations run to
+  ``max_tokens`` even without ``ignore_eos``.
+* ``build_model`` is idempotent and cheap once built (it only reads the marker
+  file ``kvcentric_model.json``), and safe under concurrent callers (``flock`` on
+  ``<out_dir>.lock``; the model is written to a temp dir and renamed into place).
+
+CLI: ``python -m kvcentric.testing.models --size tiny|bench --out DIR [--force]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SPEC_VERSION = 1
+MARKER_FILE = "kvcentric_model.json"
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3, in this order
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
+
+# Llama-2 style: plain-text markers, so no extra special tokens are needed.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "<<SYS>>\n{{ message['content'] }}\n<</SYS>>\n\n"
+    "{% elif message['role'] == 'user' %}"
+    "[INST] {{ message['content'] }} [/INST]"
+    "{% elif message['role'] == 'assistant' %}"
+    " {{ message['content'] }}{{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape and init of a synthetic Llama.
+
+    Linear weights have std ``init_gain / sqrt(fan_in)`` (so ``init_gain`` > 1
+    sharpens attention and keeps activations large), ``o_proj``/``down_proj``
+    are further divided by ``sqrt(2 * num_layers)``, embeddings have std 1,
+    norms are 1, and ``lm_head`` is scaled so logits have std ``logit_std``.
+    """
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    init_gain: float
+    logit_std: float
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    dtype: str = "float32"
+    seed: int = 1234
+
+
+SPECS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(
+        name="tiny", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+        head_dim=64, intermediate_size=512, vocab_size=4096,
+        max_position_embeddings=16384, init_gain=4.0, logit_std=4.0,
+    ),
+    "bench": ModelSpec(
+        name="bench", hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
+        head_dim=64, intermediate_size=2816, vocab_size=8192,
+        max_position_embeddings=32768, init_gain=4.0, logit_std=4.0,
+    ),
+}
+
+
+def default_model_dir(size: str, base: str | Path | None = None) -> Path:
+    """Return ``<base>/<size>``; ``base`` defaults to ``<cwd>/.models`` (gitignored)."""
+    return Path(base if base is not None else Path.cwd() / ".models") / size
+
+
+def get_spec(size: str) -> ModelSpec:
+    """Return ``SPECS[size]``; raise ``ValueError`` naming the known sizes otherwise."""
+    try:
+        return SPECS[size]
+    except KeyError:
+        raise ValueError(f"unknown model size {size!r}; known: {sorted(SPECS)}") from None
+
+
+def _marker(spec: ModelSpec) -> dict[str, Any]:
+    return {"spec_version": SPEC_VERSION, "spec": asdict(spec), "files": list(MODEL_FILES)}
+
+
+def is_complete(out_dir: str | Path, spec: ModelSpec) -> bool:
+    """True iff ``out_dir`` holds a finished build of exactly ``spec`` (marker + files)."""
+    out = Path(out_dir)
+    try:
+        marker = json.loads((out / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker == _marker(spec) and all((out / f).is_file() for f in MODEL_FILES)
+
+
+def build_model(size: str, out_dir: str | Path, *, force: bool = False) -> Path:
+    """Write the ``size`` model to ``out_dir`` unless it is already there; return the dir.
+
+    Idempotent: a complete build of the same spec is returned without touching
+    it (``force=True`` rebuilds).  Concurrent callers serialize on
+    ``<out_dir>.lock``; the files appear atomically (temp dir + rename).  An
+    existing ``out_dir`` is only replaced if it is empty or was written by this
+    module (it has a marker file); otherwise ``FileExistsError`` is raised.
+    """
+    spec = get_spec(size)
+    out = Path(out_dir).absolute()
+    if not force and is_complete(out, spec):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(out.parent / f"{out.name}.lock"):
+        if not force and is_complete(out, spec):
+            return out
+        if out.exists() and any(out.iterdir()) and not (out / MARKER_FILE).exists():
+            raise FileExistsError(f"{out} exists and is not a kvcentric model dir")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            write_weights(spec, tmp)
+            write_tokenizer(spec, tmp)
+            _write_json(tmp / MARKER_FILE, _marker(spec))  # last: marks completeness
+            _swap_in(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the block."""
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``, first renaming any old ``out`` aside and deleting it."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "dir")
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------- weights
+
+_HALF = 1 << 20  # each uniform draw is an integer in [-2**20, 2**20)
+_IRWIN_HALL_N = 4  # sum of 4 uniforms: close to normal, exact integer arithmetic
+
+
+def _tensor_seed(spec: ModelSpec, name: str) -> int:
+    digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _randn(spec: ModelSpec, name: str, shape: tuple[int, ...], std: float) -> Any:
+    """Approximately normal float32 tensor with the given std, bit-identical everywhere.
+
+    Only integer draws (``torch.randint``) and one float64 multiply are used, so
+    no vectorized transcendental (which may differ across CPUs) is involved.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(_tensor_seed(spec, name))
+    acc = torch.zeros(shape, dtype=torch.int64)
+    for _ in range(_IRWIN_HALL_N):
+        acc += torch.randint(-_HALF, _HALF, shape, generator=gen, dtype=torch.int64)
+    unit = math.sqrt(_IRWIN_HALL_N * (2 * _HALF) ** 2 / 12)  # std of the integer sum
+    return (acc.to(torch.float64) * (std / unit)).to(torch.float32)
+
+
+def _layer_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], float]]:
+    """Per-layer linear weights: name suffix -> ((out, in), std)."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    g, res = spec.init_gain, 1.0 / math.sqrt(2 * spec.num_layers)
+    return {
+        "self_attn.q_proj.weight": ((q, h), g / math.sqrt(h)),
+        "self_attn.k_proj.weight": ((kv, h), g / math.sqrt(h)),
+        "self_attn.v_proj.weight": ((kv, h), g / math.sqrt(h)),
+        "self_attn.o_proj.weight": ((h, q), g * res / math.sqrt(q)),
+        "mlp.gate_proj.weight": ((i, h), g / math.sqrt(h)),
+        "mlp.up_proj.weight": ((i, h), g / math.sqrt(h)),
+        "mlp.down_proj.weight": ((h, i), g * res / math.sqrt(i)),
+    }
+
+
+def make_state_dict(spec: ModelSpec) -> dict[str, Any]:
+    """Return the HF ``LlamaForCausalLM`` state dict (float32 tensors) for ``spec``."""
+    import torch
+
+    h, v = spec.hidden_size, spec.vocab_size
+    sd: dict[str, Any] = {"model.embed_tokens.weight": _randn(spec, "embed", (v, h), 1.0)}
+    for layer in range(spec.num_layers):
+        pre = f"model.layers.{layer}."
+        sd[pre + "input_layernorm.weight"] = torch.ones(h)
+        sd[pre + "post_attention_layernorm.weight"] = torch.ones(h)
+        for suffix, (shape, std) in _layer_shapes(spec).items():
+            sd[pre + suffix] = _randn(spec, pre + suffix, shape, std)
+    sd["model.norm.weight"] = torch.ones(h)
+    lm_head = _randn(spec, "lm_head", (v, h), spec.logit_std / math.sqrt(h))
+    lm_head[: len(SPECIAL_TOKENS)] = 0.0  # specials (incl. EOS) get logit exactly 0
+    sd["lm_head.weight"] = lm_head
+    return sd
+
+
+def write_weights(spec: ModelSpec, out_dir: Path) -> None:
+    """Write ``model.safetensors``, ``config.json`` and ``generation_config.json``."""
+    from safetensors.torch import save_file
+
+    sd = make_state_dict(spec)
+    save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out_dir / "config.json", hf_config(spec))
+    _write_json(out_dir / "generation_config.json", {
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+        "do_sample": False, "_from_model_config": False,
+    })
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """Return the ``config.json`` contents for ``spec``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": spec.dtype,
+        "use_cache": True,
+    }
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t",
+           "v", "w", "st", "th", "ch", "sh", "pr", "tr", "gr", "bl")
+_NUCLEI = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "y")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "ck")
+_PUNCT = (".", ",", "!", "?", ";", ":")
+
+
+def _corpus(seed: int, n_lines: int = 6000) -> Iterator[str]:
+    """Deterministic pseudo-English lines (syllable words, capitals, digits, punctuation)."""
+    rng = random.Random(seed)
+    for _ in range(n_lines):
+        words = []
+        for _ in range(rng.randint(6, 16)):
+            word = "".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS)
+                           for _ in range(rng.randint(1, 3)))
+            r = rng.random()
+            if r < 0.1:
+                word = word.capitalize()
+            elif r < 0.15:
+                word = str(rng.randint(0, 9999))
+            words.append(word)
+        yield " ".join(words) + rng.choice(_PUNCT)
+
+
+def make_tokenizer(spec: ModelSpec) -> Any:
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` with exactly ``spec.vocab_size`` ids.
+
+    Any UTF-8 text encodes (byte fallback, no ``<unk>``); encodings get ``<s>``
+    prepended.  Raises ``RuntimeError`` if training falls short of the vocab size.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    if tok.get_vocab_size() != spec.vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, want {spec.vocab_size}")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)],
+    )
+    return tok
+
+
+def write_tokenizer(spec: ModelSpec, out_dir: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
+    make_tokenizer(spec).save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "model_max_length": spec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    })
+
+
+# -------------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: build a model and print its directory."""
+    parser = argparse.ArgumentParser(description="Build a deterministic random-weight Llama.")
+    parser.add_argument("--size", choices=sorted(SPECS), required=True)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output dir (default: ./.models/<size>)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    args = parser.parse_args(argv)
+    out = args.out if args.out is not None else default_model_dir(args.size)
+    print(build_model(args.size, out, force=args.force))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
