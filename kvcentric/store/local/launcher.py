@@ -67,22 +67,22 @@ def ensure_running(cfg: StoreConfig) -> None:
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvcentric.store.local.server",
-                 "--config-json", config_json(cfg)],
+                 "--config-json", config_json(cfg), "--detach"],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
             )
-        _wait_up(cfg, proc, log_path)
+        if proc.wait(timeout=cfg.start_timeout_s) != 0:
+            raise RuntimeError(f"store coordinator failed to start; see {log_path}")
+        _wait_up(cfg, log_path)
 
 
-def _wait_up(cfg: StoreConfig, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+def _wait_up(cfg: StoreConfig, log_path: Path) -> None:
     deadline = time.monotonic() + cfg.start_timeout_s
     while time.monotonic() < deadline:
         if is_running(cfg):
             return
-        if proc.poll() is not None:
-            raise RuntimeError(f"store coordinator exited with {proc.returncode}; see {log_path}")
         time.sleep(0.02)
-    proc.kill()
-    raise TimeoutError(f"store coordinator did not start in {cfg.start_timeout_s} s")
+    raise TimeoutError(f"store coordinator did not start in {cfg.start_timeout_s} s; "
+                       f"see {log_path}")
 
 
 def stop(cfg: StoreConfig, timeout_s: float = 10.0) -> bool:
@@ -100,8 +100,9 @@ def stop(cfg: StoreConfig, timeout_s: float = 10.0) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as dead)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
         return False

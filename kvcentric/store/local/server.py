@@ -180,7 +180,11 @@ class Coordinator:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="kvcentric local store coordinator")
     ap.add_argument("--config-json", required=True)
+    ap.add_argument("--detach", action="store_true",
+                    help="fork into the background (the launcher's parent exits at once)")
     args = ap.parse_args(argv)
+    if args.detach and os.fork() > 0:
+        os._exit(0)  # the daemon is re-parented to init: no zombie in the starting engine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     Coordinator(StoreConfig.from_dict(json.loads(args.config_json))).serve()
 

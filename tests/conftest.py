@@ -1,0 +1,33 @@
+"""Shared fixtures: isolated local stores (own runtime dir, stopped after use)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcentric.config import StoreConfig
+from kvcentric.store.local import launcher
+
+
+@pytest.fixture(scope="session")
+def runtime_dir() -> Iterator[Path]:
+    """A private tmpfs directory for every local store the test session starts."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    d = base / f"kvc-test-{os.getpid()}"
+    d.mkdir(mode=0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store_cfg(runtime_dir: Path) -> Iterator[StoreConfig]:
+    """A fresh local store config (64 MiB); its coordinator is stopped at teardown."""
+    cfg = StoreConfig(name=f"t{uuid.uuid4().hex[:10]}", capacity_bytes=64 << 20,
+                      runtime_dir=runtime_dir, op_timeout_s=10.0)
+    yield cfg
+    launcher.stop(cfg)

@@ -1,0 +1,92 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcentric.hashing import KeySpace, block_hashes, hash_seed
+from kvcentric.layout import KVLayout
+
+VECTORS = json.loads((Path(__file__).parent / "data" / "hash_vectors.json").read_text())["vectors"]
+
+
+@pytest.mark.parametrize("v", VECTORS, ids=lambda v: f"{v['model_id']}-{v['block_size']}")
+def test_vectors(v: dict) -> None:
+    seed = hash_seed(v["model_id"], v["cache_salt"])
+    assert seed.decode() == v["seed_utf8"]
+    hashes = block_hashes(v["tokens"], v["block_size"], seed)
+    assert [h.hex() for h in hashes] == v["hashes"]
+    ks = KeySpace(v["model_id"], v["layout_sig"], v["tp_rank"], v["tp_size"])
+    assert ks.keys(hashes) == v["keys"]
+
+
+def test_full_blocks_only_and_chaining() -> None:
+    seed = hash_seed("m")
+    toks = list(range(1000, 1037))
+    hs = block_hashes(toks, 8, seed)
+    assert len(hs) == 4 and all(len(h) == 16 for h in hs)
+    # changing a token in block 1 changes block 1 and every later hash, not block 0
+    toks2 = toks.copy()
+    toks2[9] += 1
+    hs2 = block_hashes(toks2, 8, seed)
+    assert hs2[0] == hs[0] and all(a != b for a, b in zip(hs[1:], hs2[1:]))
+    # incremental extension equals hashing the whole prefix at once
+    assert block_hashes(toks[16:32], 8, seed, parent=hs[1]) == hs[2:4]
+    assert block_hashes(np.array(toks, dtype=np.int64), 8, seed) == hs
+
+
+def test_salt_and_model_isolate() -> None:
+    toks = list(range(64))
+    base = block_hashes(toks, 16, hash_seed("m"))
+    assert block_hashes(toks, 16, hash_seed("m", "tenant")) != base
+    assert block_hashes(toks, 16, hash_seed("m2")) != base
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [[1, 2]]])
+def test_bad_tokens(bad: list) -> None:
+    with pytest.raises(ValueError):
+        block_hashes(bad, 1, hash_seed("m"))
+
+
+def test_bad_args() -> None:
+    with pytest.raises(ValueError):
+        block_hashes([1], 0, hash_seed("m"))
+    with pytest.raises(ValueError):
+        hash_seed("")
+    with pytest.raises(ValueError):
+        KeySpace("m", "sig", 2, 2)
+    with pytest.raises(ValueError):
+        KeySpace("m", "a/b")
+
+
+def test_layout_signature_separates_everything() -> None:
+    base = KVLayout(num_layers=4, block_size=128, num_kv_heads=2, head_dim=64,
+                    dtype="bfloat16", layout="cpu_lbhnc")
+    assert base.bytes_per_layer == 2 * 128 * 2 * 64 * 2
+    sigs = {base.signature()}
+    for change in ({"num_layers": 5}, {"block_size": 256}, {"num_kv_heads": 4},
+                   {"head_dim": 128}, {"dtype": "float16"}, {"layout": "flash_nhd"},
+                   {"mla": True}):
+        sigs.add(KVLayout(**{**base.__dict__, **change}).signature())
+    assert len(sigs) == 8
+    with pytest.raises(ValueError):
+        KVLayout(4, 128, 2, 64, "float64", "cpu_lbhnc")
+
+
+SCRIPT = """
+from kvcentric.hashing import KeySpace, block_hashes, hash_seed
+hs = block_hashes(list(range(5000)), 256, hash_seed("model-x", "salt"))
+print(",".join(KeySpace("model-x", "abcd", 0, 1).keys(hs)))
+"""
+
+
+def test_deterministic_across_processes_and_hash_seeds() -> None:
+    outs = []
+    for hseed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": hseed}
+        outs.append(subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True,
+                                   capture_output=True, text=True).stdout)
+    assert outs[0] == outs[1] and outs[0].count("kvc/v1/model-x/abcd/0of1/") == 19
