@@ -59,6 +59,8 @@ class StoreConfig:
         verify_checksums: store an xxh3_64 per object at commit and check it on every read;
             a mismatch is reported as a failed read (``ERR_CORRUPT``), never as data.
         op_timeout_s: bound on one store round trip; on expiry the call fails, never hangs.
+        prefault: map (and so allocate) the whole local arena when a client opens it, so no
+            copy on the hot path pays page faults; costs ``capacity_bytes`` of RAM up front.
         mooncake: backend-specific settings (see ``kvcentric.store.mooncake``).
     """
 
@@ -69,6 +71,7 @@ class StoreConfig:
     idle_timeout_s: float = 0.0
     autostart: bool = True
     verify_checksums: bool = False
+    prefault: bool = True
     op_timeout_s: float = 10.0
     start_timeout_s: float = 20.0
     mooncake: Mapping[str, Any] = field(default_factory=dict)

@@ -38,10 +38,13 @@ def checksum(ptr: int, size: int) -> int:
 class _Arena:
     """A mapping of the coordinator's arena file; ``base`` is its address here."""
 
-    def __init__(self, path: str, capacity: int, arena_id: str) -> None:
+    def __init__(self, path: str, capacity: int, arena_id: str, prefault: bool) -> None:
         fd = os.open(path, os.O_RDWR)
+        # MAP_POPULATE maps every page now: a first touch later would cost a page fault
+        # per 4 KiB inside the copy, which halves put bandwidth on a fresh mapping.
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
         try:
-            self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
+            self.mm = mmap.mmap(fd, capacity, flags)
         finally:
             os.close(fd)
         self._anchor: Any = ctypes.c_char.from_buffer(self.mm)
@@ -75,7 +78,8 @@ class LocalStore(KVStore):
         if self._arena is None or self._arena.arena_id != hello["arena_id"]:
             if self._arena is not None:
                 self._arena.close()
-            self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"])
+            self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"],
+                                 self.cfg.prefault)
         self._arena_gen = self._rpc.generation
 
     def _call(self, op: str, *args: Any) -> Any:
@@ -179,10 +183,7 @@ class LocalStore(KVStore):
         lease_id, gen = lease.handle
         lease.handle = None
         if lease_id and gen == self._rpc.generation:
-            try:
-                self._call("release", lease_id)
-            except StoreUnavailable:
-                pass
+            self._rpc.send("release", lease_id)
 
     def lease_valid(self, lease: ReadLease) -> bool:
         """False when the connection dropped since ``lease`` was taken (it was reclaimed)."""

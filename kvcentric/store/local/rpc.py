@@ -61,6 +61,16 @@ class RpcClient:
             raise ValueError(f"store rejected {op!r}: {reply[1]}")
         return reply
 
+    def send(self, op: str, *args: Any) -> None:
+        """Send a request that gets no reply (the coordinator handles it in order)."""
+        with self._lock:
+            if self._conn is None:
+                return  # nothing to tell a coordinator we are no longer connected to
+            try:
+                self._conn.send_bytes(pickle.dumps((op, *args), protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:
+                self._close_locked()
+
     def _close_locked(self) -> None:
         if self._conn is not None:
             self._conn.close()

@@ -29,6 +29,7 @@ from kvcentric.store.metrics import log_line
 
 log = logging.getLogger("kvcentric.store")
 STATS_LOG_INTERVAL_S = 30.0
+ONE_WAY = frozenset({"release"})  # requests that get no reply
 
 
 class Coordinator:
@@ -115,6 +116,8 @@ class Coordinator:
         except Exception as exc:  # a bad request must not kill the coordinator
             log.exception("bad request %r", request[:1])
             reply = ("error", f"{type(exc).__name__}: {exc}")
+        if request[0] in ONE_WAY:
+            return
         try:
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:

@@ -1,0 +1,42 @@
+# kvcentric: two commands get a fresh clone working (see README.md).
+#   make demo   set up, start the embedded store and vLLM instances, run a multi-turn demo
+#   make test   set up, run the whole test suite
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvcentric-setup
+APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 iproute2 util-linux
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_TARGET_DEVICE ?= cpu
+
+.PHONY: setup test demo lint bench clean-stores
+
+setup: $(STAMP)
+
+# Re-run when pyproject.toml or this Makefile changes; every step is idempotent.
+$(STAMP): pyproject.toml Makefile
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "apt: installing$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
+	@# torch first, pinned: the local CPU wheel satisfies it and stops pip pulling a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[vllm,mooncake,router,kernels,dev]' torch==2.13.0
+	@touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(BIN)/ruff check kvcentric kernels router tests benchmarks examples
+	$(BIN)/mypy
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+bench: setup
+	$(BIN)/python benchmarks/bench_store.py --quick
