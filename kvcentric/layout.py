@@ -10,14 +10,14 @@ which is part of every key, so two engines share KV only when the bytes mean the
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 
 import xxhash
 
-# Names of the in-memory layouts we know how to pack (see kvcentric.connector.vllm_layout).
-KNOWN_LAYOUTS = frozenset({"cpu_lbhnc", "flash_nhd", "flash_hnd", "flashinfer_nhd",
-                           "flashinfer_hnd", "mla", "sglang_page_first", "sglang_layer_first",
-                           "raw"})
+# ``layout`` names how the engine lays out one page in memory, e.g. ``cpu:LBHNC:amx``
+# (vLLM CPU, ISA-prepacked), ``cuda:LBNHC`` (FlashAttention), ``sglang:page_first``.
+_LAYOUT_RE = re.compile(r"[A-Za-z0-9_:.+-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class KVLayout:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.layout not in KNOWN_LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; known: {sorted(KNOWN_LAYOUTS)}")
+        if not _LAYOUT_RE.fullmatch(self.layout):
+            raise ValueError(f"layout name {self.layout!r} must match {_LAYOUT_RE.pattern}")
         if _itemsize(self.dtype) <= 0:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
 

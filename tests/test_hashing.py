@@ -64,16 +64,18 @@ def test_bad_args() -> None:
 
 def test_layout_signature_separates_everything() -> None:
     base = KVLayout(num_layers=4, block_size=128, num_kv_heads=2, head_dim=64,
-                    dtype="bfloat16", layout="cpu_lbhnc")
+                    dtype="bfloat16", layout="cpu:LBHNC:amx")
     assert base.bytes_per_layer == 2 * 128 * 2 * 64 * 2
     sigs = {base.signature()}
     for change in ({"num_layers": 5}, {"block_size": 256}, {"num_kv_heads": 4},
-                   {"head_dim": 128}, {"dtype": "float16"}, {"layout": "flash_nhd"},
+                   {"head_dim": 128}, {"dtype": "float16"}, {"layout": "cuda:LBNHC"},
                    {"mla": True}):
         sigs.add(KVLayout(**{**base.__dict__, **change}).signature())
     assert len(sigs) == 8
     with pytest.raises(ValueError):
-        KVLayout(4, 128, 2, 64, "float64", "cpu_lbhnc")
+        KVLayout(4, 128, 2, 64, "float64", "cpu:LBHNC")
+    with pytest.raises(ValueError):
+        KVLayout(4, 128, 2, 64, "float16", "bad layout/name")
 
 
 SCRIPT = """

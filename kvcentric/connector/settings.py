@@ -1,0 +1,72 @@
+"""Connector settings, parsed once from vLLM's ``kv_connector_extra_config``.
+
+Example::
+
+    {"store": {"backend": "local", "name": "default", "capacity": "8gb"},
+     "block_size": 256, "model_id": "llama-3-8b", "load_failure_policy": "recompute"}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcentric.config import StoreConfig
+
+_KNOWN = {"store", "block_size", "model_id", "load_failure_policy", "save_decode",
+          "load_timeout_s", "async_copy"}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the vLLM connector needs beyond vLLM's own config.
+
+    Fields:
+        store: which store to use (see :class:`kvcentric.config.StoreConfig`).
+        block_size: tokens per stored object; a multiple of the engine's page size.
+            ``None``: 256 when that is a multiple of the page size, else the page size.
+        model_id: namespace of the keys; ``None`` uses the served model name.
+        load_failure_policy: what vLLM does after a failed load. ``"recompute"`` (our
+            default; a cache is best effort) or ``"fail"``.
+        save_decode: also store full blocks of generated tokens (multi-turn reuse).
+        load_timeout_s: bound on waiting for one step's loads; late layers are recomputed.
+        async_copy: copy pages on a background thread so copies overlap layer compute.
+    """
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    block_size: int | None = None
+    model_id: str | None = None
+    load_failure_policy: str = "recompute"
+    save_decode: bool = True
+    load_timeout_s: float = 10.0
+    async_copy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("load_failure_policy must be 'recompute' or 'fail'")
+        if self.load_timeout_s <= 0:
+            raise ValueError("load_timeout_s must be > 0")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        unknown = set(extra) - _KNOWN
+        if unknown:
+            raise ValueError(f"unknown kvcentric connector options {sorted(unknown)}; "
+                             f"known: {sorted(_KNOWN)}")
+        store = StoreConfig.from_dict(extra.pop("store", None))
+        if "block_size" in extra and extra["block_size"] is not None:
+            extra["block_size"] = int(extra["block_size"])
+        return cls(store=store, **extra)
+
+    def stored_block_size(self, page_size: int) -> int:
+        """Tokens per stored object for an engine with ``page_size``-token pages."""
+        if self.block_size is None:
+            return 256 if 256 % page_size == 0 else page_size
+        if self.block_size % page_size:
+            raise ValueError(f"block_size {self.block_size} must be a multiple of the engine's "
+                             f"page size {page_size}")
+        return self.block_size

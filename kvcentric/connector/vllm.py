@@ -1,0 +1,160 @@
+"""``KVCentricConnector``: kvcentric as a vLLM KV connector (a thin facade).
+
+Use it with::
+
+    --kv-transfer-config '{"kv_connector":"KVCentricConnector",
+        "kv_connector_module_path":"kvcentric.connector.vllm", "kv_role":"kv_both",
+        "kv_connector_extra_config":{"store":{"backend":"local","capacity":"8gb"}}}'
+
+(with kvcentric installed, the ``vllm.general_plugins`` entry point registers the name,
+so ``kv_connector_module_path`` may be left out). Roles: ``kv_producer`` only saves,
+``kv_consumer`` only loads, ``kv_both`` does both.
+
+The scheduler-side logic lives in :mod:`kvcentric.connector.vllm_scheduler`, the worker
+side in :mod:`kvcentric.connector.vllm_worker`; this class only routes vLLM's calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcentric.connector.settings import ConnectorSettings
+from kvcentric.connector.vllm_layout import engine_layout
+from kvcentric.connector.vllm_meta import KVCentricMetadata
+from kvcentric.connector.vllm_scheduler import KVCentricScheduler
+from kvcentric.connector.vllm_stats import KVCentricPromMetrics, KVCentricStats
+from kvcentric.connector.vllm_worker import KVCentricWorker
+from kvcentric.store import open_store
+
+log = logging.getLogger("kvcentric.connector")
+
+
+def _tp_rank(role: KVConnectorRole) -> int:
+    if role != KVConnectorRole.WORKER:
+        return 0  # the scheduler looks up rank 0's keys on behalf of all ranks
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+class KVCentricConnector(KVConnectorBase_V1):
+    """Layer-wise streaming save and load of prefix KV through a kvcentric store."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tcfg = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(tcfg.kv_connector_extra_config)
+        if kv_cache_config is None:
+            raise ValueError("KVCentricConnector needs vLLM's kv_cache_config")
+        model_id = self.settings.model_id or str(vllm_config.model_config.served_model_name)
+        page = int(vllm_config.cache_config.block_size)
+        self.layout = engine_layout(vllm_config, kv_cache_config,
+                                    self.settings.stored_block_size(page), model_id,
+                                    _tp_rank(role))
+        store = open_store(self.settings.store)
+        self._scheduler: KVCentricScheduler | None = None
+        self._worker: KVCentricWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # a cache is best effort: a failed load recomputes instead of failing the request
+            tcfg.kv_load_failure_policy = self.settings.load_failure_policy
+            self._scheduler = KVCentricScheduler(self.settings, self.layout, store,
+                                                 loads=tcfg.is_kv_consumer,
+                                                 saves=tcfg.is_kv_producer)
+        else:
+            names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+            self._worker = KVCentricWorker(self.settings, self.layout, store, names)
+        log.info("kvcentric %s: role %s, store %s/%s, stored block %d tokens (%d pages), "
+                 "object %d B, keys %s", role.name.lower(), tcfg.kv_role,
+                 self.settings.store.backend, self.settings.store.name,
+                 self.layout.stored_block_size, self.layout.pages_per_object,
+                 self.layout.geometry.object_bytes, self.layout.keyspace.prefix)
+
+    @property
+    def sched(self) -> KVCentricScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> KVCentricWorker:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a preempted request may simply recompute
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.sched.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Any) -> None:
+        self.sched.register_request(request)
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.sched.request_finished(request)
+        return False, None  # saves finish within the step: blocks can be freed now
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVCentricMetadata)
+        self.worker.plan_saves(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVCentricMetadata)
+        self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self.worker.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self.worker.finish_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    # ---- both sides ----
+    def get_kv_connector_stats(self) -> KVCentricStats | None:
+        side = self._scheduler or self._worker
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCentricStats:
+        return KVCentricStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVCentricPromMetrics:
+        return KVCentricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        elif self._scheduler is not None:
+            self._scheduler.store.close()

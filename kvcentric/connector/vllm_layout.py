@@ -1,0 +1,76 @@
+"""Derive the stored-object layout from vLLM's configs (same answer in every process).
+
+The scheduler needs keys before any tensor exists, so everything that decides the bytes
+of a page comes from ``kv_cache_config`` and the platform, never from the tensors; the
+worker checks the registered tensors against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcentric.connector.mover import ObjectGeometry
+from kvcentric.hashing import KeySpace
+from kvcentric.layout import KVLayout, dtype_name
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Keys and object geometry of one engine (one TP rank)."""
+
+    layout: KVLayout
+    geometry: ObjectGeometry
+    keyspace: KeySpace
+    page_size: int  # engine tokens per page
+
+    @property
+    def stored_block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def pages_per_object(self) -> int:
+        return self.geometry.pages_per_object
+
+
+def _cpu_isa(dtype: torch.dtype, page_size: int, head_size: int, cache_dtype: str) -> str:
+    """The ISA vLLM CPU packs pages for (pages are prepacked per ISA, so it is in the key)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, page_size, head_size, cache_dtype))
+    except (ImportError, NotImplementedError):
+        return "unknown"
+
+
+def engine_layout(vllm_config: object, kv_cache_config: object, stored_block_size: int | None,
+                  model_id: str, tp_rank: int = 0) -> EngineLayout:
+    """Layout, geometry and key space for ``vllm_config`` / ``kv_cache_config``.
+
+    Raises ``ValueError`` for models the connector cannot serve (several KV cache groups,
+    e.g. sliding-window hybrids) or a stored block size that is not a page multiple.
+    """
+    groups = kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
+    if len(groups) != 1:
+        raise ValueError(f"kvcentric supports one KV cache group, this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    page = int(spec.block_size)
+    if stored_block_size % page:
+        raise ValueError(f"stored block size {stored_block_size} is not a multiple of the "
+                         f"engine page size {page}")
+    mla = type(spec).__name__.startswith("MLA")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)  # type: ignore[attr-defined]
+    device = str(vllm_config.device_config.device_type)  # type: ignore[attr-defined]
+    kv_layout = str(kv_cache_config.kv_cache_layout or "default")  # type: ignore[attr-defined]
+    name = f"{device}:{kv_layout}"
+    if device == "cpu":
+        name += ":" + _cpu_isa(spec.dtype, page, int(spec.head_size), cache_dtype)
+    layout = KVLayout(num_layers=len(groups[0].layer_names), block_size=stored_block_size,
+                      num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
+                      dtype=dtype_name(spec.dtype), layout=name, mla=mla)
+    page_bytes = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
+    geometry = ObjectGeometry(layout.num_layers, stored_block_size // page, page_bytes)
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
+    keyspace = KeySpace(model_id, layout.signature(), tp_rank, tp_size)
+    return EngineLayout(layout, geometry, keyspace, page)

@@ -1,0 +1,31 @@
+"""What the scheduler side tells the workers each step (pickled with the SchedulerOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class TransferSpec:
+    """Objects to move for one request in one step.
+
+    ``keys[i]`` is the object of stored block ``first_block + i``; ``page_ids[i]`` are its
+    ``k`` engine block ids in token order (``SKIP`` = a page the engine already has).
+    ``parents[i]`` is the chain predecessor's key (saves only; lets the store evict
+    leaves first).
+    """
+
+    req_id: str
+    keys: list[str]
+    page_ids: list[list[int]]
+    parents: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class KVCentricMetadata(KVConnectorMetadata):
+    """One step's loads (before/while layers run) and saves (as layers finish)."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)

@@ -1,0 +1,231 @@
+"""Worker side of the vLLM connector: layer-wise loads and saves around the forward pass.
+
+Runs in each vLLM worker process. Per step (vLLM's call order):
+
+1. ``start_load(meta)`` leases every object to load (one store call per request; the local
+   store hands out pointers into shared memory, no copy) and queues one unpack per layer
+   on the copy thread, in layer order, so loading runs ahead of compute.
+2. ``wait_for_layer(l)`` before layer ``l``'s attention: waits for that layer's unpack.
+3. ``save_layer(l, kv)`` after layer ``l``'s attention: on the first layer, reserves
+   in-place write slots for all objects completed in this step (one store call); then
+   queues the pack of layer ``l``'s pages into them, overlapping the next layers.
+4. ``finish_step()`` at the step's end: waits for the copies, commits the written objects
+   (they become visible all at once, never torn), releases the read leases.
+
+Failures never produce wrong tokens: an object that is missing, corrupt (checksums on),
+or whose copy failed is reported through :meth:`take_load_errors` with every page after
+it, so vLLM recomputes those tokens; a save that fails is dropped (aborted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvcentric.connector.mover import SKIP, PagePlan
+from kvcentric.connector.settings import ConnectorSettings
+from kvcentric.connector.vllm_layout import EngineLayout
+from kvcentric.connector.vllm_meta import KVCentricMetadata, TransferSpec
+from kvcentric.connector.vllm_stats import KVCentricStats
+from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
+from kvcentric.store.local.client import checksum
+
+log = logging.getLogger("kvcentric.connector")
+
+
+def _done() -> Future[None]:
+    fut: Future[None] = Future()
+    fut.set_result(None)
+    return fut
+
+
+class KVCentricWorker:
+    """Moves pages between the paged KV cache and the store for one worker."""
+
+    def __init__(self, settings: ConnectorSettings, layout: EngineLayout, store: KVStore,
+                 layer_names: list[str]) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.store = store
+        self.stats = KVCentricStats()
+        self._layer_index = {name: i for i, name in enumerate(layer_names)}
+        self._kv: list[torch.Tensor] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-copy") \
+            if settings.async_copy else None
+        self._load_futs: list[Future[None]] = []
+        self._load_plans: list[PagePlan] = []
+        self._leases: list[ReadLease] = []
+        self._load_errors: set[int] = set()
+        self._save_specs: list[TransferSpec] = []
+        self._save_plan: PagePlan | None = None
+        self._slots: list[WriteSlot] = []
+        self._save_futs: list[Future[None]] = []
+        self._t_load = self._t_save = 0.0
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Learn the per-layer cache tensors (blocks on dim 0) and check their geometry."""
+        missing = set(self._layer_index) - set(kv_caches)
+        if missing:
+            raise ValueError(f"no KV cache registered for layers {sorted(missing)[:3]}")
+        self._kv = [kv_caches[name] for name in self._layer_index]
+        page_bytes = self._kv[0][0].numel() * self._kv[0].element_size()
+        if page_bytes != self.layout.geometry.page_bytes:
+            raise ValueError(f"registered KV page is {page_bytes} B, the layout says "
+                             f"{self.layout.geometry.page_bytes} B")
+
+    def layer_of(self, layer_name: str) -> int | None:
+        """Index of ``layer_name`` in the stored object; None for a layer we do not store
+        (e.g. one sharing another layer's KV)."""
+        return self._layer_index.get(layer_name)
+
+    def _run(self, fn: Any, *args: Any) -> Future[None]:
+        if self._pool is None:
+            fn(*args)
+            return _done()
+        return self._pool.submit(fn, *args)
+
+    # ---- loads ----
+    def start_load(self, meta: KVCentricMetadata) -> None:
+        for spec in meta.loads:
+            self._lease_and_plan(spec)
+        if self._load_plans:
+            self._t_load = time.perf_counter()
+            self._load_futs = [self._run(self._unpack_layer, layer)
+                               for layer in range(len(self._kv))]
+
+    def _lease_and_plan(self, spec: TransferSpec) -> None:
+        try:
+            lease = self.store.batch_acquire(spec.keys)
+        except StoreUnavailable as exc:
+            log.warning("store unavailable, recomputing %d blocks: %s", len(spec.keys), exc)
+            self._fail_pages(spec.page_ids)
+            return
+        self._leases.append(lease)
+        good = self._verified_prefix(lease)
+        size = self.layout.geometry.object_bytes
+        good = next((i for i in range(good) if lease.sizes[i] != size), good)
+        if good < len(spec.keys):
+            log.info("request %s: %d of %d stored blocks unavailable, recomputing them",
+                     spec.req_id, len(spec.keys) - good, len(spec.keys))
+            self._fail_pages(spec.page_ids[good:])
+        if good:
+            self._load_plans.append(PagePlan(self.layout.geometry, lease.ptrs[:good],
+                                             spec.page_ids[:good]))
+            self.stats.add(loaded_blocks=good, loaded_bytes=good * size)
+
+    def _verified_prefix(self, lease: ReadLease) -> int:
+        if not self.settings.store.verify_checksums:
+            return len(lease.keys)
+        for i, (ptr, size, want) in enumerate(zip(lease.ptrs, lease.sizes, lease.checksums)):
+            if want is None or checksum(ptr, size) != want:
+                log.warning("checksum mismatch for %s: recomputing", lease.keys[i])
+                return i
+        return len(lease.keys)
+
+    def _fail_pages(self, page_ids: list[list[int]]) -> None:
+        self._load_errors.update(p for pages in page_ids for p in pages if p != SKIP)
+        self.stats.add(load_errors=len(page_ids))
+
+    def _unpack_layer(self, layer: int) -> None:
+        for plan in self._load_plans:
+            plan.unpack_layer(layer, self._kv[layer])
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        layer = self.layer_of(layer_name)
+        if not self._load_futs or layer is None:
+            return
+        try:
+            self._load_futs[layer].result(self.settings.load_timeout_s)
+        except Exception as exc:  # a failed or late copy: recompute everything loaded
+            log.error("layer load failed (%s); recomputing this step's loaded blocks", exc)
+            for plan in self._load_plans:
+                self._load_errors.update(plan.page_ids())
+            self._load_futs = []
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves ----
+    def plan_saves(self, meta: KVCentricMetadata) -> None:
+        self._save_specs = list(meta.saves)
+
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        layer = self.layer_of(layer_name)
+        if layer is None or (self._save_plan is None and not self._save_specs):
+            return
+        if self._save_plan is None and not self._reserve():
+            return
+        assert self._save_plan is not None
+        self._save_futs.append(self._run(self._save_plan.pack_layer, layer, kv_layer))
+
+    def _reserve(self) -> bool:
+        """Reserve write slots for all of this step's new blocks (one store call)."""
+        keys, pages, parents = [], [], []
+        for spec in self._save_specs:
+            keys += spec.keys
+            pages += spec.page_ids
+            parents += spec.parents
+        size = self.layout.geometry.object_bytes
+        try:
+            slots = self.store.batch_alloc(keys, [size] * len(keys), parents)
+        except StoreUnavailable as exc:
+            log.warning("store unavailable, not saving %d blocks: %s", len(keys), exc)
+            slots = [None] * len(keys)
+        live = [(s, p) for s, p in zip(slots, pages) if s is not None]
+        self.stats.add(skipped_blocks=len(keys) - len(live))
+        self._save_specs = []
+        if not live:
+            return False
+        self._slots = [s for s, _ in live]
+        self._save_plan = PagePlan(self.layout.geometry, [s.ptr for s in self._slots],
+                                   [p for _, p in live])
+        self._t_save = time.perf_counter()
+        return True
+
+    def finish_step(self) -> None:
+        """End of step: wait for copies, commit saves, release load leases."""
+        self._finish_loads()
+        self._finish_saves()
+
+    def _finish_loads(self) -> None:
+        for fut in self._load_futs:
+            try:
+                fut.result()
+            except Exception:  # already reported by wait_for_layer or not waited for
+                pass
+        if self._load_plans:
+            self.stats.add(load_seconds=time.perf_counter() - self._t_load)
+        for lease in self._leases:
+            self.store.release(lease)
+        self._leases, self._load_plans, self._load_futs = [], [], []
+
+    def _finish_saves(self) -> None:
+        slots, self._slots = self._slots, []
+        futs, self._save_futs = self._save_futs, []
+        self._save_plan, self._save_specs = None, []
+        if not slots:
+            return
+        try:
+            for fut in futs:
+                fut.result()
+        except Exception as exc:
+            log.error("saving %d blocks failed: %s", len(slots), exc)
+            self.store.batch_abort(slots)
+            return
+        if len(futs) != len(self._kv):  # some layer never ran: the objects are incomplete
+            self.store.batch_abort(slots)
+            return
+        codes = self.store.batch_commit(slots)
+        ok = sum(1 for c in codes if c == 0)
+        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes,
+                       save_seconds=time.perf_counter() - self._t_save)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.store.close()
