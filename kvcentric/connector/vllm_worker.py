@@ -214,7 +214,7 @@ class KVCentricWorker:
             for fut in futs:
                 fut.result()
         except Exception as exc:
-            log.error("saving %d blocks failed: %s", len(slots), exc)
+            log.error("saving %d blocks failed: %s", len(slots), exc, exc_info=True)
             self.store.batch_abort(slots)
             return
         if len(futs) != len(self._kv):  # some layer never ran: the objects are incomplete

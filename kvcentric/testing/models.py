@@ -7,22 +7,25 @@ like any real checkpoint.  Nothing is downloaded.
 
 Contracts:
 
-* Weights are a pure function of the :class:`ModelSpec`: they are drawn from
-  per-tensor seeded ``torch.Generator`` integer streams (Mersenne Twister) and
-  scaled with exact IEEE arithmetic, so the safetensors bytes are identical on
-  any machine.  The tokenizer is trained by ``tokenizers`` on a corpus from a
-  seeded ``random.Random``; its files are identical for a given ``tokenizers``
-  version.
+* Weights are a function of the :class:`ModelSpec` only (plus the suppressed
+  ids below, fixed by the byte-level alphabet): every tensor is drawn from its
+  own seeded ``torch.Generator`` integer stream (Mersenne Twister) and scaled
+  with exact IEEE arithmetic, so the safetensors bytes are identical on any
+  machine.  The tokenizer is trained by ``tokenizers`` on a corpus from a
+  seeded ``random.Random``; its files are identical for a ``tokenizers`` version.
 * Weights are stored in float32 and ``config.json`` says ``float32``.  vLLM's
-  ``dtype="auto"`` turns float32 checkpoints into bfloat16 (CPU) / float16;
-  pass ``dtype="float32"`` where tests compare token streams across runs or
-  batch shapes (bfloat16 rounding can flip a greedy argmax every ~100 tokens).
-* Weight scales are large enough that greedy decoding has no near-ties (logit
-  gaps far above float32 noise) and produces varied tokens, never a fixed point.
-* The special tokens (``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3) have zero
-  ``lm_head`` rows, so their logit is exactly 0 while the others spread with std
-  ``logit_std``: the model practically never emits EOS and generations run to
-  ``max_tokens`` even without ``ignore_eos``.
+  ``dtype="auto"`` turns float32 checkpoints into bfloat16 (CPU) / float16,
+  which computes different tokens; pass ``dtype="float32"`` where tests compare
+  token streams (bfloat16 leaves greedy argmax gaps within rounding noise).
+* Linear weights use gain 2 (std ``2/sqrt(fan_in)``): attention is sharp enough
+  that changing a past block of tokens changes most later argmaxes (so corrupted
+  KV shows in outputs), while float32 noise stays ~1e4x below the typical top-1
+  gap.  Greedy decoding yields varied tokens, not a fixed point.
+* Specials (``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3) and tokens that are
+  not printable ASCII have zero ``lm_head`` rows: their logit is exactly 0 while
+  the others spread with std ``logit_std``, so the model practically never
+  emits EOS (generations run to ``max_tokens`` even without ``ignore_eos``) and
+  generated text is always printable ASCII.
 * ``build_model`` is idempotent and cheap once built (it only reads the marker
   file ``kvcentric_model.json``), and safe under concurrent callers (``flock`` on
   ``<out_dir>.lock``; the model is written to a temp dir and renamed into place).
@@ -47,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # bump whenever the bytes written for a given spec change
 MARKER_FILE = "kvcentric_model.json"
 MODEL_FILES = (
     "config.json",
@@ -105,12 +108,12 @@ SPECS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(
         name="tiny", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
         head_dim=64, intermediate_size=512, vocab_size=4096,
-        max_position_embeddings=16384, init_gain=4.0, logit_std=4.0,
+        max_position_embeddings=16384, init_gain=2.0, logit_std=4.0,
     ),
     "bench": ModelSpec(
         name="bench", hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
         head_dim=64, intermediate_size=2816, vocab_size=8192,
-        max_position_embeddings=32768, init_gain=4.0, logit_std=4.0,
+        max_position_embeddings=32768, init_gain=2.0, logit_std=4.0,
     ),
 }
 
@@ -163,8 +166,9 @@ def build_model(size: str, out_dir: str | Path, *, force: bool = False) -> Path:
             raise FileExistsError(f"{out} exists and is not a kvcentric model dir")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            write_weights(spec, tmp)
-            write_tokenizer(spec, tmp)
+            os.chmod(tmp, 0o755)
+            tokenizer = write_tokenizer(spec, tmp)
+            write_weights(spec, tmp, suppressed_token_ids(tokenizer))
             _write_json(tmp / MARKER_FILE, _marker(spec))  # last: marks completeness
             _swap_in(tmp, out)
         finally:
@@ -241,8 +245,11 @@ def _layer_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], float]]:
     }
 
 
-def make_state_dict(spec: ModelSpec) -> dict[str, Any]:
-    """Return the HF ``LlamaForCausalLM`` state dict (float32 tensors) for ``spec``."""
+def make_state_dict(spec: ModelSpec, suppressed_ids: list[int]) -> dict[str, Any]:
+    """Return the HF ``LlamaForCausalLM`` state dict (float32 tensors) for ``spec``.
+
+    ``lm_head`` rows of ``suppressed_ids`` are zero (logit exactly 0, never the argmax).
+    """
     import torch
 
     h, v = spec.hidden_size, spec.vocab_size
@@ -255,17 +262,21 @@ def make_state_dict(spec: ModelSpec) -> dict[str, Any]:
             sd[pre + suffix] = _randn(spec, pre + suffix, shape, std)
     sd["model.norm.weight"] = torch.ones(h)
     lm_head = _randn(spec, "lm_head", (v, h), spec.logit_std / math.sqrt(h))
-    lm_head[: len(SPECIAL_TOKENS)] = 0.0  # specials (incl. EOS) get logit exactly 0
+    lm_head[torch.tensor(suppressed_ids, dtype=torch.long)] = 0.0
     sd["lm_head.weight"] = lm_head
     return sd
 
 
-def write_weights(spec: ModelSpec, out_dir: Path) -> None:
-    """Write ``model.safetensors``, ``config.json`` and ``generation_config.json``."""
+def write_weights(spec: ModelSpec, out_dir: Path, suppressed_ids: list[int]) -> None:
+    """Write ``model.safetensors`` (``spec.dtype``), ``config.json``, ``generation_config.json``."""
+    import torch
     from safetensors.torch import save_file
 
-    sd = make_state_dict(spec)
-    save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    weights = out_dir / "model.safetensors"
+    dtype = getattr(torch, spec.dtype)
+    tensors = {k: v.to(dtype) for k, v in make_state_dict(spec, suppressed_ids).items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    os.chmod(weights, 0o644)
     _write_json(out_dir / "config.json", hf_config(spec))
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
@@ -351,9 +362,22 @@ def make_tokenizer(spec: ModelSpec) -> Any:
     return tok
 
 
-def write_tokenizer(spec: ModelSpec, out_dir: Path) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
-    make_tokenizer(spec).save(str(out_dir / "tokenizer.json"))
+def suppressed_token_ids(tokenizer: Any) -> list[int]:
+    """Ids the model must never generate: specials and tokens that are not printable ASCII.
+
+    Only single-byte tokens qualify besides the specials (the training corpus is
+    printable ASCII), so generated text is always clean, valid UTF-8.
+    """
+    n = tokenizer.get_vocab_size()
+    texts = tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    return [i for i, t in enumerate(texts)
+            if i < len(SPECIAL_TOKENS) or not (t.isascii() and t.isprintable())]
+
+
+def write_tokenizer(spec: ModelSpec, out_dir: Path) -> Any:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json``; return the tokenizer."""
+    tokenizer = make_tokenizer(spec)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
@@ -361,6 +385,7 @@ def write_tokenizer(spec: ModelSpec, out_dir: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     })
+    return tokenizer
 
 
 # -------------------------------------------------------------------------------- CLI

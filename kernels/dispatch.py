@@ -1,0 +1,264 @@
+"""Public entry points: validate arguments, pick an implementation, copy.
+
+``pack_*`` gathers paged KV blocks into contiguous rows (one row per block id,
+ready to become one store object); ``unpack_*`` is the exact inverse and
+writes only the listed blocks. All four functions work in place on caller-owned
+tensors, keep no reference to them after returning, and return the tensor
+they wrote (``out`` or the layer(s)).
+
+Implementations (``impl``):
+
+* ``"torch"``: :mod:`kernels.reference` (``index_select(out=)`` /
+  ``index_copy_``), synchronous on CPU, stream-ordered on CUDA;
+* ``"triton"``: :mod:`kernels.triton_gather`, for CUDA tensors, or CPU tensors
+  when ``TRITON_INTERPRET=1`` (Triton's interpreter). If the kernel cannot
+  address a layout (see :func:`choose_impl`) the torch path runs instead;
+* ``"auto"``: Triton when the layers are on CUDA or ``TRITON_INTERPRET=1`` and
+  Triton is installed, torch otherwise.
+
+CUDA work is enqueued on the current stream and not synchronised; with
+pinned host rows the caller must synchronise before reading/reusing them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.layout import (
+    LayerGroup,
+    block_shape,
+    check_block_dim,
+    check_layers,
+    check_out_device,
+    group_layers,
+    normalize_ids,
+    rows_view,
+)
+from kernels.reference import torch_pack, torch_unpack
+from kernels.triton_gather import triton_pack, triton_unpack, unsupported_reason
+
+IMPLS = ("auto", "torch", "triton")
+BlockIds = torch.Tensor | Sequence[int]
+Layers = Sequence[torch.Tensor] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class ImplChoice:
+    """The implementation that runs (``"torch"`` or ``"triton"``) and why."""
+
+    name: str
+    reason: str
+
+
+def triton_interpret_enabled() -> bool:
+    """Whether Triton's interpreter is switched on (``TRITON_INTERPRET``).
+
+    Project rule: only the config layer reads environment variables. This is
+    the one exception: ``TRITON_INTERPRET`` is Triton's own switch (it is what
+    lets Triton run kernels on CPU tensors), so it is read here, where the
+    Triton path is selected. Triton reads it when the kernels are first
+    imported, so set it before the first Triton launch in the process.
+    """
+    value = os.environ.get("TRITON_INTERPRET", "0")
+    return value.strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (checked without importing)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def choose_impl(
+    impl: str, groups: Sequence[LayerGroup], rows: torch.Tensor, block_dim: int
+) -> ImplChoice:
+    """Resolve ``impl`` for validated ``groups``/``rows`` (see module docstring).
+
+    ValueError for an unknown ``impl``, or for ``impl="triton"`` when Triton is
+    not installed or the tensors are on CPU without ``TRITON_INTERPRET=1``.
+    Layouts the kernel cannot address (more than four strided dims per block
+    after merging, element sizes over 8 bytes, grids over CUDA limits,
+    unpinned host rows with CUDA layers) run on torch, with the reason.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return ImplChoice("torch", "requested")
+    device = groups[0].tensor.device
+    interpret = triton_interpret_enabled()
+    if impl == "auto" and device.type != "cuda" and not interpret:
+        return ImplChoice("torch", f"layers on {device} and TRITON_INTERPRET is not set")
+    if not triton_available():
+        if impl == "triton":
+            raise ValueError("impl='triton' but the triton package is not installed")
+        return ImplChoice("torch", "triton is not installed")
+    if impl == "triton" and device.type != "cuda" and not interpret:
+        raise ValueError(f"impl='triton' needs CUDA tensors or TRITON_INTERPRET=1 (got {device})")
+    reason = unsupported_reason(groups, rows, block_dim, interpret)
+    if reason:
+        return ImplChoice("torch", f"fallback: {reason}")
+    return ImplChoice("triton", "interpreter" if interpret else "cuda")
+
+
+def pack_blocks(
+    kv_layer: torch.Tensor,
+    block_ids: BlockIds,
+    out: torch.Tensor,
+    *,
+    block_dim: int = 0,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Copy block ``block_ids[i]`` of ``kv_layer`` into ``out[i]``; return ``out``.
+
+    ``kv_layer``: any-rank tensor, blocks along ``block_dim``, e.g. NHD
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block_dim 0) or flash
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (block_dim 1); may be
+    strided. ``block_ids``: 1-D int32/int64 tensor (CPU or the layer's device)
+    or a sequence of ints, each in ``[0, num_blocks)``. ``out``: ``[n, *rest]``
+    (``rest`` = layer shape without ``block_dim``) of the layer dtype, or a
+    uint8 byte view with the same bytes per row (see ``as_rows``); each row
+    must be contiguous; it may be foreign memory (shm mmap, pinned host with
+    a CUDA layer). Bit-exact equal to
+    ``kv_layer.index_select(block_dim, block_ids).movedim(block_dim, 0)``.
+    """
+    return _pack([kv_layer], block_ids, out, block_dim, impl, single=True)
+
+
+def unpack_blocks(
+    packed: torch.Tensor,
+    block_ids: BlockIds,
+    kv_layer: torch.Tensor,
+    *,
+    block_dim: int = 0,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Inverse of :func:`pack_blocks`: copy ``packed[i]`` into block ``block_ids[i]``
+    of ``kv_layer`` (in place) and return ``kv_layer``; other blocks are untouched.
+
+    Shapes and accepted forms as in :func:`pack_blocks` (``packed`` plays the
+    role of ``out``). Ids should be unique: with duplicates it is unspecified
+    which row lands in the block.
+    """
+    _unpack(packed, block_ids, [kv_layer], block_dim, impl, single=True)
+    return kv_layer
+
+
+def pack_blocks_layers(
+    layers: Layers,
+    block_ids: BlockIds,
+    out: torch.Tensor,
+    *,
+    block_dim: int = 0,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Multi-layer :func:`pack_blocks`: ``out[i, l]`` = block ``block_ids[i]`` of
+    ``layers[l]``; return ``out``.
+
+    ``layers``: sequence of per-layer tensors with equal shape, dtype and
+    device (or one tensor whose dim 0 indexes layers). ``out``:
+    ``[n, num_layers, *rest]`` of the layer dtype or a uint8 byte view of the
+    same bytes per row, rows contiguous. Layers carved from one allocation at
+    a uniform distance are copied by one kernel launch / one ``index_select``.
+    """
+    return _pack(_as_list(layers), block_ids, out, block_dim, impl, single=False)
+
+
+def unpack_blocks_layers(
+    packed: torch.Tensor,
+    block_ids: BlockIds,
+    layers: Layers,
+    *,
+    block_dim: int = 0,
+    impl: str = "auto",
+) -> Sequence[torch.Tensor] | torch.Tensor:
+    """Inverse of :func:`pack_blocks_layers`: block ``block_ids[i]`` of
+    ``layers[l]`` = ``packed[i, l]`` (in place); returns ``layers``."""
+    _unpack(packed, block_ids, _as_list(layers), block_dim, impl, single=False)
+    return layers
+
+
+def _as_list(layers: Layers) -> list[torch.Tensor]:
+    if isinstance(layers, torch.Tensor):
+        if layers.dim() < 2:
+            raise ValueError(f"a stacked layers tensor needs dims [L, ...], got {layers.dim()}-D")
+        return list(layers.unbind(0))
+    return list(layers)
+
+
+def _prepare(
+    packed: torch.Tensor,
+    block_ids: BlockIds,
+    layers: list[torch.Tensor],
+    block_dim: int,
+    single: bool,
+    what: str,
+) -> tuple[list[LayerGroup], torch.Tensor, torch.Tensor, int]:
+    """Validate everything; return groups, ids, rows ``[n, L, *rest]``, block dim."""
+    check_layers(layers, "kv_layer" if single else "layers")
+    first = layers[0]
+    dim = check_block_dim(first.shape, block_dim)
+    ids = normalize_ids(block_ids, first.shape[dim], first.device)
+    rest = block_shape(first.shape, dim)
+    row_shape = rest if single else (len(layers), *rest)
+    rows = rows_view(packed, ids.numel(), row_shape, first.dtype, what)
+    check_out_device(rows, first.device, what)
+    return group_layers(layers), ids, rows.unsqueeze(1) if single else rows, dim
+
+
+def _pack(
+    layers: list[torch.Tensor],
+    block_ids: BlockIds,
+    out: torch.Tensor,
+    block_dim: int,
+    impl: str,
+    single: bool,
+) -> torch.Tensor:
+    groups, ids, rows, dim = _prepare(out, block_ids, layers, block_dim, single, "out")
+    choice = choose_impl(impl, groups, rows, dim)
+    with torch.no_grad():
+        if choice.name == "triton":
+            triton_pack(groups, ids, rows, dim, triton_interpret_enabled())
+        else:
+            torch_pack(groups, ids, rows, dim)
+    return out
+
+
+def _unpack(
+    packed: torch.Tensor,
+    block_ids: BlockIds,
+    layers: list[torch.Tensor],
+    block_dim: int,
+    impl: str,
+    single: bool,
+) -> None:
+    groups, ids, rows, dim = _prepare(packed, block_ids, layers, block_dim, single, "packed")
+    choice = choose_impl(impl, groups, rows, dim)
+    with torch.no_grad():
+        if choice.name == "triton":
+            triton_unpack(rows, ids, groups, dim, triton_interpret_enabled())
+        else:
+            torch_unpack(rows, ids, groups, dim)
+
+
+def explain_impl(
+    layers: Layers,
+    block_ids: BlockIds,
+    out: torch.Tensor,
+    *,
+    block_dim: int = 0,
+    impl: str = "auto",
+) -> ImplChoice:
+    """Which implementation a pack/unpack with these arguments would run, and why.
+
+    ``layers`` is one KV layer tensor (the :func:`pack_blocks` form, ``out``
+    ``[n, *rest]``) or a sequence of layers (the ``*_layers`` form). Validates
+    like the copy functions but copies nothing.
+    """
+    single = isinstance(layers, torch.Tensor)
+    as_list = [layers] if isinstance(layers, torch.Tensor) else list(layers)
+    groups, _, rows, dim = _prepare(out, block_ids, as_list, block_dim, single, "out")
+    return choose_impl(impl, groups, rows, dim)

@@ -1,0 +1,1 @@
+"""The Conductor: a KVCache-centric router (see router/app.py)."""
