@@ -95,6 +95,15 @@ def test_drop_owner_reclaims_leases_and_pending() -> None:
     assert idx.remove("a") == OK and idx.alloc.used == 0
 
 
+def test_list_keys() -> None:
+    idx = ObjectIndex(1 << 20)
+    for k in ("a/1", "a/2", "b/1"):
+        put(idx, k, 100)
+    idx.reserve("a/3", 100, None, owner=1)  # pending: not listed
+    assert sorted(idx.list_keys("a/", 10)) == ["a/1", "a/2"]
+    assert len(idx.list_keys("", 2)) == 2
+
+
 def test_key_reuse_after_parent_removed() -> None:
     idx = ObjectIndex(8 * 64 * KB)
     put(idx, "p")

@@ -64,7 +64,7 @@ class KVCentricConnector(KVConnectorBase_V1):
         self._worker: KVCentricWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             # a cache is best effort: a failed load recomputes instead of failing the request
-            tcfg.kv_load_failure_policy = self.settings.load_failure_policy
+            tcfg.kv_load_failure_policy = self.settings.load_failure_policy  # type: ignore[assignment]
             self._scheduler = KVCentricScheduler(self.settings, self.layout, store,
                                                  loads=tcfg.is_kv_consumer,
                                                  saves=tcfg.is_kv_producer)

@@ -44,7 +44,7 @@ def _cpu_isa(dtype: torch.dtype, page_size: int, head_size: int, cache_dtype: st
         return "unknown"
 
 
-def engine_layout(vllm_config: object, kv_cache_config: object, stored_block_size: int | None,
+def engine_layout(vllm_config: object, kv_cache_config: object, stored_block_size: int,
                   model_id: str, tp_rank: int = 0) -> EngineLayout:
     """Layout, geometry and key space for ``vllm_config`` / ``kv_cache_config``.
 

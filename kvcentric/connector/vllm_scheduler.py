@@ -85,7 +85,8 @@ class KVCentricScheduler:
         return st.hashes[:num_blocks]
 
     # ---- lookup and loads ----
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` loadable from the store (sync load)."""
         self._lookups.pop(request.request_id, None)
         if not self.loads_enabled:

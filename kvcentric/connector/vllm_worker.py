@@ -99,7 +99,8 @@ class KVCentricWorker:
 
     def _lease_and_plan(self, spec: TransferSpec) -> None:
         try:
-            lease = self.store.batch_acquire(spec.keys)
+            lease = self.store.batch_acquire(
+                spec.keys, [self.layout.geometry.object_bytes] * len(spec.keys))
         except StoreUnavailable as exc:
             log.warning("store unavailable, recomputing %d blocks: %s", len(spec.keys), exc)
             self._fail_pages(spec.page_ids)

@@ -152,12 +152,16 @@ class KVStore(ABC):
             [s.handle[1] for s in slots],
         )
 
-    def batch_abort(self, slots: Sequence[WriteSlot]) -> None:
-        """Drop slots without publishing them."""
+    def batch_abort(self, slots: Sequence[WriteSlot]) -> None:  # noqa: B027 (a no-op default)
+        """Drop slots without publishing them (staging memory is simply freed)."""
 
     # ---- zero-copy read, default: copy into private memory ----
-    def batch_acquire(self, keys: Sequence[str], sizes: Sequence[int]) -> ReadLease:
-        """Lease the leading run of present ``keys`` for in-place reads."""
+    def batch_acquire(self, keys: Sequence[str], sizes: Sequence[int] | None = None) -> ReadLease:
+        """Lease the leading run of present ``keys`` for in-place reads.
+
+        ``sizes`` bounds each object; backends that copy (this default) need it."""
+        if sizes is None:
+            raise ValueError("this backend needs the object sizes to lease objects")
         bufs = [ctypes.create_string_buffer(s) for s in sizes]
         got = self.batch_get_into(keys, [ctypes.addressof(b) for b in bufs], sizes)
         n = next((i for i, g in enumerate(got) if g != sizes[i]), len(got))

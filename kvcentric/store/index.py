@@ -18,8 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcentric.store.allocator import ExtentAllocator
-from kvcentric.store.base import ERR_EXISTS, ERR_HAS_LEASE, ERR_INVALID, ERR_NO_SPACE, \
-    ERR_NOT_FOUND, OK
+from kvcentric.store.base import (
+    ERR_EXISTS,
+    ERR_HAS_LEASE,
+    ERR_INVALID,
+    ERR_NO_SPACE,
+    ERR_NOT_FOUND,
+    OK,
+)
 
 PENDING, COMMITTED = 0, 1
 
@@ -174,12 +180,22 @@ class ObjectIndex:
             self.alloc.free(e.offset, e.size)
 
     def _evict_one(self) -> bool:
-        for key, e in self._leaves.items():
+        for e in self._leaves.values():
             if e.readers == 0:
                 self._drop(e)
                 self.counters.evictions += 1
                 return True
         return False
+
+    def list_keys(self, prefix: str, limit: int) -> list[str]:
+        """Committed keys starting with ``prefix`` (at most ``limit``, unordered)."""
+        out = []
+        for key, e in self.entries.items():
+            if e.state == COMMITTED and key.startswith(prefix):
+                out.append(key)
+                if len(out) >= limit:
+                    break
+        return out
 
     def clear(self) -> int:
         """Remove every committed, unleased object; returns how many."""

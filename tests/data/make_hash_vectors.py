@@ -12,7 +12,8 @@ import xxhash
 
 CASES = [
     {"model_id": "tiny-llama", "cache_salt": "", "block_size": 4, "tokens": list(range(10))},
-    {"model_id": "tiny-llama", "cache_salt": "tenant-a", "block_size": 4, "tokens": list(range(10))},
+    {"model_id": "tiny-llama", "cache_salt": "tenant-a", "block_size": 4,
+     "tokens": list(range(10))},
     {"model_id": "meta-llama/Llama-3.1-8B", "cache_salt": "", "block_size": 16,
      "tokens": [(i * 7919) % 128256 for i in range(40)]},
     {"model_id": "m", "cache_salt": "", "block_size": 256, "tokens": [2**32 - 1] * 512 + [5]},

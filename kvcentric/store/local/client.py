@@ -22,8 +22,18 @@ from typing import Any
 import xxhash
 
 from kvcentric.config import StoreConfig
-from kvcentric.store.base import ERR_CORRUPT, ERR_EXISTS, ERR_INVALID, ERR_NOT_FOUND, \
-    ERR_UNAVAILABLE, OK, KVStore, ReadLease, StoreUnavailable, WriteSlot
+from kvcentric.store.base import (
+    ERR_CORRUPT,
+    ERR_EXISTS,
+    ERR_INVALID,
+    ERR_NOT_FOUND,
+    ERR_UNAVAILABLE,
+    OK,
+    KVStore,
+    ReadLease,
+    StoreUnavailable,
+    WriteSlot,
+)
 from kvcentric.store.local import launcher
 from kvcentric.store.local.rpc import RpcClient
 
@@ -222,6 +232,10 @@ class LocalStore(KVStore):
 
     def remove(self, key: str, force: bool = False) -> int:
         return int(self._call("remove", key, force))
+
+    def list_keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
+        """Committed keys that start with ``prefix`` (for inspection and tests)."""
+        return list(self._call("keys", prefix, limit))
 
     def clear(self) -> int:
         """Remove every unleased object; returns how many."""

@@ -155,6 +155,8 @@ class Coordinator:
             return None
         if op == "remove":
             return idx.remove(args[0], args[1])
+        if op == "keys":
+            return idx.list_keys(args[0], args[1])
         if op == "clear":
             return idx.clear()
         if op == "stats":

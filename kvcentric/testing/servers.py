@@ -1,0 +1,161 @@
+"""Start, query and stop real vLLM OpenAI servers (tests, demo, benchmarks).
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 in its own
+process group; :meth:`VllmServer.stop` ends that group only (processes we started).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def connector_config(store: Mapping[str, Any], role: str = "kv_both",
+                     **extra: Any) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` dict for kvcentric with ``store`` and extra options."""
+    return {"kv_connector": "KVCentricConnector",
+            "kv_connector_module_path": "kvcentric.connector.vllm",
+            "kv_role": role, "kv_connector_extra_config": {"store": dict(store), **extra}}
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI server process.
+
+    ``kv_transfer`` is the connector config (None: no connector); ``env`` adds to the
+    environment (e.g. thread pinning); ``args`` are extra server flags.
+    """
+
+    model: str
+    name: str = "tiny"
+    kv_transfer: dict[str, Any] | None = None
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VllmServer:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model, "--served-model-name", self.name,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
+               "--max-model-len", str(self.max_model_len), "--enforce-eager",
+               "--disable-uvicorn-access-log", *self.args]
+        if self.kv_transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
+            "VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> VllmServer:
+        """Block until ``/health`` answers 200; raise if the process dies or time runs out."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; "
+                                   f"log: {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not ready in {timeout_s} s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        """End the server's process group (SIGTERM, then SIGKILL after 20 s)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait()
+
+    # ---- client helpers ----
+    def complete(self, prompt: Sequence[int] | str, max_tokens: int = 16,
+                 timeout_s: float = 300.0, **extra: Any) -> dict[str, Any]:
+        """Greedy ``/v1/completions``; returns the JSON body (token ids via logprobs-free
+        ``return_token_ids``)."""
+        body = {"model": self.name, "prompt": list(prompt) if not isinstance(prompt, str)
+                else prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, **extra}
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def stream(self, prompt: Sequence[int], max_tokens: int = 16,
+               timeout_s: float = 300.0) -> tuple[float, list[int]]:
+        """Streamed greedy completion: (seconds to the first token, generated token ids)."""
+        body = {"model": self.name, "prompt": list(prompt), "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+                "stream": True}
+        t0 = time.perf_counter()
+        first: float | None = None
+        toks: list[int] = []
+        with httpx.stream("POST", self.url + "/v1/completions", json=body,
+                          timeout=timeout_s) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if ids and first is None:
+                    first = time.perf_counter() - t0
+                toks += ids
+        assert first is not None, "the stream carried no tokens"
+        return first, toks
+
+    def tokens(self, prompt: Sequence[int], max_tokens: int = 16, **extra: Any) -> list[int]:
+        """The generated token ids of a greedy completion."""
+        return list(self.complete(prompt, max_tokens, **extra)["choices"][0]["token_ids"])
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {name{labels}: value}, plus label-free sums by bare name."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line[0] == "#":
+                continue
+            key, _, value = line.rpartition(" ")
+            try:
+                v = float(value)
+            except ValueError:
+                continue
+            out[key] = v
+            bare = key.split("{", 1)[0]
+            out[bare] = out.get(bare, 0.0) + v if bare != key else v
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        httpx.post(self.url + "/reset_prefix_cache", timeout=30).raise_for_status()
