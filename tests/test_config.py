@@ -40,3 +40,19 @@ def test_store_config_from_dict() -> None:
 def test_runtime_dir_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCENTRIC_RUNTIME_DIR", "/tmp/kvc-env")
     assert StoreConfig().runtime_dir == Path("/tmp/kvc-env")
+
+
+def test_connector_settings() -> None:
+    from kvcentric.connector.settings import ConnectorSettings
+
+    s = ConnectorSettings.from_extra_config({"store": {"name": "x", "capacity": "1gb"}})
+    assert s.store.name == "x" and s.load_failure_policy == "recompute"
+    assert s.stored_block_size(128) == 128  # vLLM CPU pages
+    assert s.stored_block_size(16) == 256 and s.stored_block_size(48) == 288
+    assert ConnectorSettings(block_size=512).stored_block_size(128) == 512
+    with pytest.raises(ValueError, match="multiple"):
+        ConnectorSettings(block_size=200).stored_block_size(128)
+    with pytest.raises(ValueError, match="unknown kvcentric connector options"):
+        ConnectorSettings.from_extra_config({"blocksize": 1})
+    with pytest.raises(ValueError):
+        ConnectorSettings(load_failure_policy="ignore")

@@ -25,7 +25,7 @@ from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
 
 pytestmark = pytest.mark.vllm
-STORED_BLOCK = 256  # the default stored block: 2 CPU pages of 128 tokens
+STORED_BLOCK = 128  # the default stored block on CPU: one 128-token page
 
 
 def prompt(seed: int, n: int = 1100) -> list[int]:
@@ -155,7 +155,7 @@ def test_full_store_never_fails_requests(servers: dict[str, VllmServer], tiny_mo
     try:
         start_all(srv)
         prompts = [prompt(100 + i) for i in range(4)]
-        for p in prompts:  # 4 objects of 1 MiB each per prompt, 2 fit
+        for p in prompts:  # 8 objects of 512 KiB per prompt, 4 fit
             assert srv.tokens(p) == servers["base"].tokens(p)
         with open_store(small) as st:
             stats = st.stats()

@@ -25,7 +25,10 @@ class ConnectorSettings:
     Fields:
         store: which store to use (see :class:`kvcentric.config.StoreConfig`).
         block_size: tokens per stored object; a multiple of the engine's page size.
-            ``None``: 256 when that is a multiple of the page size, else the page size.
+            ``None``: the page size when it is >= 128 tokens (vLLM CPU), else the smallest
+            page multiple >= 256 (GPU pages of 16). A hit always recomputes the partial
+            last stored block, so a block coarser than the page costs TTFT (measured: 256
+            on 128-token pages made a 2k-token hit 1.8x slower than the engine's own hit).
         model_id: namespace of the keys; ``None`` uses the served model name.
         load_failure_policy: what vLLM does after a failed load. ``"recompute"`` (our
             default; a cache is best effort) or ``"fail"``.
@@ -65,7 +68,7 @@ class ConnectorSettings:
     def stored_block_size(self, page_size: int) -> int:
         """Tokens per stored object for an engine with ``page_size``-token pages."""
         if self.block_size is None:
-            return 256 if 256 % page_size == 0 else page_size
+            return page_size if page_size >= 128 else page_size * -(-256 // page_size)
         if self.block_size % page_size:
             raise ValueError(f"block_size {self.block_size} must be a multiple of the engine's "
                              f"page size {page_size}")
