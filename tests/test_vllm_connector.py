@@ -1,8 +1,9 @@
 """The vLLM connector end to end, on real vLLM CPU server processes and a real local store.
 
 Servers (tiny model, float32 so greedy tokens are comparable across processes):
-``base`` has no connector (the reference tokens); ``a`` and ``b`` are kv_both on store X
-(``a`` writes checksums); more are started by the tests that need them.
+``base`` has no connector (the reference tokens); ``a`` and ``b`` are kv_both on store X.
+``a`` writes checksums and prefills in chunks of 512 tokens, so its blocks are saved over
+several steps (chunked prefill); more servers are started by the tests that need them.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def servers(tiny_model: str, store_x: dict[str, Any],
     made = {
         "base": VllmServer(tiny_model, log_path=logs / "base.log"),
         "a": VllmServer(tiny_model, log_path=logs / "a.log",
+                        args=("--max-num-batched-tokens", "512"),
                         kv_transfer=connector_config(store_x | {"verify_checksums": True})),
         "b": VllmServer(tiny_model, log_path=logs / "b.log",
                         kv_transfer=connector_config(store_x)),
