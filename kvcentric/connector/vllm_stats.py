@@ -17,11 +17,11 @@ FIELDS = {
     "hit_tokens": "Prompt tokens found in the store (scheduler side)",
     "loaded_blocks": "Stored blocks loaded into the engine",
     "loaded_bytes": "Bytes loaded from the store",
-    "load_seconds": "Time spent copying loads (worker)",
+    "load_seconds": "Time spent in load copies (worker; overlaps compute when async)",
     "load_errors": "Stored blocks that failed to load and were recomputed",
     "saved_blocks": "Blocks written to the store",
     "saved_bytes": "Bytes written to the store",
-    "save_seconds": "Time spent copying saves (worker)",
+    "save_seconds": "Time spent in save copies (worker; overlaps compute when async)",
     "skipped_blocks": "Blocks not saved: already stored or no space",
 }
 
@@ -48,8 +48,9 @@ class KVCentricStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data[k] for k in FIELDS}
-        secs = self.data["load_seconds"]
-        out["load_gbps"] = round(self.data["loaded_bytes"] / secs / 1e9, 2) if secs else 0.0
+        for kind, nbytes in (("load", "loaded_bytes"), ("save", "saved_bytes")):
+            secs = self.data[f"{kind}_seconds"]
+            out[f"{kind}_gbps"] = round(self.data[nbytes] / secs / 1e9, 2) if secs else 0.0
         return out
 
     def is_empty(self) -> bool:

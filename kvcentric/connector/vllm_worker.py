@@ -64,7 +64,6 @@ class KVCentricWorker:
         self._save_plan: PagePlan | None = None
         self._slots: list[WriteSlot] = []
         self._save_futs: list[Future[None]] = []
-        self._t_load = self._t_save = 0.0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Learn the per-layer cache tensors (blocks on dim 0) and check their geometry."""
@@ -88,13 +87,18 @@ class KVCentricWorker:
             return _done()
         return self._pool.submit(fn, *args)
 
+    def _timed(self, stat: str, fn: Any, *args: Any) -> None:
+        """Run one copy and add its duration to ``stat`` (copy time, not step time)."""
+        t0 = time.perf_counter()
+        fn(*args)
+        self.stats.add(**{stat: time.perf_counter() - t0})
+
     # ---- loads ----
     def start_load(self, meta: KVCentricMetadata) -> None:
         for spec in meta.loads:
             self._lease_and_plan(spec)
         if self._load_plans:
-            self._t_load = time.perf_counter()
-            self._load_futs = [self._run(self._unpack_layer, layer)
+            self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer)
                                for layer in range(len(self._kv))]
 
     def _lease_and_plan(self, spec: TransferSpec) -> None:
@@ -162,7 +166,8 @@ class KVCentricWorker:
         if self._save_plan is None and not self._reserve():
             return
         assert self._save_plan is not None
-        self._save_futs.append(self._run(self._save_plan.pack_layer, layer, kv_layer))
+        self._save_futs.append(self._run(self._timed, "save_seconds",
+                                         self._save_plan.pack_layer, layer, kv_layer))
 
     def _reserve(self) -> bool:
         """Reserve write slots for all of this step's new blocks (one store call)."""
@@ -185,7 +190,6 @@ class KVCentricWorker:
         self._slots = [s for s, _ in live]
         self._save_plan = PagePlan(self.layout.geometry, [s.ptr for s in self._slots],
                                    [p for _, p in live])
-        self._t_save = time.perf_counter()
         return True
 
     def finish_step(self) -> None:
@@ -199,8 +203,6 @@ class KVCentricWorker:
                 fut.result()
             except Exception:  # already reported by wait_for_layer or not waited for
                 pass
-        if self._load_plans:
-            self.stats.add(load_seconds=time.perf_counter() - self._t_load)
         for lease in self._leases:
             self.store.release(lease)
         self._leases, self._load_plans, self._load_futs = [], [], []
@@ -223,8 +225,7 @@ class KVCentricWorker:
             return
         codes = self.store.batch_commit(slots)
         ok = sum(1 for c in codes if c == 0)
-        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes,
-                       save_seconds=time.perf_counter() - self._t_save)
+        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes)
 
     def close(self) -> None:
         if self._pool is not None:
