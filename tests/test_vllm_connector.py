@@ -211,3 +211,22 @@ def test_concurrent_overlapping_prefixes(servers: dict[str, VllmServer]) -> None
     with ThreadPoolExecutor(32) as pool:
         again = list(pool.map(lambda p: servers["b"].tokens(p, max_tokens=8), prompts))
     assert again == base
+
+
+def test_aborts_leave_no_leases_or_pending_writes(servers: dict[str, VllmServer],
+                                                  store_x: dict[str, Any]) -> None:
+    import httpx
+
+    b = servers["b"]
+    p = prompt(7, 1500)
+    servers["a"].tokens(p)  # stored, so b's requests below load (lease) before decoding
+    for _ in range(3):  # client disconnects after the first token: vLLM aborts the request
+        b.reset_prefix_cache()
+        body = {"model": b.name, "prompt": p, "max_tokens": 500, "stream": True,
+                "ignore_eos": True, "temperature": 0.0}
+        with httpx.stream("POST", b.url + "/v1/completions", json=body, timeout=120) as r:
+            next(r.iter_lines())
+    assert b.tokens(p, max_tokens=4) == servers["base"].tokens(p, max_tokens=4)
+    with open_store(store_x) as st:
+        stats = st.stats()
+    assert stats["leases"] == 0 and stats["pending"] == 0
