@@ -47,3 +47,6 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_store.py --quick
+	$(BIN)/python benchmarks/bench_router.py --quick
+	@for t in conversation synthetic; do f=../shared/traces/$${t}_trace.jsonl; \
+	  [ -f $$f ] && $(BIN)/python benchmarks/simulate_cluster.py --trace $$f --quick || true; done

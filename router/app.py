@@ -1,0 +1,268 @@
+"""The router's FastAPI app: OpenAI-compatible front, instance admin, health and metrics.
+
+``build_app(cfg)`` wires everything; nothing runs at import. The lifespan starts the
+upstream HTTP client, one KV event listener per instance that publishes events, and the
+health/metrics poll loop, and stops them on shutdown.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET/POST /instances``,
+``DELETE /instances/{name}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from kvcentric.connector.settings import ConnectorSettings
+from router import instances as inst_mod
+from router.config import InstanceSpec, RouterConfig
+from router.cost_model import Profile, kv_bytes_per_token
+from router.instances import Instance
+from router.kv_events import EventListener, EventTranslator
+from router.metrics import RouterMetrics
+from router.proxy import Proxy, error_response
+from router.scheduler import Conductor
+from router.store_view import StoreView
+from router.tokenize import PromptTokenizer
+
+log = logging.getLogger("router.app")
+
+
+@dataclass
+class RouterState:
+    cfg: RouterConfig
+    conductor: Conductor
+    tokenizer: PromptTokenizer
+    metrics: RouterMetrics
+    transport: httpx.AsyncBaseTransport | None = None
+    proxy: Proxy | None = None
+    client: httpx.AsyncClient | None = None
+    zmq_ctx: zmq.asyncio.Context | None = None
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    # ---- instances ----
+    def add_instance(self, spec: InstanceSpec) -> Instance:
+        inst = self.conductor.registry.add(spec)
+        if spec.kv_events and self.zmq_ctx is not None:
+            self._listen(inst)
+        return inst
+
+    def _listen(self, inst: Instance) -> None:
+        spec = inst.spec
+        assert spec.kv_events is not None and self.zmq_ctx is not None
+        tr = EventTranslator(self.cfg.model_id, self.conductor.block_size)
+        index, slot = self.conductor.index, inst.slot
+
+        def on_events(events: list[dict[str, Any]]) -> None:
+            for ev in events:
+                kind = ev.get("type")
+                if kind == "BlockStored":
+                    index.add(slot, tr.stored(ev))
+                elif kind == "BlockRemoved":
+                    index.remove(slot, tr.removed(ev))
+                elif kind == "AllBlocksCleared":
+                    tr.cleared()
+                    index.clear(slot)
+
+        inst.translator = tr
+        inst.listener = EventListener(self.zmq_ctx, spec.kv_events, on_events)
+        self.tasks[f"events:{inst.name}"] = asyncio.get_running_loop().create_task(
+            inst.listener.run())
+
+    def remove_instance(self, name: str) -> Instance:
+        task = self.tasks.pop(f"events:{name}", None)
+        if task is not None:
+            task.cancel()
+        return self.conductor.registry.remove(name)  # closes the socket now: port reusable
+
+    async def health_loop(self) -> None:
+        hc = self.cfg.health
+        c = self.conductor
+        assert self.client is not None
+        while True:
+            await asyncio.gather(*(inst_mod.check(i, c.registry, self.client, hc.timeout_s,
+                                                  hc.unhealthy_after) for i in c.registry))
+            if c.block_size is None:
+                page = next((i.stats.page_size for i in c.registry if i.stats.page_size), None)
+                if page:  # the connector's own default for this page size
+                    c.set_block_size(ConnectorSettings().stored_block_size(page))
+            if c.block_size is not None:
+                for i in c.registry:
+                    inst_mod.fit_capacity(i, c.index, c.block_size)
+            await asyncio.sleep(hc.interval_s)
+
+
+def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
+                tokenizer: PromptTokenizer | None = None,
+                profile: Profile | None = None) -> RouterState:
+    """Everything the app needs, built from ``cfg`` (files are read here, once)."""
+    if profile is None:
+        if cfg.cost.profile:
+            profile = Profile.load(cfg.cost.profile)
+        else:
+            log.warning("no cost profile configured: using default prefill costs; run "
+                        "`kvcentric-router profile` for predictions worth the name")
+            profile = Profile()
+    kvb = cfg.cost.kv_bytes_per_token or kv_bytes_per_token(cfg.tokenizer, cfg.cost.kv_dtype)
+    store = StoreView(cfg.store, cfg.model_id, layout_sig=cfg.keys.layout_sig,
+                      tp_size=cfg.keys.tp_size, ttl_s=cfg.cache.store_ttl_s,
+                      negative_ttl_s=cfg.cache.store_negative_ttl_s)
+    conductor = Conductor(cfg, profile, kvb, store)
+    return RouterState(cfg, conductor, tokenizer or PromptTokenizer(cfg.tokenizer),
+                       RouterMetrics(conductor), transport)
+
+
+def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
+    """The router app for ``cfg``; ``kwargs`` go to :func:`build_state`."""
+    state = build_state(cfg, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        up = cfg.upstream
+        state.client = httpx.AsyncClient(
+            transport=state.transport, limits=httpx.Limits(max_connections=1024),
+            timeout=httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s))
+        state.proxy = Proxy(state.conductor, state.client, state.metrics)
+        state.zmq_ctx = zmq.asyncio.Context()
+        for spec in cfg.instances:
+            state.add_instance(spec)
+        state.tasks["health"] = asyncio.get_running_loop().create_task(state.health_loop())
+        try:
+            yield
+        finally:
+            for task in state.tasks.values():
+                task.cancel()
+            await asyncio.gather(*state.tasks.values(), return_exceptions=True)
+            await state.client.aclose()
+            state.zmq_ctx.term()
+            state.conductor.store.close()
+
+    app = FastAPI(title="kvcentric router", lifespan=lifespan)
+    app.state.router = state
+    _openai_routes(app, state)
+    _admin_routes(app, state)
+    return app
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+def _openai_routes(app: FastAPI, state: RouterState) -> None:
+    cfg = state.cfg
+
+    async def openai(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        resp = await _openai(request, chat)
+        state.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        return resp
+
+    async def _openai(request: Request, chat: bool) -> Response:
+        try:
+            body = await _json_body(request)
+        except ValueError as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        model = body.get("model", cfg.model)
+        if model != cfg.model:
+            return error_response(404, f"model {model!r} does not exist; this router "
+                                  f"serves {cfg.model!r}", "NotFoundError")
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            return error_response(400, "cache_salt must be a string", "invalid_request_error")
+        try:
+            encode = state.tokenizer.chat_ids if chat else state.tokenizer.completion_ids
+            tokens = await asyncio.to_thread(encode, body)
+        except ValueError as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        hashes = state.conductor.hashes(tokens, salt)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in
+                   ("authorization", "content-type", "accept", "x-request-id")}
+        assert state.proxy is not None
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return await state.proxy.handle(path, body, hashes, len(tokens), headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": cfg.model, "object": "model", "owned_by": "kvcentric", "created": 0,
+             "root": cfg.tokenizer}]})
+
+
+
+def _admin_routes(app: FastAPI, state: RouterState) -> None:
+    cfg = state.cfg
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        reg = state.conductor.registry
+        pre = len(reg.candidates(cfg.model, prefill=True))
+        dec = len(reg.candidates(cfg.model, prefill=False))
+        ok = pre > 0 and dec > 0
+        return JSONResponse({"status": "ok" if ok else "unavailable", "prefill": pre,
+                             "decode": dec, "instances": len(reg)},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/instances")
+    async def list_instances() -> JSONResponse:
+        now = time.monotonic()
+        c = state.conductor
+        return JSONResponse({"instances": [i.describe(c.index, now) for i in c.registry],
+                             "keys": {"block_size": c.block_size,
+                                      "model_id": cfg.model_id,
+                                      "layout_sig": c.store.layout_sig},
+                             "store": {"enabled": c.store.enabled, "queries": c.store.queries,
+                                       "errors": c.store.errors}})
+
+    @app.post("/instances")
+    async def add_instance(request: Request) -> JSONResponse:
+        try:
+            spec = InstanceSpec.from_dict(await _json_body(request))
+            inst = state.add_instance(spec)
+        except ValueError as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        except KeyError as exc:
+            return error_response(409, str(exc.args[0]), "conflict")
+        except zmq.ZMQError as exc:
+            state.conductor.registry.remove(str(spec.name))
+            return error_response(400, f"cannot listen on {spec.kv_events}: {exc}",
+                                  "invalid_request_error")
+        return JSONResponse(inst.describe(state.conductor.index, time.monotonic()),
+                            status_code=201)
+
+    @app.delete("/instances/{name}")
+    async def delete_instance(name: str) -> JSONResponse:
+        if state.conductor.registry.get(name) is None:
+            return error_response(404, f"no instance {name!r}", "NotFoundError")
+        inst = state.remove_instance(name)
+        return JSONResponse({"removed": inst.name})

@@ -1,0 +1,107 @@
+"""``kvcentric-router`` command line.
+
+    kvcentric-router serve --config configs/router.yaml [--host H] [--port P]
+    kvcentric-router profile --url http://127.0.0.1:8100 --model tiny --out profile.json
+        [--lengths 256,512,1024,2048] [--hits 0,0.5,0.9] [--repeats 2]
+        [--model-dir DIR --store-tokens 2048]   # also measure the store tier's bandwidth
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {exc}") from exc
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError("expected positive integers")
+    return vals
+
+
+def _fracs(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {exc}") from exc
+    if not vals or any(not 0 <= v < 1 for v in vals):
+        raise argparse.ArgumentTypeError("hit fractions must be in [0, 1)")
+    return vals
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import build_app
+    from router.config import load_config
+
+    cfg = load_config(args.config)
+    listen = cfg.listen
+    if args.host or args.port is not None:
+        listen = replace(listen, host=args.host or listen.host,
+                         port=args.port if args.port is not None else listen.port)
+        cfg = replace(cfg, listen=listen)
+    level = (args.log_level or cfg.log_level).lower()
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s")
+    app = build_app(cfg)
+    uvicorn.run(app, host=listen.host, port=listen.port, log_level=level,
+                access_log=level == "debug")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from router.cost_model import kv_bytes_per_token
+    from router.profile import run_profile
+
+    kvb = kv_bytes_per_token(args.model_dir, args.kv_dtype) if args.model_dir else None
+    prof = run_profile(args.url, args.model, lengths=args.lengths, hits=args.hits,
+                       repeats=args.repeats, page=args.page, kv_bytes_per_token=kvb,
+                       block_size=args.block_size or args.page, store_n=args.store_tokens)
+    prof.save(args.out)
+    bw = (f"{prof.store_bandwidth_bps / 1e9:.2f} GB/s" if prof.store_bandwidth_bps
+          else "not measured")
+    print(f"T_prefill(n, h) = {prof.a:.3e}·(n²−h²) + {prof.b:.3e}·(n−h) + {prof.c:.4f} s "
+          f"(R² {prof.r2:.3f}, {len(prof.points)} points); TBT {prof.tbt_base_s * 1e3:.1f} ms "
+          f"+ {prof.tbt_per_seq_s * 1e3:.2f} ms/seq; store {bw} -> {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvcentric-router")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the router")
+    s.add_argument("--config", required=True, help="router YAML (see configs/router.yaml)")
+    s.add_argument("--host", default=None)
+    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p = sub.add_parser("profile", help="time prefills on a running instance, fit the profile")
+    p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument("--out", required=True)
+    p.add_argument("--lengths", type=_ints, default=[256, 512, 1024, 2048])
+    p.add_argument("--hits", type=_fracs, default=[0.0, 0.5, 0.9])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--page", type=int, default=128, help="engine page size (tokens)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="stored block size (tokens; default: the page size)")
+    p.add_argument("--model-dir", default=None, help="model folder (KV bytes per token)")
+    p.add_argument("--kv-dtype", default=None)
+    p.add_argument("--store-tokens", type=int, default=0,
+                   help="prompt length for the store bandwidth probe (0: skip)")
+    args = ap.parse_args(argv)
+    import httpx
+
+    try:
+        return _serve(args) if args.cmd == "serve" else _profile(args)
+    except (ValueError, OSError, httpx.HTTPError) as exc:
+        print(f"kvcentric-router: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

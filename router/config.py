@@ -1,0 +1,287 @@
+"""Router configuration: one YAML file parsed once into frozen dataclasses.
+
+Every value is checked here (``ValueError`` names the bad field), so nothing later
+re-validates. This module is the router's only reader of files named by the user at
+start-up; it reads no environment variables.
+
+Example (``configs/router.yaml``)::
+
+    model: tiny                        # served model name; requests for others get 404
+    tokenizer: .models/tiny            # model folder: tokenizer, chat template, config.json
+    listen: {host: 127.0.0.1, port: 8000}
+    instances:
+      - {url: http://127.0.0.1:8100, role: both, kv_events: tcp://127.0.0.1:5601}
+    slo: {ttft_ms: 2000, tbt_ms: 200}
+    store: {backend: local, name: default}
+    keys: {block_size: 256, layout_sig: null}
+    cost: {profile: profile.json, store_bandwidth_gbps: 5}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+from kvcentric.config import StoreConfig
+
+ROLES = ("prefill", "decode", "both")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _check_keys(section: str, raw: Mapping[str, Any], cls: type) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"unknown keys in {section}: {sorted(unknown)}; known: {sorted(known)}")
+
+
+def _section(cls: type, section: str, raw: Any) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{section} must be a mapping, got {type(raw).__name__}")
+    _check_keys(section, raw, cls)
+    return cls(**raw)
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive number, "
+                             f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One engine behind the router.
+
+    ``role``: ``prefill`` (kv_producer), ``decode`` (kv_consumer) or ``both`` (kv_both, or
+    no connector). ``kv_events``: the ZMQ endpoint the engine publishes KV cache events to
+    (``tcp://127.0.0.1:PORT``: the engine connects and the router binds; ``ipc://...``:
+    the engine binds and the router connects); ``None``: the router's own bookkeeping.
+    """
+
+    url: str
+    role: str = "both"
+    model: str | None = None
+    name: str | None = None
+    kv_events: str | None = None
+
+    def __post_init__(self) -> None:
+        parsed = urlparse(self.url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"instance url {self.url!r} must be http(s)://host:port")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        if self.role not in ROLES:
+            raise ValueError(f"instance role {self.role!r} must be one of {ROLES}")
+        if self.name is None:
+            object.__setattr__(self, "name", parsed.netloc)
+        if not _NAME_RE.fullmatch(str(self.name)):
+            raise ValueError(f"instance name {self.name!r} must match {_NAME_RE.pattern}")
+        if self.kv_events is not None and not self.kv_events.startswith(
+                ("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events {self.kv_events!r} must be a tcp:// or ipc:// endpoint")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> InstanceSpec:
+        if not isinstance(raw, Mapping) or "url" not in raw:
+            raise ValueError(f"an instance needs at least a url, got {raw!r}")
+        _check_keys("instance", raw, cls)
+        for key in ("url", "role", "model", "name", "kv_events"):
+            if raw.get(key) is not None and not isinstance(raw[key], str):
+                raise ValueError(f"instance {key} must be a string, got {raw[key]!r}")
+        return cls(**raw)
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """Service levels; a request predicted to miss either is refused with 429."""
+
+    ttft_ms: float = 2000.0
+    tbt_ms: float = 200.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "ttft_ms", "tbt_ms")
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        if not 0 <= int(self.port) < 65536:
+            raise ValueError(f"listen.port {self.port} is out of range")
+
+
+@dataclass(frozen=True)
+class KeysConfig:
+    """How the router names blocks; must equal the connector's settings.
+
+    ``block_size``: tokens per stored block, the connector's ``block_size``. ``None``: the
+    connector's own default for the page size the engines report in their ``/metrics``
+    (:meth:`ConnectorSettings.stored_block_size`: 128 on vLLM CPU), found at the first
+    health check. ``layout_sig``: the engines' layout signature (part of every key).
+    ``None`` discovers it once from the keys the engines stored (``list_keys``), see
+    :mod:`router.store_view`. ``model_id``: key namespace; ``None`` uses the served model
+    name, like the connector.
+    """
+
+    block_size: int | None = None
+    model_id: str | None = None
+    layout_sig: str | None = None
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp_size")
+        if self.block_size is not None:
+            _positive(self, "block_size")
+        if self.layout_sig is not None and not re.fullmatch(r"[0-9a-f]{16}", self.layout_sig):
+            raise ValueError(f"keys.layout_sig {self.layout_sig!r} must be 16 hex chars")
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Cost model inputs (Mooncake Algorithm 1).
+
+    ``profile``: JSON from ``kvcentric-router profile`` (``T_prefill`` fit and TBT model);
+    ``None`` uses the conservative defaults of :class:`router.cost_model.Profile`.
+    ``store_bandwidth_gbps``: measured read bandwidth of the store tier (GB/s); a value in
+    the profile overrides it. ``kv_bytes_per_token``: ``None`` derives it from the model's
+    ``config.json``.
+    """
+
+    profile: str | None = None
+    store_bandwidth_gbps: float = 5.0
+    kv_bytes_per_token: int | None = None
+    kv_dtype: str | None = None
+    correct_with_actual: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "store_bandwidth_gbps")
+        if self.kv_bytes_per_token is not None:
+            _positive(self, "kv_bytes_per_token")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float = 1.0
+    timeout_s: float = 2.0
+    unhealthy_after: int = 2
+
+    def __post_init__(self) -> None:
+        _positive(self, "interval_s", "timeout_s", "unhealthy_after")
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """Proxying: ``timeout_s`` bounds one upstream call; ``retries`` other instances tried."""
+
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    retries: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "timeout_s", "connect_timeout_s")
+        if self.retries < 0:
+            raise ValueError("upstream.retries must be >= 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Prefix knowledge: per-instance LRU size (blocks, unless the engine reports its own),
+    TTLs of the global store view, and the decay time of prefix heat."""
+
+    blocks_per_instance: int = 4096
+    store_ttl_s: float = 2.0
+    store_negative_ttl_s: float = 0.25
+    heat_half_life_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "blocks_per_instance", "store_ttl_s", "store_negative_ttl_s",
+                  "heat_half_life_s")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    tokenizer: str
+    instances: tuple[InstanceSpec, ...] = ()
+    slo: SloConfig = field(default_factory=SloConfig)
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    store: StoreConfig | None = None
+    keys: KeysConfig = field(default_factory=KeysConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError("model (the served model name) is required")
+        if not self.tokenizer:
+            raise ValueError("tokenizer (the model folder) is required")
+        names = [i.name for i in self.instances]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique, got {names}")
+
+    @property
+    def model_id(self) -> str:
+        return self.keys.model_id or self.model
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RouterConfig:
+        """Parse a YAML mapping (relative paths stay relative to the working directory)."""
+        if not isinstance(raw, Mapping):
+            raise ValueError("the router config must be a mapping")
+        _check_keys("router config", raw, cls)
+        for required in ("model", "tokenizer"):
+            if not isinstance(raw.get(required), str) or not raw[required]:
+                raise ValueError(f"{required} is required (a non-empty string)")
+        raw = dict(raw)
+        for name, cls_ in (("slo", SloConfig), ("listen", ListenConfig), ("keys", KeysConfig),
+                           ("cost", CostConfig), ("health", HealthConfig),
+                           ("upstream", UpstreamConfig), ("cache", CacheConfig)):
+            raw[name] = _section(cls_, name, raw.get(name))
+        insts = raw.get("instances") or []
+        if not isinstance(insts, list):
+            raise ValueError("instances must be a list of {url, role}")
+        raw["instances"] = tuple(InstanceSpec.from_dict(i) for i in insts)
+        raw["store"] = _store(raw.get("store"))
+        return cls(**raw)
+
+
+def _store(raw: Any) -> StoreConfig | None:
+    """The store as for the connector; the router never starts one and never prefaults."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError("store must be a mapping like the connector's store config")
+    merged = {"op_timeout_s": 1.0, **raw, "autostart": False, "prefault": False}
+    return StoreConfig.from_dict(merged)
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read and validate a router YAML file; relative paths are relative to the cwd."""
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    return RouterConfig.from_dict(raw or {})

@@ -1,0 +1,170 @@
+"""Mooncake's Algorithm 1: pick the (prefill, decode) pair with the lowest predicted TTFT.
+
+For every prefill candidate ``p``::
+
+    TTFT_p = T_queue(p) + T_load(global − local_p) + T_prefill(n, max(local_p, global))
+
+where ``local_p`` is the leading run of the prompt's blocks resident on ``p`` and ``global``
+the run in the store (loaded at the store tier's bandwidth). A ``both`` instance decodes
+what it prefilled; a ``prefill`` instance hands over to the decode instance ``d`` that loads
+the prompt's KV from the store fastest and whose predicted TBT (running batch, KV usage)
+is lowest, adding ``T_load(prompt − local_d)`` and one decode step. Pairs breaking the TBT
+SLO are never chosen; if the best pair's TTFT breaks the TTFT SLO because of queueing the
+request is refused (HTTP 429 with ``Retry-After``: the time for the predicted queue to
+drain by the excess). A prompt that would break the TTFT SLO even on an idle instance is
+served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
+vain, and refusing it would keep its prefix out of every cache).
+
+Pure functions of their inputs (no I/O, no clock), so the benchmark and tests call them
+directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.config import SloConfig
+from router.cost_model import Profile, load_s
+from router.instances import Instance
+
+
+@dataclass(frozen=True)
+class CostParams:
+    profile: Profile
+    block_size: int
+    bytes_per_block: int
+    bandwidth_bps: float
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    name: str
+    local_blocks: int
+    queue_s: float
+    load_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.load_s + self.prefill_s
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    name: str
+    local_blocks: int
+    load_s: float
+    tbt_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: Instance
+    decode: Instance
+    ttft_s: float
+    tbt_s: float
+    prefill_s: float  # predicted compute time on p (its T_queue contribution)
+    hit_tokens: int
+    local_blocks: int
+    load_blocks: int
+    replicated: bool  # p loads from the store a prefix another instance holds (hot spot)
+    candidates: tuple[PrefillCost, ...]
+    over_slo: bool = False  # predicted to miss the TTFT SLO even with no queue: best effort
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not self.decode
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str  # "ttft", "tbt" or "no_instance"
+    retry_after_s: int
+    ttft_s: float
+    tbt_s: float
+    message: str
+
+
+def prefill_cost(p: Instance, local: int, global_run: int, n_tokens: int,
+                 params: CostParams, now: float) -> PrefillCost:
+    """Algorithm 1's ``TTFT_p`` for one candidate."""
+    hit = max(local, global_run)
+    load_blocks = max(0, global_run - local)
+    t_load = load_s(load_blocks * params.bytes_per_block, params.bandwidth_bps)
+    t_pre = params.profile.prefill_s(n_tokens, hit * params.block_size) * p.correction
+    return PrefillCost(p.name, local, p.queue_s(now), t_load, t_pre)
+
+
+def decode_cost(d: Instance, local: int, full_blocks: int, n_tokens: int,
+                params: CostParams) -> DecodeCost:
+    """Time for ``d`` to load the prompt's KV and take its first step, and its TBT with
+    this request added to its batch."""
+    t_load = load_s(max(0, full_blocks - local) * params.bytes_per_block, params.bandwidth_bps)
+    tail = params.profile.prefill_s(n_tokens, full_blocks * params.block_size)
+    tbt = params.profile.tbt_s(d.batch() + 1, d.stats.kv_usage)
+    return DecodeCost(d.name, local, t_load + tail, tbt)
+
+
+def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: int,
+                  params: CostParams, tbt_slo: float) -> tuple[float, Instance, DecodeCost] | None:
+    """The decode-role instance with the soonest first token within the TBT SLO."""
+    full_blocks = n_tokens // params.block_size
+    best: tuple[float, Instance, DecodeCost] | None = None
+    for d in decode:
+        if d.spec.role != "decode":
+            continue  # a 'both' instance decodes only what it prefilled itself
+        dc = decode_cost(d, runs.get(d.slot, 0), full_blocks, n_tokens, params)
+        if dc.tbt_s <= tbt_slo and (best is None or dc.load_s + dc.tbt_s < best[0]):
+            best = (dc.load_s + dc.tbt_s, d, dc)
+    return best
+
+
+def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[int, int],
+           global_run: int, n_tokens: int, params: CostParams, slo: SloConfig,
+           now: float) -> Decision | Rejection:
+    """Algorithm 1 over the healthy candidates; ``runs`` maps slot -> local leading run."""
+    if not prefill:
+        return Rejection("no_instance", 1, math.inf, math.inf, "no healthy prefill instance")
+    tbt_slo = slo.tbt_ms / 1000.0
+    best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo)
+    costs: list[PrefillCost] = []
+    best: tuple[float, float, Instance, Instance, PrefillCost] | None = None
+    min_tbt = math.inf
+    for p in prefill:
+        pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now)
+        costs.append(pc)
+        if p.spec.role == "both":
+            tbt = params.profile.tbt_s(p.batch() + 1, p.stats.kv_usage)
+            pair: tuple[float, float, Instance] | None = (pc.ttft_s, tbt, p)
+        elif best_d is not None:
+            pair = (pc.ttft_s + best_d[0], best_d[2].tbt_s, best_d[1])
+        else:
+            pair = None
+        if pair is None:
+            continue
+        min_tbt = min(min_tbt, pair[1])
+        if pair[1] <= tbt_slo and (best is None or pair[0] < best[0]):
+            best = (pair[0], pair[1], p, pair[2], pc)
+    if best is None:
+        msg = (f"predicted TBT {min_tbt * 1000:.0f} ms exceeds the SLO {slo.tbt_ms:.0f} ms"
+               if math.isfinite(min_tbt) else
+               "no decode instance can take the request within the TBT SLO")
+        return Rejection("tbt", 1, math.inf, min_tbt, msg)
+    ttft, tbt, p, d, pc = best
+    slo_s = slo.ttft_ms / 1000.0
+    # Refuse what load makes late. A prompt too long for the SLO even on an idle instance is
+    # served best effort: refusing would not help it (no retry ever would) and serving it
+    # caches its prefix for the requests that follow.
+    if ttft > slo_s and ttft - pc.queue_s <= slo_s:
+        excess = ttft - slo_s
+        return Rejection("ttft", max(1, math.ceil(excess)), ttft, tbt,
+                         f"predicted TTFT {ttft * 1000:.0f} ms exceeds the SLO "
+                         f"{slo.ttft_ms:.0f} ms")
+    hit = max(pc.local_blocks, global_run)
+    replicated = pc.local_blocks < global_run and any(
+        runs.get(o.slot, 0) > pc.local_blocks for o in prefill if o is not p)
+    return Decision(p, d, ttft, tbt, pc.prefill_s, min(hit * params.block_size, n_tokens - 1),
+                    pc.local_blocks, max(0, global_run - pc.local_blocks), replicated,
+                    tuple(costs), over_slo=ttft > slo_s)

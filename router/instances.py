@@ -1,0 +1,220 @@
+"""Instances behind the router: registry, per-instance load bookkeeping, health checks.
+
+An :class:`Instance` owns a slot (its bit in :class:`router.prefix_index.PrefixIndex`),
+its health, the engine's last ``/metrics`` snapshot, and the router's in-flight
+bookkeeping: prefills it predicted and has not yet seen finish (``T_queue``) and decodes
+running. Everything here is touched only from the router's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import InstanceSpec
+from router.kv_events import EventListener, EventTranslator
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger("router.instances")
+# A prefill not seen finishing is assumed done after this many times its prediction: the
+# signal is missed for non-streamed single-instance requests, whose end is the whole answer.
+_STALE_FACTOR = 2.0
+
+
+@dataclass
+class EngineStats:
+    """Last ``/metrics`` snapshot of an engine (vLLM names)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    num_pages: int | None = None
+    page_size: int | None = None
+
+
+@dataclass
+class Instance:
+    spec: InstanceSpec
+    slot: int
+    healthy: bool = True
+    failures: int = 0
+    stats: EngineStats = field(default_factory=EngineStats)
+    decodes: int = 0
+    correction: float = 1.0  # EWMA of actual / predicted prefill time
+    translator: EventTranslator | None = None
+    listener: EventListener | None = None
+    _queue: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    _head_start: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return str(self.spec.name)
+
+    # ---- prefill queue (T_queue) ----
+    def queue_s(self, now: float) -> float:
+        """Predicted seconds until this instance can start a new prefill: the predicted
+        work of the prefills it holds, less the time it has already worked on them."""
+        q = self._queue
+        while q:
+            rid, pred = next(iter(q.items()))
+            if now - self._head_start <= pred * _STALE_FACTOR:
+                break
+            del q[rid]
+            self._head_start += pred
+        if not q:
+            return 0.0
+        return max(0.0, sum(q.values()) - (now - self._head_start))
+
+    def enqueue(self, rid: str, pred_s: float, now: float) -> None:
+        if not self._queue:
+            self._head_start = now
+        self._queue[rid] = pred_s
+
+    def prefill_done(self, rid: str, now: float) -> None:
+        if rid not in self._queue:
+            return
+        head = next(iter(self._queue))
+        del self._queue[rid]
+        if rid == head:
+            self._head_start = now
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def observe(self, predicted_s: float, actual_s: float, weight: float = 0.2) -> None:
+        """Fold an observed prefill time into the correction factor (bounded 0.25..4)."""
+        if predicted_s <= 0 or actual_s <= 0:
+            return
+        ratio = min(4.0, max(0.25, actual_s / predicted_s))
+        self.correction = min(4.0, max(0.25, (1 - weight) * self.correction + weight * ratio))
+
+    def batch(self) -> int:
+        """Sequences decoding on the engine, counting the router's own in flight."""
+        return max(self.decodes, int(self.stats.running))
+
+    def describe(self, index: PrefixIndex, now: float) -> dict[str, object]:
+        return {
+            "name": self.name, "url": self.spec.url, "role": self.spec.role,
+            "model": self.spec.model, "healthy": self.healthy, "slot": self.slot,
+            "queue_s": round(self.queue_s(now), 4), "queued_prefills": self.queued,
+            "decodes": self.decodes, "running": self.stats.running,
+            "waiting": self.stats.waiting, "kv_usage": self.stats.kv_usage,
+            "resident_blocks": index.resident(self.slot),
+            "cache_blocks": index.capacity(self.slot),
+            "residency": "kv_events" if self.listener else "bookkeeping",
+            "kv_event_batches": self.listener.batches if self.listener else 0,
+            "correction": round(self.correction, 3),
+        }
+
+
+class Registry:
+    """Instances by name, each with a slot in the prefix index."""
+
+    def __init__(self, index: PrefixIndex, default_blocks: int) -> None:
+        self.index = index
+        self.default_blocks = default_blocks
+        self._by_name: dict[str, Instance] = {}
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def get(self, name: str) -> Instance | None:
+        return self._by_name.get(name)
+
+    def add(self, spec: InstanceSpec) -> Instance:
+        if spec.name in self._by_name:
+            raise KeyError(f"instance {spec.name!r} already exists")
+        if any(i.spec.url == spec.url for i in self._by_name.values()):
+            raise KeyError(f"an instance with url {spec.url} already exists")
+        used = {i.slot for i in self._by_name.values()}
+        slot = next(s for s in range(len(used) + 1) if s not in used)
+        self.index.add_slot(slot, self.default_blocks)
+        inst = Instance(spec, slot)
+        self._by_name[str(spec.name)] = inst
+        return inst
+
+    def remove(self, name: str) -> Instance:
+        inst = self._by_name.pop(name)
+        self.index.drop_slot(inst.slot)
+        if inst.listener is not None:
+            inst.listener.close()
+        return inst
+
+    def candidates(self, model: str, *, prefill: bool) -> list[Instance]:
+        """Healthy instances serving ``model`` that can prefill (or decode)."""
+        return [i for i in self._by_name.values()
+                if i.healthy and (i.spec.model or model) == model
+                and (i.spec.can_prefill if prefill else i.spec.can_decode)]
+
+    def mark_failed(self, inst: Instance, threshold: int, reason: str) -> None:
+        inst.failures += 1
+        if inst.healthy and inst.failures >= threshold:
+            inst.healthy = False
+            log.warning("instance %s out of rotation: %s", inst.name, reason)
+
+    def mark_ok(self, inst: Instance) -> None:
+        if not inst.healthy:
+            log.info("instance %s back in rotation", inst.name)
+        inst.failures = 0
+        inst.healthy = True
+
+
+def parse_engine_metrics(text: str) -> EngineStats:
+    """The load figures the router needs from a vLLM ``/metrics`` page."""
+    stats = EngineStats()
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                          "vllm:kv_cache_usage_perc"):
+                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+            elif s.name == "vllm:cache_config_info":
+                pages = s.labels.get("num_gpu_blocks")
+                size = s.labels.get("block_size")
+                if pages and pages.isdigit() and size and size.isdigit():
+                    stats.num_pages, stats.page_size = int(pages), int(size)
+    stats.running = sums.get("vllm:num_requests_running", 0.0)
+    stats.waiting = sums.get("vllm:num_requests_waiting", 0.0)
+    usage = sums.get("vllm:kv_cache_usage_perc", 0.0)
+    stats.kv_usage = usage if math.isfinite(usage) else 0.0
+    return stats
+
+
+async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
+                timeout_s: float, threshold: int) -> None:
+    """One health check and metrics poll of ``inst``; updates its state in place."""
+    try:
+        r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
+        ok = r.status_code == 200
+        reason = f"/health answered {r.status_code}"
+    except httpx.HTTPError as exc:
+        ok, reason = False, f"/health failed: {exc!r}"
+    if not ok:
+        registry.mark_failed(inst, threshold, reason)
+        return
+    registry.mark_ok(inst)
+    try:
+        r = await client.get(inst.spec.url + "/metrics", timeout=timeout_s)
+        if r.status_code == 200:
+            inst.stats = parse_engine_metrics(r.text)
+    except (httpx.HTTPError, ValueError) as exc:
+        log.debug("metrics of %s unavailable: %s", inst.name, exc)
+
+
+def fit_capacity(inst: Instance, index: PrefixIndex, block_size: int) -> None:
+    """Size ``inst``'s LRU to its engine's KV cache, once the engine reported it."""
+    st = inst.stats
+    if st.num_pages and st.page_size:
+        blocks = st.num_pages * st.page_size // block_size
+        if blocks > 0 and blocks != index.capacity(inst.slot):
+            index.set_capacity(inst.slot, blocks)

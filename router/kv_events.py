@@ -1,0 +1,195 @@
+"""vLLM KV cache events (ZMQ, msgpack) turned into residency of *our* blocks.
+
+vLLM publishes one ``KVEventBatch`` per scheduler step as ``(topic, seq: u64 BE, payload)``;
+the payload is msgpack ``[ts, [event, ...], dp_rank]`` and each event a map tagged by
+``"type"``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
+``block_size``, ``extra_keys``, ``lora_name``), ``BlockRemoved`` (``block_hashes``) or
+``AllBlocksCleared``. Its block hashes are vLLM's own (sha256-based) over engine *pages*
+(128 tokens on CPU), so :class:`EventTranslator` recomputes our chained xxh3 hashes over
+stored blocks (``block_size`` tokens, a multiple of the page) from the token ids and the
+parent chain. A stored block counts as resident while all of its pages are.
+
+Endpoints: vLLM binds its PUB socket for ``tcp://*:...`` and ``ipc://`` endpoints and
+connects otherwise; the router's SUB socket does the opposite, so ``tcp://127.0.0.1:PORT``
+means the router listens on loopback and every engine connects to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+import zmq
+import zmq.asyncio
+
+from kvcentric.hashing import hash_seed, root_hash
+
+log = logging.getLogger("router.kv_events")
+
+
+@dataclass
+class _Page:
+    """Our chain state after one engine page.
+
+    ``chain``: hash of the last complete stored block at or before this page;
+    ``pending``: little-endian u32 tokens of the incomplete block after it;
+    ``run``: engine hashes of the pages holding ``pending``; ``blocks``: our blocks that
+    contain this page (a page may be shared by several continuations).
+    """
+
+    chain: bytes
+    pending: bytes
+    run: tuple[Any, ...]
+    blocks: list[bytes] = field(default_factory=list)
+
+
+class EventTranslator:
+    """Per instance: engine page events -> (blocks now resident, blocks no longer resident)."""
+
+    def __init__(self, model_id: str, block_size: int | None) -> None:
+        self.model_id = model_id
+        self._pages: dict[Any, _Page] = {}
+        self.skipped = 0  # events we could not translate (unknown parent, LoRA, multimodal)
+        self.block_bytes = 0
+        self.reset(block_size)
+
+    def reset(self, block_size: int | None) -> None:
+        """Forget everything and name blocks of ``block_size`` tokens (``None``: not known
+        yet; events are skipped until it is)."""
+        self.block_bytes = (block_size or 0) * 4
+        self._pages.clear()
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def stored(self, ev: dict[str, Any]) -> list[bytes]:
+        """Apply one ``BlockStored``; returns our blocks it completed (root first)."""
+        hashes = ev.get("block_hashes") or []
+        tokens = ev.get("token_ids") or []
+        page = int(ev.get("block_size") or 0)
+        extra = ev.get("extra_keys") or []
+        if (not self.block_bytes or not hashes or page <= 0 or len(tokens) != page * len(hashes)
+                or ev.get("lora_name")):
+            self.skipped += 1
+            return []
+        if any(k and any(not isinstance(x, str) for x in k) for k in extra):
+            self.skipped += 1  # multimodal or embedding keys: not a plain token prefix
+            return []
+        state = self._start(ev.get("parent_block_hash"), extra[0] if extra else None)
+        if state is None:
+            self.skipped += 1
+            return []
+        raw = np.asarray(tokens, dtype="<u4").tobytes()
+        step = page * 4
+        done: list[bytes] = []
+        for i, vh in enumerate(hashes):
+            chain, pending, run = state.chain, state.pending + raw[i * step:(i + 1) * step], \
+                state.run + (vh,)
+            completed: list[bytes] = []
+            while len(pending) >= self.block_bytes:
+                chain = xxhash.xxh3_128_digest(chain + pending[:self.block_bytes])
+                pending = pending[self.block_bytes:]
+                completed.append(chain)
+            if completed:
+                for prev in run[:-1]:
+                    if prev in self._pages:
+                        self._pages[prev].blocks.extend(completed)
+                run = (vh,) if pending else ()
+            state = _Page(chain, pending, run, completed)
+            self._pages[vh] = state
+            done.extend(completed)
+        return done
+
+    def _start(self, parent: Any, first_extra: Any) -> _Page | None:
+        if parent is None:
+            salt = next((x for x in (first_extra or ()) if isinstance(x, str)), None)
+            return _Page(root_hash(hash_seed(self.model_id, salt)), b"", ())
+        return self._pages.get(parent)
+
+    def removed(self, ev: dict[str, Any]) -> list[bytes]:
+        """Apply one ``BlockRemoved``; returns our blocks that lost a page."""
+        gone: list[bytes] = []
+        for vh in ev.get("block_hashes") or []:
+            p = self._pages.pop(vh, None)
+            if p is not None:
+                gone.extend(p.blocks)
+        return gone
+
+    def cleared(self) -> None:
+        self._pages.clear()
+
+
+def decode_batch(payload: bytes) -> list[dict[str, Any]]:
+    """The events of one msgpack ``KVEventBatch`` payload; ``ValueError`` if malformed."""
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a msgpack KV event batch: {exc}") from exc
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("a KV event batch is [ts, events, dp_rank]")
+    return [e for e in batch[1] if isinstance(e, dict)]
+
+
+def router_binds(endpoint: str) -> bool:
+    """True when the router's SUB must bind ``endpoint`` (vLLM then connects to it)."""
+    engine_binds = ("*" in endpoint or "::" in endpoint
+                    or endpoint.startswith(("ipc://", "inproc://")))
+    return not engine_binds
+
+
+class EventListener:
+    """Receives one engine's event stream and hands each batch's events to ``on_events``.
+
+    Runs as an asyncio task on the router's loop (:meth:`run`); ``gaps`` counts batches
+    lost on the way (sequence jumps), after which residency may be stale until the LRU
+    or later events correct it.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
+                 on_events: Callable[[list[dict[str, Any]]], None]) -> None:
+        self.endpoint = endpoint
+        self._on_events = on_events
+        self._sock = ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if router_binds(endpoint):
+            self._sock.bind(endpoint)
+        else:
+            self._sock.connect(endpoint)
+        self.batches = 0
+        self.gaps = 0
+        self._last_seq: int | None = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                self._handle(frames)
+        except zmq.ZMQError as exc:  # the socket was closed under us: the instance is gone
+            log.debug("%s: listener stopped: %s", self.endpoint, exc)
+        finally:
+            self._sock.close(linger=0)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            log.warning("%s: dropped a message of %d frames", self.endpoint, len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._last_seq is not None and seq != self._last_seq + 1:
+            self.gaps += 1
+        self._last_seq = seq
+        try:
+            events = decode_batch(frames[2])
+        except ValueError as exc:
+            log.warning("%s: %s", self.endpoint, exc)
+            return
+        self.batches += 1
+        self._on_events(events)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,239 @@
+"""Forward one OpenAI request along a decision: single instance or prefill -> decode.
+
+Bodies, status codes, SSE streams and usage fields pass through unchanged. With separate
+roles the prefill instance gets the request with ``max_tokens=1`` (not streamed; its
+connector saves the prompt's KV to the store) and then the decode instance gets the full
+request (its connector loads that KV) and its answer is relayed.
+
+Failures: a refused or broken connection or a 5xx from an instance before the first byte
+reached the client takes that instance out of rotation and the request is decided again
+without it (at most ``upstream.retries`` times). Nothing decodes twice: a decode is
+retried only when the failed one is known to have stopped with nothing the client saw; a
+read timeout (the engine may still be working) is answered 504 without retry. A failure
+mid-stream ends the stream with an SSE error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from router.decision import Decision, Rejection
+from router.instances import Instance
+from router.metrics import RouterMetrics
+from router.scheduler import Conductor
+
+log = logging.getLogger("router.proxy")
+_FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+
+
+class UpstreamFailed(Exception):
+    """The instance failed before the client saw a byte: retry elsewhere is safe."""
+
+    def __init__(self, inst: Instance, reason: str) -> None:
+        super().__init__(f"{inst.name}: {reason}")
+        self.inst = inst
+        self.reason = reason
+
+
+class UpstreamTimeout(Exception):
+    """The instance did not answer in time: it may still be working, so no retry (a retry
+    could decode the request twice)."""
+
+
+def _transport_error(inst: Instance, exc: httpx.TransportError) -> Exception:
+    if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout)):
+        return UpstreamTimeout(f"{inst.name}: {type(exc).__name__}")
+    return UpstreamFailed(inst, f"{type(exc).__name__}: {exc}")
+
+
+def error_response(status: int, message: str, kind: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style error body."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The request the prefill instance runs: same prompt, one token, not streamed."""
+    out = {k: v for k, v in body.items()
+           if k not in ("stream", "stream_options", "min_tokens", "n", "best_of")}
+    out["max_tokens"] = 1
+    if chat:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    return out
+
+
+class Proxy:
+    def __init__(self, conductor: Conductor, client: httpx.AsyncClient,
+                 metrics: RouterMetrics) -> None:
+        self.c = conductor
+        self.client = client
+        self.metrics = metrics
+        self.retries = conductor.cfg.upstream.retries
+        self.fail_after = conductor.cfg.health.unhealthy_after
+
+    async def handle(self, path: str, body: dict[str, Any], hashes: Sequence[bytes],
+                     n_tokens: int, headers: dict[str, str]) -> Response:
+        """Decide, dispatch, retry on failure; returns the client's response."""
+        rid = uuid.uuid4().hex
+        t_arrival = time.perf_counter()
+        stream = bool(body.get("stream"))
+        exclude: set[str] = set()
+        last = "no attempt"
+        for attempt in range(self.retries + 1):
+            t0 = time.perf_counter()
+            decision = await self.c.decide(hashes, n_tokens, exclude)
+            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+            if isinstance(decision, Rejection):
+                if attempt:
+                    break  # nothing else can take it: report the upstream failure
+                return self._reject(decision)
+            self._count(decision, n_tokens)
+            self.c.dispatched(decision, rid, hashes)
+            try:
+                if decision.disaggregated:
+                    early = await self._prefill(decision, rid, path, body, headers)
+                    if early is not None:
+                        self.c.finished(decision, rid)
+                        return early
+                if stream:
+                    return await self._stream(decision, rid, path, body, headers, t_arrival)
+                return await self._whole(decision, rid, path, body, headers)
+            except UpstreamTimeout as exc:
+                self.c.finished(decision, rid)
+                return error_response(504, f"upstream timed out: {exc}", "upstream_timeout")
+            except UpstreamFailed as exc:
+                self.c.finished(decision, rid)
+                self._failed(exc)
+                exclude.add(exc.inst.name)
+                last = str(exc)
+                if attempt < self.retries:
+                    self.metrics.retries.labels("decode" if exc.inst is decision.decode
+                                                and decision.disaggregated else
+                                                "prefill").inc()
+        return error_response(502, f"upstream failed: {last}", "upstream_error")
+
+    def _reject(self, r: Rejection) -> Response:
+        self.metrics.rejections.labels(r.reason).inc()
+        if r.reason == "no_instance":
+            return error_response(503, r.message, "service_unavailable",
+                                  {"Retry-After": str(r.retry_after_s)})
+        return error_response(429, r.message, "slo_rejected",
+                              {"Retry-After": str(r.retry_after_s)})
+
+    def _count(self, d: Decision, n_tokens: int) -> None:
+        m = self.metrics
+        m.decisions.labels(d.prefill.name, d.decode.name).inc()
+        m.ttft_predicted.observe(d.ttft_s)
+        m.prompt_tokens.labels(d.prefill.name).inc(n_tokens)
+        m.hit_tokens.labels(d.prefill.name).inc(d.hit_tokens)
+        m.local_hit_tokens.labels(d.prefill.name).inc(
+            min(d.local_blocks * self.c.params.block_size, n_tokens))
+        if d.replicated:
+            m.replications.inc()
+        if d.over_slo:
+            m.over_slo.inc()
+
+    def _failed(self, exc: UpstreamFailed) -> None:
+        self.metrics.upstream_errors.labels(exc.inst.name).inc()
+        log.warning("upstream failed, trying another instance: %s", exc)
+        # a refused connection is conclusive; the health loop brings it back when it answers
+        self.c.registry.mark_failed(exc.inst, 1 if "connect" in exc.reason.lower()
+                                    else self.fail_after, exc.reason)
+
+    def _headers(self, d: Decision, headers: dict[str, str]) -> dict[str, str]:
+        return {**headers, "x-kvc-prefill": d.prefill.name, "x-kvc-decode": d.decode.name,
+                "x-kvc-predicted-ttft-ms": f"{d.ttft_s * 1000:.1f}",
+                "x-kvc-hit-tokens": str(d.hit_tokens)}
+
+    async def _post(self, inst: Instance, path: str, content: bytes,
+                    headers: dict[str, str]) -> httpx.Response:
+        try:
+            r = await self.client.post(inst.spec.url + path, content=content, headers=headers)
+        except httpx.TransportError as exc:
+            raise _transport_error(inst, exc) from exc
+        if r.status_code >= 500:
+            raise UpstreamFailed(inst, f"HTTP {r.status_code}: {r.text[:200]}")
+        return r
+
+    async def _prefill(self, d: Decision, rid: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> Response | None:
+        """Run the prefill on p; a 4xx answer (the request's fault) goes to the client."""
+        t0 = time.perf_counter()
+        pbody = prefill_body(body, chat=path.endswith("chat/completions"))
+        r = await self._post(d.prefill, path, json.dumps(pbody).encode(), headers)
+        actual = time.perf_counter() - t0
+        if r.status_code != 200:
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        self.metrics.prefill_actual.observe(actual)
+        self.c.prefill_finished(d, rid, actual)
+        return None
+
+    async def _whole(self, d: Decision, rid: str, path: str, body: dict[str, Any],
+                     headers: dict[str, str]) -> Response:
+        r = await self._post(d.decode, path, json.dumps(body).encode(), headers)
+        self.c.finished(d, rid)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"),
+                        headers=self._headers(d, {}))
+
+    async def _stream(self, d: Decision, rid: str, path: str, body: dict[str, Any],
+                      headers: dict[str, str], t_arrival: float) -> Response:
+        """Relay d's SSE stream; the first chunk is awaited here so a failure before any
+        byte reached the client can still be retried elsewhere."""
+        inst = d.decode
+        req = self.client.build_request("POST", inst.spec.url + path,
+                                        content=json.dumps(body).encode(), headers=headers)
+        try:
+            up = await self.client.send(req, stream=True)
+        except httpx.TransportError as exc:
+            raise _transport_error(inst, exc) from exc
+        if up.status_code >= 500:
+            text = (await up.aread())[:200]
+            await up.aclose()
+            raise UpstreamFailed(inst, f"HTTP {up.status_code}: {text!r}")
+        if up.status_code != 200:
+            content = await up.aread()
+            await up.aclose()
+            self.c.finished(d, rid)
+            return Response(content, up.status_code, media_type=up.headers.get("content-type"))
+        chunks = up.aiter_raw()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except httpx.TransportError as exc:
+            await up.aclose()
+            raise _transport_error(inst, exc) from exc
+        ttft = time.perf_counter() - t_arrival
+        self.metrics.observe_ttft(d.ttft_s, ttft)
+        if not d.disaggregated:
+            self.c.prefill_finished(d, rid, ttft)
+        return StreamingResponse(self._relay(d, rid, up, first, chunks),
+                                 status_code=200, headers=self._headers(d, {}),
+                                 media_type=up.headers.get("content-type", "text/event-stream"))
+
+    async def _relay(self, d: Decision, rid: str, up: httpx.Response, first: bytes,
+                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.TransportError as exc:
+            self.metrics.upstream_errors.labels(d.decode.name).inc()
+            log.warning("stream from %s broke: %s", d.decode.name, exc)
+            err = {"error": {"message": f"upstream {d.decode.name} failed mid-stream",
+                             "type": "upstream_error", "code": 502}}
+            yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            await up.aclose()
+            self.c.finished(d, rid)

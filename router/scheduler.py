@@ -1,0 +1,149 @@
+"""The Conductor: prefix knowledge + cost model + bookkeeping -> one decision per request.
+
+Per request: hash the prompt's full blocks once (``kvcentric.hashing``, the connector's
+function, so router and store agree on every block), match them against every instance's
+resident blocks in one walk (:class:`router.prefix_index.PrefixIndex`), ask the store view
+for the global run, and run Algorithm 1 (:func:`router.decision.choose`). After dispatch
+the chosen instances' bookkeeping (queued prefill time, running decodes, resident blocks,
+prefix heat) is updated, and corrected again when the real timings come back.
+
+Runs on the router's event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+
+import numpy as np
+
+from kvcentric.hashing import block_hashes, hash_seed
+from router.config import RouterConfig
+from router.cost_model import Profile
+from router.decision import CostParams, Decision, Rejection, choose
+from router.heat import PrefixHeat
+from router.instances import Registry
+from router.prefix_index import PrefixIndex
+from router.store_view import StoreView
+
+log = logging.getLogger("router.decision")
+
+
+class Conductor:
+    def __init__(self, cfg: RouterConfig, profile: Profile, kv_bytes_per_token: int,
+                 store: StoreView, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.index = PrefixIndex()
+        self.registry = Registry(self.index, cfg.cache.blocks_per_instance)
+        self.store = store
+        self.heat = PrefixHeat(cfg.cache.heat_half_life_s)
+        self.profile = profile
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.bandwidth = profile.store_bandwidth_bps or cfg.cost.store_bandwidth_gbps * 1e9
+        self.block_size: int | None = None
+        # until the engines' page size is known, costs assume 256-token blocks; no prefix
+        # is hashed, so no decision counts on a hit it cannot verify
+        self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth)
+        self.clock = clock
+        self._seeds: dict[str | None, bytes] = {}
+        if cfg.keys.block_size is not None:
+            self.set_block_size(cfg.keys.block_size)
+
+    def set_block_size(self, block_size: int) -> None:
+        """Fix the stored block size (config, or the engines' default once seen). A change
+        drops all prefix knowledge: hashes of another block size name other blocks."""
+        if block_size == self.block_size:
+            return
+        if self.block_size is not None:
+            log.warning("stored block size changes %d -> %d: prefix knowledge reset",
+                        self.block_size, block_size)
+        self.block_size = block_size
+        self.params = CostParams(self.profile, block_size, self.kv_bytes_per_token * block_size,
+                                 self.bandwidth)
+        for inst in self.registry:
+            self.index.clear(inst.slot)
+            if inst.translator is not None:
+                inst.translator.reset(block_size)
+        self.store.reset()
+        log.info("stored block size: %d tokens", block_size)
+
+    def hashes(self, tokens: np.ndarray | Sequence[int], salt: str | None = None) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks (the store keys' last component);
+        empty while the block size is unknown."""
+        if self.block_size is None:
+            return []
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = self._seeds[salt] = hash_seed(self.cfg.model_id, salt)
+        return block_hashes(tokens, self.block_size, seed)
+
+    def decide_local(self, hashes: Sequence[bytes], n_tokens: int, global_run: int,
+                     exclude: Collection[str] = ()) -> Decision | Rejection:
+        """Algorithm 1 given the global run (no I/O)."""
+        model = self.cfg.model
+        pre = [i for i in self.registry.candidates(model, prefill=True) if i.name not in exclude]
+        dec = [i for i in self.registry.candidates(model, prefill=False)
+               if i.name not in exclude]
+        mask = 0
+        for i in pre:
+            mask |= 1 << i.slot
+        for i in dec:
+            mask |= 1 << i.slot
+        runs = self.index.match(hashes, mask)
+        now = self.clock()
+        result = choose(pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now)
+        if log.isEnabledFor(logging.DEBUG):
+            self._log(result, n_tokens, len(hashes), global_run)
+        return result
+
+    async def decide(self, hashes: Sequence[bytes], n_tokens: int,
+                     exclude: Collection[str] = ()) -> Decision | Rejection:
+        """Algorithm 1 with the store asked (through its TTL cache) for the global run."""
+        global_run = await self.store.leading_run(hashes) if self.store.enabled else 0
+        return self.decide_local(hashes, n_tokens, global_run, exclude)
+
+    def _log(self, result: Decision | Rejection, n: int, blocks: int, global_run: int) -> None:
+        if isinstance(result, Rejection):
+            log.debug("reject n=%d blocks=%d global=%d: %s", n, blocks, global_run,
+                      result.message)
+            return
+        cands = ", ".join(f"{c.name}: local={c.local_blocks} q={c.queue_s * 1e3:.1f} "
+                          f"load={c.load_s * 1e3:.1f} pre={c.prefill_s * 1e3:.1f} "
+                          f"ttft={c.ttft_s * 1e3:.1f}ms" for c in result.candidates)
+        log.debug("decide n=%d blocks=%d global=%d -> (%s, %s) ttft=%.1fms tbt=%.1fms [%s]",
+                  n, blocks, global_run, result.prefill.name, result.decode.name,
+                  result.ttft_s * 1e3, result.tbt_s * 1e3, cands)
+
+    # ---- bookkeeping ----
+    def dispatched(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
+        """The request was sent: its prefill is queued on p, its decode runs on d, and both
+        will hold the prompt's blocks (until the engines' events or the LRU say otherwise)."""
+        now = self.clock()
+        d.prefill.enqueue(rid, d.prefill_s, now)
+        d.decode.decodes += 1
+        if hashes:
+            self.index.add(d.prefill.slot, hashes)
+            if d.disaggregated:
+                self.index.add(d.decode.slot, hashes)
+            self.heat.touch(hashes[0], now)
+
+    def prefill_finished(self, d: Decision, rid: str, actual_s: float | None) -> None:
+        """p finished the prefill (``actual_s`` after dispatch, when known)."""
+        p = d.prefill
+        p.prefill_done(rid, self.clock())
+        if actual_s is None or not self.cfg.cost.correct_with_actual:
+            return
+        own = next((c for c in d.candidates if c.name == p.name), None)
+        if own is not None and own.queue_s == 0.0:  # nothing ahead: actual is load + compute
+            raw = own.load_s + own.prefill_s / p.correction
+            p.observe(raw, actual_s)
+
+    def finished(self, d: Decision, rid: str) -> None:
+        """The request left the decode instance (done, failed or abandoned)."""
+        d.prefill.prefill_done(rid, self.clock())
+        d.decode.decodes = max(0, d.decode.decodes - 1)
+
+    def replicas(self, h: bytes) -> int:
+        """Instances that hold block ``h``."""
+        return self.index.owners(h).bit_count()

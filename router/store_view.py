@@ -1,0 +1,181 @@
+"""The router's view of the global store: which leading blocks of a prompt it holds.
+
+One batched ``batch_exists`` per request at most, behind a TTL cache keyed by block hash:
+a block seen present is trusted for ``ttl_s`` (an eviction meanwhile costs one predicted
+hit that the engine recomputes, never a wrong token), and the first missing block is
+remembered for ``negative_ttl_s`` so a burst of misses does not hammer the store.
+
+Keys: ``KeySpace(model_id, layout_sig, 0, tp_size)``, exactly the connector's rank-0 keys.
+The layout signature folds in engine details (ISA, KV layout, dtype, block size) the router
+cannot see, so it is either configured (``keys.layout_sig``: for fleets mixing layouts, and
+for large mooncake deployments, whose ``list_keys`` dumps every key) or discovered once
+from the keys engines have stored (``list_keys("kvc/v1/{model_id}/")``). Before any engine
+stored a block there is nothing to find, which is also the right answer (0 blocks).
+
+Thread use: store calls run on one worker thread so a slow store never blocks the event
+loop; callers wait at most ``wait_s`` and otherwise use what the cache knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvcentric.config import StoreConfig
+from kvcentric.hashing import KEY_PREFIX, KeySpace
+from kvcentric.store import KVStore, StoreUnavailable, open_store
+
+log = logging.getLogger("router.store_view")
+_RETRY_S = 2.0  # how soon to retry opening the store or discovering the layout
+
+
+class StoreView:
+    """Leading run of a hash chain present in the store, with a TTL cache."""
+
+    def __init__(self, cfg: StoreConfig | None, model_id: str, *, layout_sig: str | None = None,
+                 tp_size: int = 1, ttl_s: float = 2.0, negative_ttl_s: float = 0.25,
+                 wait_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.model_id = model_id
+        self.tp_size = tp_size
+        self.ttl_s = ttl_s
+        self.negative_ttl_s = negative_ttl_s
+        self.wait_s = wait_s
+        self._clock = clock
+        self._keyspace = KeySpace(model_id, layout_sig, 0, tp_size) if layout_sig else None
+        self._present: dict[bytes, float] = {}
+        self._absent: dict[bytes, float] = {}
+        self._store: KVStore | None = None
+        self._next_try = 0.0
+        self._next_discover = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self.queries = 0
+        self.errors = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg is not None
+
+    @property
+    def layout_sig(self) -> str | None:
+        return self._keyspace.layout_sig if self._keyspace else None
+
+    # ---- the cache (event-loop side, never blocks) ----
+    def cached_run(self, hashes: Sequence[bytes], now: float | None = None) -> tuple[int, bool]:
+        """``(run, final)``: blocks known present, and whether that is the whole answer
+        (all present, or the next one known absent) so no store call is needed."""
+        if self.cfg is None:
+            return 0, True
+        now = self._clock() if now is None else now
+        present = self._present
+        i = 0
+        for h in hashes:
+            exp = present.get(h)
+            if exp is None or exp < now:
+                break
+            i += 1
+        if i == len(hashes):
+            return i, True
+        return i, self._absent.get(hashes[i], 0.0) >= now
+
+    def record(self, hashes: Sequence[bytes], start: int, run: int, now: float) -> None:
+        """Remember that ``hashes[start:start+run]`` are present and the next is not."""
+        exp = now + self.ttl_s
+        for h in hashes[start:start + run]:
+            self._present[h] = exp
+        if start + run < len(hashes):
+            self._absent[hashes[start + run]] = now + self.negative_ttl_s
+        if len(self._present) > 1_000_000 or len(self._absent) > 100_000:
+            self._expire(now)
+
+    def reset(self) -> None:
+        """Forget cached answers (the block size changed, so hashes name other blocks)."""
+        self._present = {}
+        self._absent = {}
+
+    def _expire(self, now: float) -> None:
+        self._present = {h: e for h, e in self._present.items() if e >= now}
+        self._absent = {h: e for h, e in self._absent.items() if e >= now}
+
+    # ---- store calls (worker thread) ----
+    def query(self, hashes: Sequence[bytes], start: int = 0) -> int:
+        """Blocking: ask the store for the leading run of ``hashes[start:]``; returns the
+        total run (``start`` plus what the store holds). Never raises."""
+        now = self._clock()
+        store = self._open(now)
+        ks = self._discover(store, now) if store is not None else None
+        if store is None or ks is None:
+            return start
+        self.queries += 1
+        try:
+            run = store.batch_exists(ks.keys(hashes[start:]))
+        except (StoreUnavailable, OSError, ValueError) as exc:
+            self.errors += 1
+            log.warning("store batch_exists failed: %s", exc)
+            return start
+        self.record(hashes, start, run, self._clock())
+        return start + run
+
+    def _open(self, now: float) -> KVStore | None:
+        if self._store is not None or self.cfg is None or now < self._next_try:
+            return self._store
+        try:
+            self._store = open_store(self.cfg)
+        except (StoreUnavailable, OSError, ValueError) as exc:
+            self.errors += 1
+            self._next_try = now + _RETRY_S
+            log.warning("store %s unreachable (%s); retrying in %.0f s", self.cfg.name, exc,
+                        _RETRY_S)
+        return self._store
+
+    def _discover(self, store: KVStore, now: float) -> KeySpace | None:
+        if self._keyspace is not None or now < self._next_discover:
+            return self._keyspace
+        self._next_discover = now + _RETRY_S
+        list_keys = getattr(store, "list_keys", None)
+        if list_keys is None:
+            log.warning("store backend cannot list keys: set keys.layout_sig in the config")
+            return None
+        prefix = f"{KEY_PREFIX}/{self.model_id}/"
+        try:
+            keys = list_keys(prefix, 256)
+        except (StoreUnavailable, OSError, ValueError) as exc:
+            log.warning("cannot list store keys: %s", exc)
+            return None
+        sigs = Counter(k[len(prefix):].split("/", 1)[0] for k in keys)
+        if not sigs:
+            return None  # nothing stored for this model yet: 0 blocks is the right answer
+        sig, _ = sigs.most_common(1)[0]
+        if len(sigs) > 1:
+            log.warning("several layouts stored for %s: %s; using %s (pin keys.layout_sig)",
+                        self.model_id, sorted(sigs), sig)
+        self._keyspace = KeySpace(self.model_id, sig, 0, self.tp_size)
+        log.info("store key layout for %s discovered: %s", self.model_id, sig)
+        return self._keyspace
+
+    # ---- async front ----
+    async def leading_run(self, hashes: Sequence[bytes]) -> int:
+        """Blocks of ``hashes`` present in the store (cache first, then one store call)."""
+        run, final = self.cached_run(hashes)
+        if final:
+            return run
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-router-store")
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, self.query, hashes, run)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
+        except TimeoutError:
+            return run  # the answer still lands in the cache for the next request
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,0 +1,87 @@
+"""In-process tokenisation with the model's own tokenizer and chat template.
+
+Mirrors what vLLM's OpenAI server does so the router hashes the very tokens the engine
+will see: completions tokenise the prompt with special tokens (unless the request says
+``add_special_tokens: false``); chat renders the template to text, then tokenises it
+without special tokens. A mismatch here would only cost routing quality, never output
+correctness: the engine tokenises the untouched request itself.
+
+Token ids come back as a 1-D ``uint32`` numpy array (what :func:`block_hashes` hashes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class PromptTokenizer:
+    """The tokenizer of the model in ``model_dir`` (``tokenizer.json`` and friends)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load a tokenizer from {model_dir}: {exc}") from exc
+        # the router never truncates; the engine enforces its own max_model_len
+        self.tok.model_max_length = 1 << 62
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return np.asarray(ids, dtype=np.uint32)
+
+    def completion_ids(self, body: Mapping[str, Any]) -> np.ndarray:
+        """Token ids of a ``/v1/completions`` body's (first) prompt; ``ValueError`` if the
+        prompt is missing or malformed."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch goes to one instance: route by its first prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.encode(prompt, bool(body.get("add_special_tokens", True)))
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                for t in prompt):
+            return np.asarray(prompt, dtype=np.uint32)
+        raise ValueError("prompt must be a non-empty string, list of token ids, or a list "
+                         "of those")
+
+    def chat_ids(self, body: Mapping[str, Any]) -> np.ndarray:
+        """Token ids of a ``/v1/chat/completions`` body rendered with the chat template."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        norm = [_message(m) for m in messages]
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        try:
+            text = self.tok.apply_chat_template(
+                norm, tokenize=False, tools=body.get("tools"),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                **kwargs)
+        except Exception as exc:  # jinja errors of every kind are the request's fault
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
+        return self.encode(str(text), add_special_tokens=False)
+
+
+def _message(m: Any) -> dict[str, Any]:
+    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+        raise ValueError("each message must be an object with a string 'role'")
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping):
+                raise ValueError("message content parts must be objects")
+            if part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ValueError("message content must be a string or a list of parts")
+    return {**m, "content": content or ""}

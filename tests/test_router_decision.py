@@ -1,0 +1,129 @@
+"""Algorithm 1 (router.decision.choose) on hand-built instance states."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.config import InstanceSpec, SloConfig
+from router.cost_model import Profile
+from router.decision import CostParams, Decision, Rejection, choose
+from router.instances import Instance
+
+BS = 256
+PROFILE = Profile(a=1e-9, b=1e-4, c=0.005, tbt_base_s=0.02, tbt_per_seq_s=0.002)
+# 4 KiB per token -> 1 MiB per block; 1 GB/s: a block loads in ~1 ms, computes in ~26 ms
+PARAMS = CostParams(PROFILE, BS, 4096 * BS, 1e9)
+SLO = SloConfig(ttft_ms=2000, tbt_ms=100)
+N = 32 * BS + 10
+
+
+def inst(name: str, slot: int, role: str = "both") -> Instance:
+    return Instance(InstanceSpec(url=f"http://{name}:1", role=role, name=name), slot)
+
+
+def test_prefers_the_instance_holding_the_prefix() -> None:
+    a, b = inst("a", 0), inst("b", 1)
+    d = choose([a, b], [a, b], {0: 0, 1: 30}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b and d.decode is b
+    assert not d.disaggregated and d.local_blocks == 30 and d.load_blocks == 0
+    assert d.hit_tokens == 30 * BS
+    costs = {c.name: c for c in d.candidates}
+    assert costs["b"].ttft_s < costs["a"].ttft_s
+
+
+def test_global_store_makes_every_instance_a_near_hit() -> None:
+    a, b = inst("a", 0), inst("b", 1)
+    d = choose([a, b], [a, b], {0: 0, 1: 30}, 30, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision)
+    costs = {c.name: c for c in d.candidates}
+    # a loads 30 blocks (30 MiB at 1 GB/s) instead of recomputing 30 blocks
+    assert costs["a"].load_s == pytest.approx(30 * 4096 * BS / 1e9)
+    assert costs["a"].prefill_s == pytest.approx(costs["b"].prefill_s)
+    assert costs["a"].ttft_s < PROFILE.prefill_s(N, 0)
+
+
+def test_hot_spot_goes_elsewhere_and_replicates_from_the_store() -> None:
+    a, b = inst("a", 0), inst("b", 1)
+    for i in range(20):  # b holds the hot prefix but has 20 prefills queued
+        b.enqueue(f"r{i}", 0.1, now=0.0)
+    d = choose([a, b], [a, b], {0: 0, 1: 30}, 30, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a
+    assert d.replicated and d.load_blocks == 30
+    # without the store, a would recompute everything: then b's queue is still cheaper?
+    d2 = choose([a, b], [a, b], {0: 0, 1: 30}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d2, Decision) and d2.prefill is a and not d2.replicated
+    assert d2.ttft_s > d.ttft_s
+
+
+def test_queue_drains_with_time() -> None:
+    b = inst("b", 0)
+    b.enqueue("x", 1.0, now=10.0)
+    b.enqueue("y", 1.0, now=10.5)
+    assert b.queue_s(10.5) == pytest.approx(1.5)
+    b.prefill_done("x", now=11.0)
+    assert b.queue_s(11.0) == pytest.approx(1.0)
+    assert b.queue_s(13.5) == 0.0  # y never reported: assumed done after 2x its prediction
+    assert b.queued == 0
+
+
+def test_ttft_slo_rejects_with_retry_after() -> None:
+    a = inst("a", 0)
+    for i in range(40):
+        a.enqueue(f"r{i}", 0.1, now=0.0)  # 4 s of queued prefill
+    r = choose([a], [a], {}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "ttft"
+    assert r.retry_after_s == math.ceil(r.ttft_s - 2.0) >= 2
+    assert "exceeds the SLO" in r.message
+
+
+def test_a_prompt_too_long_for_the_slo_when_idle_is_served_best_effort() -> None:
+    a = inst("a", 0)
+    n = 20000 * 5  # ~10 s of prefill on an idle instance
+    d = choose([a], [a], {}, 0, n, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.over_slo and d.ttft_s > 2.0
+    a.enqueue("x", 1.0, now=0.0)  # with a queue the excess is still not the queue's fault
+    d = choose([a], [a], {}, 0, n, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.over_slo
+
+
+def test_tbt_slo_steers_and_rejects() -> None:
+    a, b = inst("a", 0), inst("b", 1)
+    a.stats.running = 60  # 20 + 2*60 ms > 100 ms
+    d = choose([a, b], [a, b], {0: 30}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b  # a has the prefix but decodes too slowly
+    b.stats.kv_usage = 0.99  # b would preempt
+    r = choose([a, b], [a, b], {0: 30}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "tbt"
+
+
+def test_disaggregated_pair_counts_the_decode_side_load() -> None:
+    p1, p2 = inst("p1", 0, "prefill"), inst("p2", 1, "prefill")
+    d1, d2 = inst("d1", 2, "decode"), inst("d2", 3, "decode")
+    d1.decodes = 30  # d1 slower per token
+    res = choose([p1, p2], [d1, d2], {1: 32, 3: 32}, 32, N, PARAMS, SLO, now=0.0)
+    assert isinstance(res, Decision) and res.disaggregated
+    assert res.prefill is p2 and res.decode is d2
+    own = {c.name: c for c in res.candidates}["p2"]
+    # d2 holds the prompt already: only its tail is computed, plus one decode step
+    tail = PROFILE.prefill_s(N, 32 * BS)
+    assert res.ttft_s == pytest.approx(own.ttft_s + tail + PROFILE.tbt_s(1))
+
+
+def test_no_instances_and_no_decoder() -> None:
+    r = choose([], [], {}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "no_instance"
+    p = inst("p", 0, "prefill")
+    r = choose([p], [], {}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "tbt"
+
+
+def test_correction_factor_is_bounded() -> None:
+    a = inst("a", 0)
+    for _ in range(50):
+        a.observe(0.1, 10.0)
+    c = a.correction
+    assert c == pytest.approx(4.0, rel=1e-3) and c <= 4.0
+    a.observe(0.0, 1.0)  # ignored
+    assert a.correction == c

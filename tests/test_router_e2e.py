@@ -1,0 +1,274 @@
+"""The router end to end: real vLLM CPU servers (tiny model, float32), a real local store,
+the router as its own process (``python -m router.cli serve``) over real HTTP, its cost
+profile measured by ``router.cli profile`` on one of the servers.
+
+Servers: ``a`` and ``b`` (kv_both, publishing KV events to the router), ``p``
+(kv_producer) and ``d`` (kv_consumer), all on one store. Tests swap the router's
+instances through its admin API. The last test kills ``b``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from kvcentric.config import StoreConfig
+from kvcentric.store.local import launcher
+from kvcentric.testing.models import build_model
+from kvcentric.testing.servers import VllmServer, connector_config, free_port
+
+pytestmark = pytest.mark.vllm
+SLO_TTFT_MS = 1500
+BLOCK = 128  # the connector's default stored block on vLLM CPU (= the engine page)
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
+         "pi rho sigma tau upsilon phi chi psi omega river stone cloud forest ember").split()
+
+
+@dataclass
+class Cluster:
+    servers: dict[str, VllmServer]
+    events: dict[str, str]
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def spec(self, name: str, role: str) -> dict[str, Any]:
+        s: dict[str, Any] = {"url": self.servers[name].url, "role": role, "name": name}
+        if name in self.events:
+            s["kv_events"] = self.events[name]
+        return s
+
+    def use(self, **roles: str) -> None:
+        """Make the router's instances exactly ``name=role, ...``."""
+        cur = httpx.get(self.url + "/instances").json()["instances"]
+        for i in cur:
+            httpx.delete(f"{self.url}/instances/{i['name']}").raise_for_status()
+        for name, role in roles.items():
+            httpx.post(self.url + "/instances", json=self.spec(name, role)).raise_for_status()
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        return {i["name"]: i for i in httpx.get(self.url + "/instances").json()["instances"]}
+
+
+def hits(srv: VllmServer, external: bool = False) -> float:
+    key = "vllm:external_prefix_cache_hits_total" if external else \
+        "vllm:prefix_cache_hits_total"
+    return srv.metrics().get(key, 0.0)
+
+
+def text(seed: int, words: int = 250) -> str:
+    rnd = random.Random(seed)
+    return " ".join(rnd.choice(WORDS) for _ in range(words))
+
+
+def token_prompt(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(4, 4000) for _ in range(n)]
+
+
+def _events_cfg(port: int) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"})
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"router not up; log: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
+    tmp = tmp_path_factory.mktemp("router-e2e")
+    store = {"name": "router-e2e", "capacity": "512mb", "runtime_dir": str(runtime_dir)}
+    ev = {"a": f"tcp://127.0.0.1:{free_port()}", "b": f"tcp://127.0.0.1:{free_port()}"}
+    roles = {"a": "kv_both", "b": "kv_both", "p": "kv_producer", "d": "kv_consumer"}
+    servers = {n: VllmServer(model, log_path=tmp / f"{n}.log",
+                             kv_transfer=connector_config(store, role=r),
+                             args=["--kv-events-config", _events_cfg(int(ev[n].rsplit(":")[-1]))]
+                             if n in ev else ())
+               for n, r in roles.items()}
+    proc = None
+    try:
+        for s in servers.values():
+            s.start()
+        for s in servers.values():
+            s.wait_ready()
+        profile = tmp / "profile.json"
+        subprocess.run([sys.executable, "-m", "router.cli", "profile", "--url", servers["a"].url,
+                        "--model", "tiny", "--out", str(profile), "--lengths", "256,1024,2048",
+                        "--hits", "0,0.5", "--repeats", "1"], check=True, timeout=300)
+        port = free_port()
+        cfg = {"model": "tiny", "tokenizer": model, "listen": {"port": port},
+               "instances": [{"url": servers[n].url, "role": "both", "name": n,
+                              "kv_events": ev[n]} for n in ("a", "b")],
+               "slo": {"ttft_ms": SLO_TTFT_MS, "tbt_ms": 1000}, "store": store,
+               "cost": {"profile": str(profile), "store_bandwidth_gbps": 1.0,
+                        "correct_with_actual": False},
+               "health": {"interval_s": 0.5, "timeout_s": 2, "unhealthy_after": 2},
+               "upstream": {"timeout_s": 120}}
+        (tmp / "router.yaml").write_text(yaml.safe_dump(cfg))
+        log = tmp / "router.log"
+        proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config",
+                                 str(tmp / "router.yaml"), "--log-level", "debug"],
+                                stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url + "/health", proc, log, 60)
+        yield Cluster(servers, ev, url, proc, log)
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        for s in servers.values():
+            s.stop()
+        launcher.stop(StoreConfig.from_dict(store))
+
+
+def chat(url: str, messages: list[dict[str, str]]) -> httpx.Response:
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0.0})
+    r.raise_for_status()
+    return r
+
+
+def test_multi_turn_lands_where_its_prefix_is_cheapest(cluster: Cluster) -> None:
+    c, srv = cluster, cluster.servers
+    convs = {1: [{"role": "user", "content": text(1)}], 2: [{"role": "user", "content": text(2)}]}
+    last = {1: chat(c.url, convs[1])}
+    home = {1: last[1].headers["x-kvc-prefill"]}
+    home[2] = "b" if home[1] == "a" else "a"
+    # conversation 2 starts on the other instance behind the router's back: the router can
+    # only learn that its prefix lives there from that engine's KV events
+    last[2] = chat(srv[home[2]].url, convs[2])
+    deadline = time.monotonic() + 10
+    while c.instances()[home[2]]["resident_blocks"] == 0:
+        assert time.monotonic() < deadline, "no KV events from the engine"
+        time.sleep(0.2)
+    assert c.instances()[home[2]]["residency"] == "kv_events"
+    for k, seed in ((1, 3), (2, 4), (1, 5)):
+        answer = last[k].json()["choices"][0]["message"]["content"]
+        convs[k] += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": text(seed, 60)}]
+        before = hits(srv[home[k]])
+        last[k] = chat(c.url, convs[k])
+        assert last[k].headers["x-kvc-prefill"] == home[k], (k, last[k].headers)
+        hit = int(last[k].headers["x-kvc-hit-tokens"])
+        assert hit >= 2 * BLOCK
+        assert hits(srv[home[k]]) - before >= hit  # the engine really reused that much
+
+
+def _complete(url: str, prompt: list[int], stream: bool, **extra: Any) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "stream": stream, **extra}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        r.raise_for_status()
+        return list(r.json()["choices"][0]["token_ids"])
+    out: list[int] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    return out
+
+
+def test_prefill_decode_pair_matches_a_single_instance(cluster: Cluster) -> None:
+    c, srv = cluster, cluster.servers
+    c.use(p="prefill", d="decode")
+    try:
+        for i, stream in enumerate((False, True)):
+            prompt = token_prompt(10 + i, 1100)
+            # a fresh salt: the reference computes everything itself, no store, no cache
+            want = _complete(srv["a"].url, prompt, False, cache_salt=f"ref-{i}")
+            before = hits(srv["d"], external=True)
+            got = _complete(c.url, prompt, stream)
+            assert got == want and len(got) == 24
+            assert hits(srv["d"], external=True) - before == (1100 - 1) // BLOCK * BLOCK
+        m = httpx.get(c.url + "/metrics").text
+        assert 'kvc_router_decisions_total{decode="d",prefill="p"} 2.0' in m
+    finally:
+        c.use(a="both", b="both")
+    # neither a nor b ever computed that prompt (a only a salted copy), but the store holds
+    # it: the router counts it as a hit on either, and the engine it picks loads exactly that
+    # much from the store
+    before = {n: hits(srv[n], external=True) for n in ("a", "b")}
+    r = httpx.post(c.url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": token_prompt(10, 1100), "max_tokens": 4})
+    hit = int(r.headers["x-kvc-hit-tokens"])
+    assert hit == (1100 - 1) // BLOCK * BLOCK
+    chosen = r.headers["x-kvc-prefill"]
+    assert hits(srv[chosen], external=True) - before[chosen] == hit
+    keys = httpx.get(c.url + "/instances").json()["keys"]
+    assert keys["block_size"] == BLOCK and keys["layout_sig"]
+
+
+def test_overload_is_refused_with_429_not_timeouts(cluster: Cluster) -> None:
+    c = cluster
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float, str]:
+        t0 = time.perf_counter()
+        r = await client.post("/v1/completions", json={
+            "model": "tiny", "prompt": token_prompt(1000 + i, 3000), "max_tokens": 4})
+        return r.status_code, time.perf_counter() - t0, r.headers.get("retry-after", "")
+
+    async def burst() -> list[tuple[int, float, str]]:
+        async with httpx.AsyncClient(base_url=c.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=100)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    t0 = time.perf_counter()
+    res = asyncio.run(burst())
+    codes = [r[0] for r in res]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(429) >= 1 and codes.count(200) >= 2
+    assert all(int(ra) >= 1 for code, _, ra in res if code == 429)
+    assert max(t for code, t, _ in res if code == 429) < 10  # refused at once
+    assert time.perf_counter() - t0 < 110
+    m = httpx.get(c.url + "/metrics").text
+    assert 'kvc_router_rejections_total{reason="ttft"}' in m
+
+
+def test_killing_an_instance_mid_run_keeps_requests_succeeding(cluster: Cluster) -> None:
+    c, srv = cluster, cluster.servers
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=c.url, timeout=120) as client:
+            codes: list[int] = []
+            for wave in range(8):
+                if wave == 2:
+                    os.killpg(os.getpgid(srv["b"].proc.pid), signal.SIGKILL)  # type: ignore
+                rs = await asyncio.gather(*(client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": token_prompt(5000 + wave * 10 + k, 400),
+                    "max_tokens": 4}) for k in range(3)))
+                codes += [r.status_code for r in rs]
+            return codes
+
+    codes = asyncio.run(run())
+    assert codes == [200] * 24
+    inst = c.instances()
+    assert inst["b"]["healthy"] is False and inst["a"]["healthy"] is True
