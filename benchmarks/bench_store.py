@@ -173,11 +173,19 @@ def print_table(res: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", choices=["local"], default="local")
+    ap.add_argument("--backend", choices=["local", "mooncake"], default="local")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if args.backend == "mooncake":  # ours vs the raw Mooncake client, see that module
+        from bench_store_mooncake import main as mooncake_main
+
+        mooncake_main((["--quick"] if args.quick else []) + (["--out", str(args.out)]
+                      if args.out else []) + rest)
+        return
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.child:
         child(args.child)
         return

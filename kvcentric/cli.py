@@ -3,6 +3,8 @@
     kvcentric store serve [--name N] [--capacity 4gb] [--idle-timeout S]
     kvcentric store stop  [--name N]
     kvcentric store stats [--name N] [--prometheus]
+    kvcentric store mooncake-master [--host 127.0.0.1] [--port 50051] ...
+    kvcentric store mooncake-node --segment 16gb --master HOST:PORT ...
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def _store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
                            help="exit after this many seconds without clients (0: never)")
         if name == "stats":
             p.add_argument("--prometheus", action="store_true")
+    from kvcentric.store.mooncake_service import add_mooncake_commands
+
+    add_mooncake_commands(ssub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _store_parser(sub)
     args = ap.parse_args(argv)
+    if hasattr(args, "run"):  # the mooncake service commands
+        return int(args.run(args))
     cfg = _store_cfg(args)
     if args.action == "serve":
         return _serve(cfg)

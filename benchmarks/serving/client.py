@@ -1,0 +1,127 @@
+"""One streamed OpenAI request over ``httpx``, timed like ``vllm bench serve`` times it.
+
+``send`` never raises for a failed request: HTTP errors, stream errors and exceptions end
+up in the returned :class:`RequestRecord` (``success=False``, ``status``, ``error``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from .metrics import RequestRecord
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass(frozen=True)
+class Api:
+    """How to talk to the server(s): endpoint kind, model name, sampling extras."""
+
+    model: str
+    endpoint: str = "completions"
+    ignore_eos: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}")
+
+    def body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
+        """The JSON body: ``prompt`` is text/ids (completions) or messages (chat)."""
+        key = "messages" if self.endpoint == "chat" else "prompt"
+        out = {"model": self.model, key: prompt, "max_tokens": max_tokens,
+               "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out | self.extra_body
+
+
+@dataclass
+class _Stream:
+    """What a stream delivered so far."""
+
+    t0: float
+    last: float = 0.0
+    text: list[str] = field(default_factory=list)
+    chunks: int = 0
+    usage: dict[str, Any] | None = None
+
+    def feed(self, obj: dict[str, Any], chat: bool, rec: RequestRecord) -> None:
+        now = time.perf_counter()
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if not piece:
+                continue
+            if self.chunks == 0:
+                rec.ttft_s = now - self.t0
+            else:
+                rec.itl_s.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+            self.text.append(piece)
+
+
+async def send(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
+               rec: RequestRecord, t_origin: float) -> str:
+    """Send one request, fill ``rec`` in place and return the generated text."""
+    chat = api.endpoint == "chat"
+    t0 = time.perf_counter()
+    rec.start_s, rec.url = t0 - t_origin, base_url
+    st = _Stream(t0)
+    try:
+        async with client.stream("POST", base_url.rstrip("/") + ENDPOINTS[api.endpoint],
+                                 json=api.body(prompt, rec.max_tokens)) as r:
+            rec.status = r.status_code
+            if r.status_code != 200:
+                body = (await r.aread()).decode(errors="replace")
+                rec.error = f"HTTP {r.status_code}: {_message(body)}"
+                return ""
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    rec.error = f"stream error: {_message(json.dumps(obj))}"
+                    return ""
+                st.feed(obj, chat, rec)
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        return ""
+    rec.latency_s = time.perf_counter() - t0
+    _finish(rec, st)
+    return "".join(st.text)
+
+
+def _finish(rec: RequestRecord, st: _Stream) -> None:
+    usage = st.usage or {}
+    rec.output_tokens = int(usage.get("completion_tokens") or st.chunks)
+    if usage.get("prompt_tokens") is not None:
+        rec.server_prompt_tokens = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        rec.cached_tokens = int(details["cached_tokens"])
+    if st.chunks == 0:
+        rec.error = "the stream carried no content"
+        return
+    rec.success = True
+
+
+def _message(body: str) -> str:
+    """The ``message`` of an OpenAI error body, else the body's start."""
+    try:
+        obj = json.loads(body)
+        err = obj.get("error", obj)
+        msg = err.get("message") if isinstance(err, dict) else err
+        return str(msg or obj.get("detail") or body)[:300]
+    except (ValueError, AttributeError):
+        return body[:300]

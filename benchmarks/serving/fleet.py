@@ -1,0 +1,102 @@
+"""vLLM CPU instances for comparisons: started per arm (or once for all), warmed up,
+reset between arms, and stopped (only the processes started here)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcentric.config import StoreConfig
+from kvcentric.store import open_store
+from kvcentric.store.local import launcher
+from kvcentric.testing.servers import VllmServer
+
+SERVED_NAME = "bench"
+CPU_PAGE = 128  # vLLM CPU's KV page (block) size in tokens
+SERVER_ARGS = ("--enable-prompt-tokens-details",)  # per-request cached-token counts
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One side of a comparison.
+
+    ``kv_transfer``: the instances' connector (None: no connector); ``store``: a local
+    store the arm owns (stopped afterwards); ``gateway``: what sits in front of the
+    instances (``"client-rr"``: none, the client round-robins; ``"sglang:<policy>"``;
+    ``"kvcentric"``: our router).
+    """
+
+    name: str
+    kv_transfer: dict[str, Any] | None = None
+    store: dict[str, Any] | None = None
+    gateway: str = "client-rr"
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What every instance of every arm shares."""
+
+    model: str
+    instances: int = 2
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    env: dict[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = SERVER_ARGS
+
+
+def pinned_threads_env() -> dict[str, str]:
+    """Same worker threads with and without a connector (see FIELD-NOTES, fairness trap)."""
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1" if (os.cpu_count() or 1) <= 2 else "0"}
+
+
+def engine_cache_args(tokens: int) -> tuple[str, ...]:
+    """Server flags limiting the engine's own KV cache to ``tokens`` (0: vLLM's default)."""
+    return ("--num-gpu-blocks-override", str(tokens // CPU_PAGE)) if tokens else ()
+
+
+def engine_cache_text(tokens: int) -> str:
+    return f"{tokens} tokens per instance" if tokens else "vLLM's default (1 GiB per instance)"
+
+
+def warm_up(servers: Sequence[VllmServer], seed: str) -> None:
+    """One unrelated request per instance: first requests pay one-off costs."""
+    rnd = random.Random(f"warmup/{seed}")
+    for s in servers:
+        s.complete([rnd.randrange(4, 4000) for _ in range(300)], max_tokens=2, timeout_s=600)
+
+
+@contextlib.contextmanager
+def fleet(spec: FleetSpec, arm: Arm, logs: Path) -> Iterator[list[VllmServer]]:
+    """Start ``spec.instances`` servers for ``arm``, warm each up, stop them on exit."""
+    servers = [VllmServer(spec.model, SERVED_NAME, arm.kv_transfer, spec.dtype,
+                          spec.max_model_len, spec.args, spec.env,
+                          logs / f"{arm.name}-{i}.log") for i in range(spec.instances)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(900)
+        warm_up(servers, arm.name)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+        if arm.store is not None:
+            launcher.stop(StoreConfig.from_dict(arm.store))
+
+
+def reset_caches(servers: Sequence[VllmServer], store: dict[str, Any] | None) -> None:
+    """Empty every instance's prefix cache and the store, so the next arm starts cold."""
+    for s in servers:
+        s.reset_prefix_cache()
+    if store is not None:
+        with open_store(store) as st:
+            clear = getattr(st, "clear", None)
+            if clear is None:
+                raise ValueError("the store backend cannot be cleared between arms")
+            clear()

@@ -1,0 +1,84 @@
+"""A comparison's outputs: ratios over the baseline arm, a markdown table, JSON and PNGs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import plot
+
+
+def same_instance_rate(requests: Sequence[dict[str, Any]]) -> float | None:
+    """Share of follow-up turns sent to the URL that served the user's previous turn."""
+    by_user: dict[str, list[dict[str, Any]]] = {}
+    for r in requests:
+        by_user.setdefault(r["sid"], []).append(r)
+    pairs = same = 0
+    for turns in by_user.values():
+        turns.sort(key=lambda r: r["turn"])
+        for a, b in zip(turns, turns[1:]):
+            pairs += 1
+            same += a["url"] == b["url"]
+    return same / pairs if pairs else None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def ratios(base: dict[str, Any], arm: dict[str, Any]) -> dict[str, float | None]:
+    """``arm`` over ``base``: speedups for latencies (base/arm), ratios for rates.
+
+    A ratio over a zero or missing baseline value is None.
+    """
+    b, a = base["summary"], arm["summary"]
+    return {"ttft_mean_speedup": _ratio(b["ttft_mean_ms"], a["ttft_mean_ms"]),
+            "ttft_p90_speedup": _ratio(b["ttft_p90_ms"], a["ttft_p90_ms"]),
+            "goodput_ratio": _ratio(a["goodput"], b["goodput"]),
+            "request_throughput_ratio": _ratio(a["request_throughput"], b["request_throughput"]),
+            "output_throughput_ratio": _ratio(a["output_throughput"], b["output_throughput"])}
+
+
+def fmt(v: Any, spec: str = ".0f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def markdown(title: str, results: Sequence[dict[str, Any]], cmp: dict[str, Any],
+             notes: Sequence[str]) -> str:
+    head = ("| arm | TTFT mean (ms) | TTFT p50 | TTFT p90 | TTFT p99 | TPOT mean (ms) | "
+            "goodput (req/s) | SLO met | req/s | output tok/s | hit tokens (engine / "
+            "external) | completed / failed / rejected |")
+    lines = [f"# {title}", "", head, "|" + "---|" * 12]
+    for r in results:
+        s, m = r["summary"], r["server_metrics"]
+        lines.append(
+            f"| {r['label']} | {fmt(s['ttft_mean_ms'])} | {fmt(s['ttft_p50_ms'])} | "
+            f"{fmt(s['ttft_p90_ms'])} | {fmt(s['ttft_p99_ms'])} | {fmt(s['tpot_mean_ms'])} | "
+            f"{fmt(s['goodput'], '.3f')} | {fmt(s['slo_attainment'], '.0%')} | "
+            f"{fmt(s['request_throughput'], '.3f')} | {fmt(s['output_throughput'], '.1f')} | "
+            f"{fmt(m['hit_tokens_local'])} / {fmt(m['hit_tokens_external'])} | "
+            f"{s['completed']} / {s['failed']} / {s['rejected']} |")
+    lines += ["", f"Ratios over `{cmp['baseline']}`:", ""]
+    for name, rs in cmp["ratios"].items():
+        lines.append(f"- **{name}**: " + ", ".join(f"{k} {fmt(v, '.2f')}"
+                                                   for k, v in rs.items()))
+    return "\n".join([*lines, "", *notes, ""])
+
+
+def write(out_dir: Path, name: str, title: str, results: list[dict[str, Any]], baseline: str,
+          extra: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """Write ``<name>.json``, ``<name>.md`` and the PNGs under ``out_dir``; print the table."""
+    base = next(r for r in results if r["label"] == baseline)
+    cmp = {"baseline": baseline, "ratios": {r["label"]: ratios(base, r) for r in results
+                                            if r is not base}}
+    doc = {"comparison": name, "title": title, **extra, **cmp, "arms": results}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(title, results, cmp, notes)
+    (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out_dir / f"{name}.md").write_text(text)
+    pngs = plot.plot_all(results, out_dir / name, title)
+    print(text)
+    print("wrote", out_dir / f"{name}.json", out_dir / f"{name}.md", *pngs)
+    return doc

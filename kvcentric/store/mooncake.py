@@ -1,0 +1,424 @@
+"""``MooncakeStore``: the ``mooncake`` backend, a client of a Mooncake Store cluster.
+
+Wraps ``mooncake.store.MooncakeDistributedStore`` (wheel ``mooncake-transfer-engine``,
+``-non-cuda`` on CPU machines). Objects live in the segments that processes contribute to
+the pool (``global_segment_size`` > 0 here, or ``kvcentric store mooncake-node``);
+``mooncake_master`` keeps the index, allocates space, evicts (asynchronously, at its high
+watermark) and grants 10 s read leases.
+
+Hot path, all batched: existence is ``batch_is_exist``; puts ``batch_put_from`` and gets
+``batch_get_into`` move bytes straight between caller memory and the pool, no Python
+``bytes``. Saves first ask which keys exist and skip them. Caller buffers should be
+registered once (:meth:`register_buffer`); unregistered sources work but Mooncake bounces
+them through its local buffer (~5x slower puts).
+
+In-place paths for the connector: :meth:`batch_alloc` hands out extents of one registered
+staging arena (layers are packed into them while the forward pass runs) and
+:meth:`batch_commit` puts them with one ``batch_put_from`` (the object becomes visible only
+then, whole); :meth:`batch_acquire` gets objects into the arena and hands out pointers
+until :meth:`release`. The wheel also has a put-session/range API
+(``batch_put_session_start`` + ``batch_put_from_multi_buffer_ranges`` + ``..._end``) that
+could stream each layer as it is packed; measured on this wheel over tcp it is 2-3.5x
+slower than one ``batch_put_from`` (``benchmarks/bench_store_mooncake.py``,
+``session_vs_put``), so the commit uses ``batch_put_from``.
+
+Errors: Mooncake codes map onto the ``KVStore`` ones (:func:`map_code`). While the master
+is unreachable every call answers ``ERR_UNAVAILABLE`` (or raises ``StoreUnavailable``)
+within microseconds instead of Mooncake's ~4 s reconnect stall, and the client reconnects
+by itself once the master is back (:mod:`kvcentric.store.mooncake_health`).
+
+Not supported: ``verify_checksums`` (rejected at open), leaf-first eviction (``parents`` is
+accepted and ignored: Mooncake evicts by its own policy).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvcentric.config import StoreConfig
+from kvcentric.store.base import (
+    ERR_HAS_LEASE,
+    ERR_NO_SPACE,
+    ERR_NOT_FOUND,
+    ERR_UNAVAILABLE,
+    OK,
+    KVStore,
+    ReadLease,
+    StoreUnavailable,
+    WriteSlot,
+)
+from kvcentric.store.mooncake_codes import MC_NO_SPACE, map_code
+from kvcentric.store.mooncake_config import MooncakeSettings, apply_engine_env
+from kvcentric.store.mooncake_health import MasterMonitor
+from kvcentric.store.mooncake_http import fetch_keys, fetch_metrics
+from kvcentric.store.mooncake_rdma import resolve_transport
+from kvcentric.store.mooncake_staging import StagingArena
+
+log = logging.getLogger("kvcentric.store")
+
+_SENTINEL = "kvc/health/probe"
+
+
+def _client_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:  # the wheel, or its RDMA user-space libraries
+        raise ImportError(
+            "the mooncake backend needs the Mooncake wheel (pip install "
+            "'kvcentric[mooncake]') and libibverbs1 librdmacm1 libnl-3-200 "
+            f"libnl-route-3-200 (apt): {exc}") from exc
+    return MooncakeDistributedStore
+
+
+class MooncakeStore(KVStore):
+    """One Mooncake client; see the module docstring for semantics and ownership."""
+
+    def __init__(self, cfg: StoreConfig) -> None:
+        if cfg.verify_checksums:
+            raise ValueError("verify_checksums is not supported by the mooncake backend")
+        self.cfg = cfg
+        self.settings = s = MooncakeSettings.load(cfg.mooncake)
+        self.protocol, self.devices = resolve_transport(s.protocol, s.device_name,
+                                                        s.fallback_to_tcp)
+        apply_engine_env(s)
+        self._cls = _client_class()
+        self._replicate = self._replicate_config()
+        self._client: Any = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(("hits", "misses", "puts", "put_bytes", "gets",
+                                        "get_bytes", "rejected_puts", "skipped_puts"), 0)
+        self._registered: dict[int, int] = {}
+        self._staging: StagingArena | None = None
+        host, port = s.master_host_port
+        self.monitor = MasterMonitor(host, port, self._probe, s.probe_interval_s,
+                                     s.probe_timeout_s)
+        if self.monitor.check_once():
+            self._join()  # the master answers: a failure now is a real error, say it
+        # else Mooncake's setup would block ~90 s: the monitor joins once the master is up
+        self.monitor.start()
+
+    def _join(self) -> None:
+        """Create and set up the Mooncake client (blocks while Mooncake retries)."""
+        s = self.settings
+        client = self._cls()
+        rc = client.setup(s.local_hostname, s.metadata_server, s.global_segment_size,
+                          s.local_buffer_size, self.protocol, self.devices,
+                          s.master_server_address, None, False, "", s.tenant_id)
+        if rc != 0:  # a client whose setup failed must not be used (it crashes)
+            raise StoreUnavailable(f"cannot join mooncake at {s.master_server_address} "
+                                   f"(metadata {s.metadata_server}, {self.protocol}): {rc}")
+        log.info("mooncake client up: master %s, %s, segment %d B, staging %d B",
+                 s.master_server_address, self.protocol, s.global_segment_size, s.staging_size)
+        for ptr, size in self._registered.items():  # asked for before the client existed
+            client.register_buffer(ptr, size)
+        if s.preferred_segment:
+            own = s.preferred_segment == "local"
+            self._replicate.preferred_segment = client.get_hostname() if own \
+                else s.preferred_segment
+        self._client = client
+
+    def _probe(self) -> bool:
+        """Monitor thread, master down: join if never joined, else one real round trip."""
+        if self._closed:
+            return False
+        if self._client is None:
+            try:
+                self._join()
+            except StoreUnavailable as exc:
+                log.warning("%s; retrying", exc)
+                return False
+            return True
+        return all(int(c) >= 0 for c in self._client.batch_is_exist([_SENTINEL]))
+
+    def _replicate_config(self) -> Any:
+        from mooncake.store import ReplicateConfig
+
+        rc = ReplicateConfig()
+        rc.replica_num = self.settings.replica_num
+        return rc
+
+    # ---- plumbing ----
+    @property
+    def client(self) -> Any:
+        """The live Mooncake client; raises ``StoreUnavailable`` while the master is away
+        (callers answer ``ERR_UNAVAILABLE`` without a multi-second stall)."""
+        if self._closed:
+            raise StoreUnavailable("mooncake store is closed")
+        if self._client is None or not self.monitor.up:
+            raise StoreUnavailable(f"mooncake master {self.settings.master_server_address} "
+                                   "is unreachable")
+        return self._client
+
+    def _mapped(self, codes: Sequence[int]) -> list[int]:
+        out = [map_code(int(c)) for c in codes]
+        if ERR_UNAVAILABLE in out:
+            self.monitor.mark_down(f"call returned {[c for c in codes if c < 0][:1]}")
+        return out
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counters[k] += v
+
+    @property
+    def staging(self) -> StagingArena:
+        """The registered staging arena, made on first use (scheduler-only clients, which
+        only ask ``batch_exists``, never pay for it)."""
+        if self._staging is None:
+            with self._lock:
+                if self._staging is None:
+                    self._staging = StagingArena(self.settings.staging_size,
+                                                 self.client.register_buffer)
+        return self._staging
+
+    # ---- KVStore: existence, puts, gets ----
+    def _exist_flags(self, keys: Sequence[str]) -> list[int]:
+        """1/0 per key; raises ``StoreUnavailable`` when the master does not answer."""
+        codes = self.client.batch_is_exist(list(keys))
+        if any(int(c) < 0 for c in codes):
+            self._mapped(codes)
+            raise StoreUnavailable(f"batch_is_exist failed: {codes[:3]}")
+        return [int(c) for c in codes]
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        try:
+            flags = self._exist_flags(keys)
+        except StoreUnavailable:
+            return 0
+        return next((i for i, f in enumerate(flags) if f != 1), len(flags))
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                       parents: Sequence[str | None] | None = None) -> list[int]:
+        _check_lengths(keys, ptrs, sizes)
+        return self._put_new(keys, [[p] for p in ptrs], [[s] for s in sizes])
+
+    def batch_put_from_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+                             size_lists: Sequence[Sequence[int]]) -> list[int]:
+        """Store ``keys[i]`` as the concatenation of the ``size_lists[i][j]`` bytes at
+        ``ptr_lists[i][j]``: gather without a packing copy, e.g. an object's pages layer by
+        layer straight from a registered paged KV cache. Keys already stored are skipped."""
+        _check_lengths(keys, ptr_lists, size_lists)
+        return self._put_new(keys, ptr_lists, size_lists)
+
+    def _put_new(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+                 size_lists: Sequence[Sequence[int]]) -> list[int]:
+        """Put the keys not yet stored (one ``batch_is_exist`` first); others are OK."""
+        if not keys:
+            return []
+        try:
+            flags = self._exist_flags(keys)
+        except StoreUnavailable:
+            return [ERR_UNAVAILABLE] * len(keys)
+        todo = [i for i, f in enumerate(flags) if f != 1]
+        out = [OK] * len(keys)
+        codes = self._put([keys[i] for i in todo], [list(ptr_lists[i]) for i in todo],
+                          [list(size_lists[i]) for i in todo])
+        for i, c in zip(todo, codes):
+            out[i] = c
+        self._count(skipped_puts=len(keys) - len(todo))
+        return out
+
+    def _put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        """Put objects given as buffer lists (one buffer: ``batch_put_from``), waiting a
+        bounded time for eviction when space runs out (the master evicts asynchronously
+        once past its high watermark)."""
+        out = [ERR_UNAVAILABLE] * len(keys)
+        todo = list(range(len(keys)))
+        deadline = time.monotonic() + self.settings.no_space_wait_s
+        single = all(len(p) == 1 for p in ptrs)
+        while todo:
+            k, p, n = [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+            try:
+                raw = (self.client.batch_put_from(k, [x[0] for x in p], [x[0] for x in n],
+                                                  self._replicate) if single else
+                       self.client.batch_put_from_multi_buffers(k, p, n, self._replicate))
+            except StoreUnavailable:
+                break
+            for i, c in zip(todo, self._mapped(raw)):
+                out[i] = c
+            todo = [i for i, c in zip(todo, raw) if c == MC_NO_SPACE]
+            if not todo or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        ok = [i for i, c in enumerate(out) if c == OK]
+        self._count(puts=len(ok), put_bytes=sum(sum(sizes[i]) for i in ok),
+                    rejected_puts=out.count(ERR_NO_SPACE))
+        return out
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
+                       sizes: Sequence[int]) -> list[int]:
+        _check_lengths(keys, ptrs, sizes)
+        return self._get(keys, lambda c: c.batch_get_into(list(keys), list(ptrs), list(sizes)))
+
+    def batch_get_into_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+                             size_lists: Sequence[Sequence[int]]) -> list[int]:
+        """Scatter each object over its buffers (the inverse of
+        :meth:`batch_put_from_multi`, e.g. straight into KV cache pages); returns the bytes
+        read per key or a negative code."""
+        _check_lengths(keys, ptr_lists, size_lists)
+        return self._get(keys, lambda c: c.batch_get_into_multi_buffers(
+            list(keys), [list(p) for p in ptr_lists], [list(n) for n in size_lists]))
+
+    def _get(self, keys: Sequence[str], call: Any) -> list[int]:
+        if not keys:
+            return []
+        try:
+            raw = call(self.client)
+        except StoreUnavailable:
+            return [ERR_UNAVAILABLE] * len(keys)
+        out = self._mapped(raw)
+        got = [c for c in out if c >= 0]
+        self._count(hits=len(got), gets=len(got), get_bytes=sum(got),
+                    misses=out.count(ERR_NOT_FOUND))
+        return out
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """Remove ``key``. Mooncake leases every object it hands out or writes (the master's
+        ``--default_kv_lease_ttl``) because a reader may still be copying it; without
+        ``force`` this waits (up to ``op_timeout_s``) for the lease to lapse, then answers
+        ``ERR_HAS_LEASE``. ``force`` removes at once."""
+        deadline = time.monotonic() + self.cfg.op_timeout_s
+        while True:
+            try:
+                code = self._mapped([self.client.remove(key, force)])[0]
+            except StoreUnavailable:
+                return ERR_UNAVAILABLE
+            if code != ERR_HAS_LEASE or time.monotonic() >= deadline:
+                return code
+            time.sleep(0.05)
+
+    # ---- in-place writes: staging extents, one batch_put_from at commit ----
+    def batch_alloc(self, keys: Sequence[str], sizes: Sequence[int],
+                    parents: Sequence[str | None] | None = None) -> list[WriteSlot | None]:
+        """Slots for keys not yet stored (``None`` where the key exists, or the staging
+        arena is full: that block is simply not saved). Raises ``StoreUnavailable``."""
+        if len(keys) != len(sizes) or (parents is not None and len(parents) != len(keys)):
+            raise ValueError("keys, sizes and parents must have equal lengths")
+        if not keys:
+            return []
+        flags = self._exist_flags(keys)
+        todo = [i for i, f in enumerate(flags) if f != 1]
+        ptrs = self.staging.alloc_run([sizes[i] for i in todo])
+        if len(ptrs) < len(todo):
+            log.info("mooncake staging full: not saving %d of %d blocks", len(todo) - len(ptrs),
+                     len(todo))
+        out: list[WriteSlot | None] = [None] * len(keys)
+        for i, p in zip(todo, ptrs):
+            out[i] = WriteSlot(keys[i], p, int(sizes[i]), self)
+        self._count(skipped_puts=len(keys) - len(todo))
+        return out
+
+    def batch_commit(self, slots: Sequence[WriteSlot]) -> list[int]:
+        if not slots:
+            return []
+        try:
+            return self._put([s.key for s in slots], [[s.ptr] for s in slots],
+                             [[s.size] for s in slots])
+        finally:
+            self.batch_abort(slots)
+
+    def batch_abort(self, slots: Sequence[WriteSlot]) -> None:
+        if self._staging is not None:
+            self._staging.free([s.ptr for s in slots if s.handle is self])
+
+    # ---- in-place reads: get into staging, hand out pointers ----
+    def batch_acquire(self, keys: Sequence[str], sizes: Sequence[int] | None = None) -> ReadLease:
+        """Lease the leading run of present ``keys`` (as far as staging holds them);
+        ``sizes`` bounds each object and is required. Raises ``StoreUnavailable``."""
+        if sizes is None or len(sizes) != len(keys):
+            raise ValueError("the mooncake backend needs one size bound per key")
+        if not keys:
+            return ReadLease([], [], [], [], None)
+        ptrs = self.staging.alloc_run(list(sizes))
+        got = self.batch_get_into(list(keys[:len(ptrs)]), ptrs, list(sizes[:len(ptrs)]))
+        n = next((i for i, g in enumerate(got) if g <= 0), len(got))
+        if n == 0 and ERR_UNAVAILABLE in got:
+            self.staging.free(ptrs)
+            raise StoreUnavailable("mooncake master unreachable")
+        self.staging.free(ptrs[n:])
+        return ReadLease(list(keys[:n]), ptrs[:n], got[:n], [None] * n, (self, ptrs[:n]))
+
+    def release(self, lease: ReadLease) -> None:
+        if lease.handle is None:
+            return
+        owner, ptrs = lease.handle
+        lease.handle = None
+        if owner is self and self._staging is not None:
+            self._staging.free(ptrs)
+
+    # ---- registration ----
+    def register_buffer(self, ptr: int, size: int) -> int:
+        """Register caller memory once; before the client has joined its master the
+        registration is remembered and made at join."""
+        if ptr in self._registered:
+            return OK
+        if self._client is not None and not self._closed:
+            rc = map_code(int(self._client.register_buffer(ptr, size)))
+            if rc != OK:
+                return rc
+        self._registered[ptr] = size
+        return OK
+
+    def unregister_buffer(self, ptr: int) -> int:
+        if self._registered.pop(ptr, None) is None or self._client is None or self._closed:
+            return OK
+        return map_code(int(self._client.unregister_buffer(ptr)))
+
+    # ---- inspection ----
+    def health_check(self) -> bool:
+        return not self._closed and self._client is not None and self.monitor.up
+
+    def master_metrics(self) -> dict[str, float]:
+        """The master's label-free Prometheus values (``StoreUnavailable`` when its
+        metrics endpoint does not answer)."""
+        return fetch_metrics(self.settings.metrics_url, 2 * self.settings.probe_timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """Cluster-wide bytes, keys and evictions from the master; the rest counts this
+        client's calls."""
+        m = self.master_metrics()
+        with self._lock:
+            counters = dict(self._counters)
+        return {"backend": "mooncake", "used_bytes": int(m.get("master_allocated_bytes", 0)),
+                "capacity_bytes": int(m.get("master_total_capacity_bytes", 0)),
+                "keys": int(m.get("master_key_count", 0)),
+                "evictions": int(m.get("master_evicted_key_count", 0)),
+                "staging_used_bytes": self._staging.used if self._staging else 0,
+                "master_up": self.monitor.up, "outages": self.monitor.outages, **counters}
+
+    def list_keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
+        """Keys starting with ``prefix`` (the master's full key dump: inspection only)."""
+        return [k for k in fetch_keys(self.settings.metrics_url) if k.startswith(prefix)][:limit]
+
+    def clear(self, force: bool = True) -> int:
+        """Remove every object (``force``: leased ones too); returns how many."""
+        return int(self.client.remove_all(force))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.monitor.close()  # waits out a probe or join in flight
+        client, self._client = self._client, None
+        if client is None:
+            return
+        for ptr in list(self._registered):
+            client.unregister_buffer(ptr)
+        self._registered.clear()
+        if self._staging is not None:
+            client.unregister_buffer(self._staging.base)
+            self._staging.close()
+            self._staging = None
+        client.close()
+
+
+def _check_lengths(keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[Any]) -> None:
+    if len(keys) != len(ptrs) or len(keys) != len(sizes):
+        raise ValueError("keys, ptrs and sizes must have equal lengths")

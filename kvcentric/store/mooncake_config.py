@@ -1,0 +1,234 @@
+"""Mooncake backend settings: one frozen dataclass, parsed once, ``ValueError`` on bad values.
+
+The names are those of Mooncake's own integrations (``MooncakeConfig``, vLLM's
+``MooncakeStoreConnector``, KEP-74): ``master_server_address``, ``metadata_server``,
+``protocol``, ``device_name``, ``global_segment_size``, ``local_buffer_size``,
+``local_hostname``, ``replica_num``. Values come from, lowest priority first:
+
+1. defaults (a loopback master at ``127.0.0.1:50051``, ``P2PHANDSHAKE``, tcp, a pure client);
+2. KEP-74 environment variables: ``MOONCAKE_MASTER``, ``MOONCAKE_TE_META_DATA_SERVER``,
+   ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (e.g. ``"16gb"``), ``MOONCAKE_LOCAL_BUFFER_SIZE``,
+   ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``, ``MOONCAKE_LOCAL_HOSTNAME``,
+   ``MOONCAKE_REPLICA_NUM``;
+3. a JSON file: the ``config_path`` key, else ``MOONCAKE_CONFIG_PATH``;
+4. the mapping given (the connector's ``store.mooncake`` extra config).
+
+``use_env: false`` in the mapping ignores 2 and ``MOONCAKE_CONFIG_PATH``. This module is the
+only place of the Mooncake backend that reads (or, for the transfer engine, sets) environment
+variables.
+
+A ``global_segment_size`` of 0 makes a pure client (its objects live in other processes'
+segments, e.g. ``kvcentric store mooncake-node``); a ``local_buffer_size`` of 0 is rounded
+up to Mooncake's minimum, as KEP-74 storage nodes do.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvcentric.config import parse_size
+
+P2P = "P2PHANDSHAKE"
+DEFAULT_MASTER = "127.0.0.1:50051"
+DEFAULT_METRICS_PORT = 9003
+MIN_LOCAL_BUFFER = 16 << 20
+MIN_SEGMENT = 16 << 20  # Mooncake refuses smaller segments
+
+# env var -> field (KEP-74 names, plus the two Mooncake's MooncakeConfig also reads)
+ENV_VARS = {
+    "MOONCAKE_MASTER": "master_server_address",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_DEVICE": "device_name",
+    "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+    "MOONCAKE_REPLICA_NUM": "replica_num",
+}
+_SIZES = ("global_segment_size", "local_buffer_size", "staging_size")
+_FLOATS = ("no_space_wait_s", "probe_interval_s", "probe_timeout_s")
+_METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
+# keys of Mooncake's and vLLM's config files that mean nothing to this client
+_EXTRA_KEYS = {"config_path", "use_env", "mode", "enable_offload"}
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """How to reach and join a Mooncake Store cluster.
+
+    Fields:
+        master_server_address: ``host:port`` of ``mooncake_master``'s RPC service.
+        metadata_server: ``"P2PHANDSHAKE"`` (no metadata service) or an ``http://`` URL of
+            a metadata server (e.g. the master's ``http://host:8080/metadata``).
+        protocol: ``"tcp"`` or ``"rdma"``.
+        device_name: RDMA NICs, comma separated; empty with rdma = discover them.
+        global_segment_size: bytes this process contributes to the pool (0: pure client).
+        local_buffer_size: Mooncake's own registered client buffer.
+        local_hostname: address other nodes reach this process at.
+        replica_num: copies of every object.
+        staging_size: registered memory for in-place writes (``batch_alloc``) and in-place
+            reads (``batch_acquire``); bounds one step's saves plus loads.
+        fallback_to_tcp: with rdma and no usable RDMA NIC, use tcp instead of failing.
+        no_space_wait_s: a put refused for space is retried this long while the master's
+            eviction (asynchronous, at its high watermark) frees room.
+        probe_interval_s / probe_timeout_s: health monitor period and TCP probe timeout.
+        metrics_url: the master's Prometheus endpoint (default: master host, port 9003).
+        tenant_id: Mooncake tenant (namespace) of this client.
+        preferred_segment: where puts should place objects: ``""`` (the master decides),
+            ``"local"`` (this client's own segment, so its puts and gets are local copies;
+            needs ``global_segment_size`` > 0) or a segment name ``host:port``.
+    """
+
+    master_server_address: str = DEFAULT_MASTER
+    metadata_server: str = P2P
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 0
+    local_buffer_size: int = 64 << 20
+    local_hostname: str = "127.0.0.1"
+    replica_num: int = 1
+    staging_size: int = 256 << 20
+    fallback_to_tcp: bool = False
+    no_space_wait_s: float = 0.25
+    probe_interval_s: float = 0.5
+    probe_timeout_s: float = 0.5
+    metrics_url: str = ""
+    tenant_id: str = "default"
+    preferred_segment: str = ""
+
+    def __post_init__(self) -> None:
+        host, _ = split_host_port(self.master_server_address)
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        meta = self.metadata_server
+        if meta != P2P and not meta.startswith(_METADATA_SCHEMES):
+            raise ValueError(f"metadata_server must be {P2P!r} or an http:// URL, got {meta!r}")
+        if 0 < self.global_segment_size < MIN_SEGMENT:
+            raise ValueError(f"global_segment_size must be 0 (a pure client) or at least "
+                             f"{MIN_SEGMENT >> 20} MiB (Mooncake's minimum)")
+        if self.preferred_segment == "local" and not self.global_segment_size:
+            raise ValueError("preferred_segment 'local' needs a global_segment_size > 0")
+        if self.replica_num < 1:
+            raise ValueError("replica_num must be >= 1")
+        if self.staging_size <= 0:
+            raise ValueError("staging_size must be positive")
+        if self.no_space_wait_s < 0:
+            raise ValueError("no_space_wait_s must be >= 0")
+        if self.probe_interval_s <= 0 or self.probe_timeout_s <= 0:
+            raise ValueError("probe_interval_s and probe_timeout_s must be > 0")
+        if not self.local_hostname:
+            raise ValueError("local_hostname must not be empty")
+        if not self.metrics_url:
+            object.__setattr__(self, "metrics_url",
+                               f"http://{host}:{DEFAULT_METRICS_PORT}/metrics")
+        object.__setattr__(self, "local_buffer_size",
+                           max(self.local_buffer_size, MIN_LOCAL_BUFFER))
+
+    @property
+    def master_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.master_server_address)
+
+    @classmethod
+    def load(cls, raw: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+             ) -> MooncakeSettings:
+        """Merge defaults, env (``os.environ`` unless ``env`` is given), file and ``raw``."""
+        raw = dict(raw or {})
+        use_env = _as_bool(raw.pop("use_env", True))
+        env = dict(os.environ if env is None else env) if use_env else {}
+        merged: dict[str, Any] = {f: env[k] for k, f in ENV_VARS.items() if env.get(k)}
+        path = raw.pop("config_path", None) or env.get("MOONCAKE_CONFIG_PATH")
+        if path:
+            merged |= _read_file(Path(path))
+        merged |= raw
+        return cls.from_dict(merged)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> MooncakeSettings:
+        raw = dict(raw)
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known - _EXTRA_KEYS
+        if unknown:
+            raise ValueError(f"unknown mooncake config keys {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
+        for key in _EXTRA_KEYS:
+            raw.pop(key, None)  # Mooncake's own files carry these; they mean nothing here
+        for name in _SIZES:
+            if name in raw:
+                raw[name] = parse_size(raw[name])
+        for name in _FLOATS:
+            if name in raw:
+                raw[name] = float(raw[name])
+        if "replica_num" in raw:
+            raw["replica_num"] = int(raw["replica_num"])
+        if "fallback_to_tcp" in raw:
+            raw["fallback_to_tcp"] = _as_bool(raw["fallback_to_tcp"])
+        if "protocol" in raw:
+            raw["protocol"] = str(raw["protocol"]).strip().lower()
+        for name in ("device_name", "tenant_id", "preferred_segment"):
+            if raw.get(name) is None:
+                raw.pop(name, None)
+        return cls(**raw)
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> (host, port); ``ValueError`` otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def engine_env(settings: MooncakeSettings) -> dict[str, str]:
+    """Environment Mooncake's transfer engine needs for ``settings`` (not yet set).
+
+    With a metadata server, the engine binds its RPC listener to the first non-loopback
+    address unless ``MC_TCP_BIND_ADDRESS`` says otherwise; on a loopback-only host (a test
+    namespace) there is none, so bind to ``local_hostname``.
+    """
+    if settings.metadata_server == P2P or not is_loopback(settings.local_hostname):
+        return {}
+    if os.environ.get("MC_TCP_BIND_ADDRESS"):
+        return {}
+    return {"MC_TCP_BIND_ADDRESS": settings.local_hostname}
+
+
+def apply_engine_env(settings: MooncakeSettings) -> None:
+    """Export :func:`engine_env` before the transfer engine starts (it reads them once)."""
+    for key, value in engine_env(settings).items():
+        os.environ.setdefault(key, value)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read mooncake config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"mooncake config file {path} must hold a JSON object")
+    return data
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"invalid boolean {value!r}")
