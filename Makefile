@@ -10,7 +10,7 @@ APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 iproute2 util-l
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: setup test demo lint bench clean-stores
+.PHONY: setup test demo lint bench compare
 
 setup: $(STAMP)
 
@@ -50,3 +50,8 @@ bench: setup
 	$(BIN)/python benchmarks/bench_router.py --quick
 	@for t in conversation synthetic; do f=../shared/traces/$${t}_trace.jsonl; \
 	  [ -f $$f ] && $(BIN)/python benchmarks/simulate_cluster.py --trace $$f --quick || true; done
+
+# Side-by-side comparisons (issue 7); sglang-router is the peer router, needed only here.
+compare: setup
+	$(BIN)/pip install -q sglang-router==0.3.2
+	$(BIN)/python benchmarks/compare.py reuse
