@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
-from kvcentric.testing.servers import free_port
+from kvcentric.testing.servers import free_port, stop_group
 
 
 @dataclass
@@ -76,15 +74,7 @@ class Gateway:
         raise TimeoutError(f"{self.name} not ready in {timeout_s} s; log: {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, 15.0)
 
 
 def sglang_router(policy: str, worker_urls: Sequence[str], logs: Path) -> Gateway:

@@ -28,6 +28,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_group(proc: subprocess.Popen[bytes] | None, grace_s: float = 20.0) -> None:
+    """End the process group ``proc`` leads (started with ``start_new_session``): SIGTERM,
+    then SIGKILL after ``grace_s``. A no-op when it already exited."""
+    if proc is None or proc.poll() is not None:
+        return
+    pgid = os.getpgid(proc.pid)
+    os.killpg(pgid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        proc.wait()
+
+
 def connector_config(store: Mapping[str, Any], role: str = "kv_both",
                      **extra: Any) -> dict[str, Any]:
     """A ``--kv-transfer-config`` dict for kvcentric with ``store`` and extra options."""
@@ -92,15 +106,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """End the server's process group (SIGTERM, then SIGKILL after 20 s)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, 20.0)
 
     # ---- client helpers ----
     def complete(self, prompt: Sequence[int] | str, max_tokens: int = 16,
