@@ -15,10 +15,13 @@ Arms (each with its own registered source/destination buffers, taking turns goin
 so both see the same machine noise): ``ours`` (``MooncakeStore.batch_put_from``,
 which first asks which keys exist, and ``batch_get_into``), ``raw``
 (``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into``), the connector's paths
-(``batch_alloc`` + ``batch_commit``, ``batch_acquire`` + ``release``), and raw Mooncake's
+(``batch_alloc`` + ``batch_commit``, ``batch_acquire`` + ``release``), scatter/gather
+(``batch_put_from_multi`` / ``batch_get_into_multi``: each object from/into 16 page
+buffers, as a zero-copy connector would move KV pages), and raw Mooncake's
 put-session/range API (``session``: start + one ranged put + end; ``session_layers``: one
-ranged put per layer of 8, as layer-wise streaming would). Reports medians and ratios to
-``raw``; CPU caches are evicted before every timed call.
+ranged put per layer of 8, as layer-wise streaming would). Reports median GB/s, and ratios
+to ``raw`` paired round by round (the arms run back to back, so a drifting machine load
+hits both); CPU caches are evicted before every timed call.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ KiB, MiB = 1 << 10, 1 << 20
 RESULTS = Path(__file__).parent / "results"
 MASTER = "127.0.0.1:50051"
 LAYERS = 8
+# (arm, baseline) pairs compared round by round
+PAIRS = [("ours_put", "raw_put"), ("ours_get", "raw_get"), ("ours_commit", "raw_put"),
+         ("ours_acquire", "raw_get"), ("ours_put_pages", "raw_put"),
+         ("ours_get_pages", "raw_get"), ("raw_session", "raw_put"),
+         ("raw_session_layers", "raw_put")]
 _SCRATCH = np.zeros(0, np.uint8)
 
 
@@ -55,7 +63,7 @@ def cold() -> None:
     global _SCRATCH
     if _SCRATCH.size == 0:
         _SCRATCH = np.empty(64 * MiB, np.uint8)
-    _SCRATCH.fill(_SCRATCH[0] + 1)
+    _SCRATCH.fill((int(_SCRATCH[0]) + 1) % 256)
 
 
 def mooncake_cfg(segment: int) -> dict[str, Any]:
@@ -138,7 +146,27 @@ def ours_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
     if codes != [OK] * b.n or n != b.n:
         raise RuntimeError(f"ours in place: commit {codes[:3]} acquired {n}")
     store.clear()
-    return {"put": t_put, "get": t_get, "commit": t_commit, "acquire": t_acq}
+    return {"put": t_put, "get": t_get, "commit": t_commit, "acquire": t_acq,
+            **pages_round(store, b, tag)}
+
+
+def pages_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
+    """Scatter/gather: each object from/into ``2 * LAYERS`` page buffers, as a connector
+    moving pages straight between a registered paged KV cache and the store would."""
+    k = 2 * LAYERS
+    page = b.size // k
+    src = [[p + j * page for j in range(k)] for p in b.sp]
+    dst = [[p + j * page for j in range(k)] for p in b.dp]
+    keys = [f"{tag}/m/{i}" for i in range(b.n)]
+    t_put, codes = timed(lambda: store.batch_put_from_multi(keys, src, [[page] * k] * b.n))
+    t_get, got = timed(lambda: store.batch_get_into_multi(keys, dst, [[page] * k] * b.n))
+    store.clear()
+    if codes != [OK] * b.n or got != b.sizes:
+        # seen over tcp with thousands of small slices per batch: TRANSFER_FAIL (-800)
+        b.dst.fill(1)
+        return {"pages_failures": 1.0}
+    b.check()
+    return {"put_pages": t_put, "get_pages": t_get}
 
 
 def raw_round(client: Any, rc: Any, b: Batch, tag: str) -> dict[str, float]:
@@ -186,23 +214,44 @@ def placement(size: int, batch: int, rounds: int, cross: bool, bar: tqdm) -> dic
     b_ours.register(store.register_buffer)
     b_raw.register(client.register_buffer)
     _ = store.staging  # registered once, as an engine does at its first save
-    times: dict[str, list[float]] = {}
+    times: dict[str, list[float | None]] = {}
     try:
         for r in range(rounds + 1):
             arms = [("ours", lambda r=r: ours_round(store, b_ours, f"o{r}")),
                     ("raw", lambda r=r: raw_round(client, rc, b_raw, f"r{r}"))]
+            got: dict[str, float] = {}
             for arm, fn in (arms if r % 2 else arms[::-1]):
-                for k, v in fn().items():
-                    if r:
-                        times.setdefault(f"{arm}_{k}", []).append(v)
+                got |= {f"{arm}_{k}": v for k, v in fn().items()}
+            for k in set(times) | set(got) if r else ():
+                times.setdefault(k, [None] * (r - 1)).append(got.get(k))
             bar.update()
     finally:
         store.close()
         client.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
     return {"object_bytes": size, "batch_bytes": n * size, "placement":
-            "cross_process" if cross else "in_process",
-            **{f"{k}_gbps": n * size / v / 1e9 for k, v in med.items()}}
+            "cross_process" if cross else "in_process", **gbps(times, n * size),
+            "failures": {k: sum(v for v in vs if v) for k, vs in times.items()
+                         if k.endswith("_failures")},
+            "paired": paired(times)}
+
+
+def gbps(times: dict[str, list[float | None]], nbytes: int) -> dict[str, float | None]:
+    """Median GB/s per op over the rounds it succeeded in (None: never)."""
+    out: dict[str, float | None] = {}
+    for k, vs in times.items():
+        ok = [v for v in vs if v]
+        if not k.endswith("_failures"):
+            out[f"{k}_gbps"] = nbytes / statistics.median(ok) / 1e9 if ok else None
+    return out
+
+
+def paired(times: dict[str, list[float | None]]) -> dict[str, float | None]:
+    """Ratios paired by round (both arms ran back to back): robust to drifting load."""
+    out: dict[str, float | None] = {}
+    for name, base in PAIRS:
+        pairs = [b / a for a, b in zip(times.get(name, []), times.get(base, [])) if a and b]
+        out[f"{name}_vs_{base}"] = statistics.median(pairs) if pairs else None
+    return out
 
 
 def start_cluster(ns: NetNamespace, logdir: Path) -> list[subprocess.Popen[Any]]:
@@ -227,24 +276,26 @@ def start_node(ns: NetNamespace, segment: int, logdir: Path) -> subprocess.Popen
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    def ratio(place: str, arm: str, base: str = "raw_put_gbps") -> float:
-        return statistics.median(r[arm] / r[base] for r in rows if r["placement"] == place)
+    """Per ratio and placement: the median over object sizes of the round-paired ratios."""
+    names = {"ours_put_vs_raw_put": "put_vs_raw", "ours_get_vs_raw_get": "get_vs_raw",
+             "ours_commit_vs_raw_put": "commit_vs_raw_put",
+             "ours_acquire_vs_raw_get": "acquire_vs_raw_get",
+             "ours_put_pages_vs_raw_put": "put_pages_vs_raw_put",
+             "ours_get_pages_vs_raw_get": "get_pages_vs_raw_get",
+             "raw_session_vs_raw_put": "session_vs_put",
+             "raw_session_layers_vs_raw_put": "session_layers_vs_put"}
+    def med(key: str, place: str) -> float | None:
+        vals = [r["paired"][key] for r in rows
+                if r["placement"] == place and r["paired"][key] is not None]
+        return statistics.median(vals) if vals else None
 
-    places = ("in_process", "cross_process")
-    return {
-        "put_vs_raw": {p: ratio(p, "ours_put_gbps") for p in places},
-        "get_vs_raw": {p: ratio(p, "ours_get_gbps", "raw_get_gbps") for p in places},
-        "commit_vs_raw_put": {p: ratio(p, "ours_commit_gbps") for p in places},
-        "acquire_vs_raw_get": {p: ratio(p, "ours_acquire_gbps", "raw_get_gbps")
-                               for p in places},
-        "session_vs_put": {p: ratio(p, "raw_session_gbps") for p in places},
-        "session_layers_vs_put": {p: ratio(p, "raw_session_layers_gbps") for p in places},
-    }
+    return {short: {place: med(key, place) for place in ("in_process", "cross_process")}
+            for key, short in names.items()}
 
 
 def run(quick: bool, logdir: Path) -> dict[str, Any]:
     batch = (16 if quick else 64) * MiB
-    rounds = 7 if quick else 15
+    rounds = 9 if quick else 21
     sizes = [256 * KiB, 2 * MiB] if quick else [256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB]
     rows = []
     with NetNamespace() as ns, ns.entered():
@@ -265,16 +316,48 @@ def run(quick: bool, logdir: Path) -> dict[str, Any]:
             "cpus": os.cpu_count(), "rows": rows, "summary": summarise(rows)}
 
 
+COLUMNS = {"ours_put": "put", "raw_put": "raw put", "ours_get": "get", "raw_get": "raw get",
+           "ours_commit": "commit", "ours_acquire": "acquire", "ours_put_pages": "put pg",
+           "ours_get_pages": "get pg", "raw_session": "sess", "raw_session_layers": "sess/L"}
+
+
 def print_table(res: dict[str, Any]) -> None:
-    print("\nmooncake backend vs raw Mooncake client (GB/s, median)")
-    cols = ["ours_put", "raw_put", "ours_get", "raw_get", "ours_commit", "ours_acquire",
-            "raw_session", "raw_session_layers"]
-    print(f"{'placement':>13} {'object':>7} " + " ".join(f"{c:>12}" for c in cols))
+    print("\nmooncake backend (ours) vs raw Mooncake client, GB/s, median "
+          "(pg: 16 page buffers per object; sess: raw put session, /L: one range per layer)")
+    print(f"{'placement':>13} {'object':>7} " + " ".join(f"{c:>8}" for c in COLUMNS.values()))
     for r in res["rows"]:
         print(f"{r['placement']:>13} {r['object_bytes'] // KiB:>5}Ki "
-              + " ".join(f"{r[c + '_gbps']:12.2f}" for c in cols))
+              + " ".join(_fmt(r.get(c + "_gbps"), 8) for c in COLUMNS))
     for k, v in res["summary"].items():
-        print(f"{k:>22}: " + ", ".join(f"{p}={x:.2f}" for p, x in v.items()))
+        print(f"{k:>22}: " + ", ".join(f"{p}={_fmt(x, 0)}" for p, x in v.items()))
+    for r in res["rows"]:
+        if any(r["failures"].values()):
+            print(f"failed rounds, {r['placement']} {r['object_bytes'] // KiB} KiB: "
+                  f"{r['failures']}")
+
+
+def _fmt(x: float | None, width: int) -> str:
+    return f"{x:{width}.2f}" if x is not None else f"{'-':>{width}}"
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["summary"])
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for j, place in enumerate(("in_process", "cross_process")):
+        ax.bar([i + 0.4 * j - 0.2 for i in range(len(names))],
+               [res["summary"][n][place] or 0.0 for n in names], 0.4, label=place)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(0.9, color="red", lw=0.8, ls="--", label="0.9x target")
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set(ylabel="ratio to raw Mooncake (median)", title="mooncake backend vs raw client")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(res)
     out = args.out or RESULTS / f"store_mooncake{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    plot(res, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

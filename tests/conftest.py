@@ -1,4 +1,5 @@
-"""Shared fixtures: isolated local stores (own runtime dir, stopped after use)."""
+"""Shared fixtures: isolated local stores (own runtime dir, stopped after use) and the one
+network namespace every Mooncake cluster of the session runs in."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
+from kvcentric.store.mooncake_netns import NetNamespace, unavailable_reason
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +33,19 @@ def store_cfg(runtime_dir: Path) -> Iterator[StoreConfig]:
                       runtime_dir=runtime_dir, op_timeout_s=10.0)
     yield cfg
     launcher.stop(cfg)
+
+
+@pytest.fixture(scope="session")
+def mooncake_ns() -> Iterator[NetNamespace]:
+    """The private network namespace of every Mooncake cluster in this test session.
+
+    One for the whole session, not one per module: Mooncake's I/O threads are process-wide
+    and stay in the namespace of the first client this process makes, so a client made
+    later in another namespace would talk to the first one's (dead) master.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no netns: {reason}")
+    ns = NetNamespace().start()
+    yield ns
+    ns.stop()

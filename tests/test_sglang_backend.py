@@ -5,9 +5,10 @@
   the checks themselves are in ``tests/helpers/sglang_checks.py``.
 - Host pools: ``tests/helpers/sglang_pool.py`` (SGLang's own layout code, compiled from
   its sources; the pool classes cannot be imported without torchvision).
-- Stores: every test but the store-failure ones runs once per entry of ``STORE_KINDS``.
-  For Mooncake, add ``pytest.param("mooncake", marks=pytest.mark.mooncake)`` and a
-  branch in ``store_config`` that starts ``mooncake_master`` and yields its store dict.
+- Stores: every test but the local-store-failure ones runs once per entry of
+  ``STORE_KINDS``: the embedded local store, and a real Mooncake cluster (``mooncake_master``
+  and a storage node in the session's network namespace; the SGLang processes run there
+  as pure Mooncake clients).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import pytest
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
+from tests.helpers.mooncake_cluster import MooncakeCluster, cluster
 from tests.helpers.sglang_harness import Harness
 
 WORKER = Path(__file__).parent / "helpers" / "sglang_worker.py"
 CASES = [(False, "page_first"), (False, "layer_first"), (True, "page_first"),
          (True, "layer_first")]
 CASE_IDS = [f"{'mla' if m else 'mha'}-{lay}" for m, lay in CASES]
-STORE_KINDS = [pytest.param("local", id="local")]
+STORE_KINDS = [pytest.param("local", id="local"),
+               pytest.param("mooncake", id="mooncake", marks=pytest.mark.mooncake)]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +45,31 @@ def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
 
 
 @pytest.fixture(scope="module", params=STORE_KINDS)
-def store_config(request: pytest.FixtureRequest, runtime_dir: Path) -> Iterator[dict[str, Any]]:
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def mooncake(store_kind: str, request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster | None]:
+    """A Mooncake master and one 64 MiB storage node, for the ``mooncake`` kind."""
+    if store_kind != "mooncake":
+        yield None
+        return
+    pytest.importorskip("mooncake.store", reason="the Mooncake wheel is not installed")
+    ns = request.getfixturevalue("mooncake_ns")
+    with cluster(tmp_path_factory.mktemp("sglang-mooncake"), ns=ns) as c:
+        c.start_node("pool", "64mb")
+        yield c
+
+
+@pytest.fixture(scope="module")
+def store_config(store_kind: str, mooncake: MooncakeCluster | None,
+                 runtime_dir: Path) -> Iterator[dict[str, Any]]:
     """The ``store`` section of the extra config: one store for the module."""
-    assert request.param == "local"
+    if mooncake is not None:
+        yield mooncake.store_config()  # checksums are the local store's (rejected here)
+        return
     cfg = StoreConfig(name=f"sg{uuid.uuid4().hex[:10]}", capacity_bytes=64 << 20,
                       runtime_dir=runtime_dir, verify_checksums=True)
     yield {"backend": "local", "name": cfg.name, "capacity": cfg.capacity_bytes,
@@ -52,32 +77,47 @@ def store_config(request: pytest.FixtureRequest, runtime_dir: Path) -> Iterator[
     launcher.stop(cfg)
 
 
-def test_factory_builds_backend_and_waits_for_pool(sglang: Harness,
+@pytest.fixture(scope="module")
+def harness(sglang: Harness, mooncake: MooncakeCluster | None,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    """The SGLang subprocess for this store kind: for Mooncake one started inside the
+    cluster's namespace (a process keeps the namespace it was started in)."""
+    if mooncake is None:
+        yield sglang
+        return
+    with mooncake.entered():
+        h = Harness(tmp_path_factory.mktemp("sglang-mc") / "harness.log")
+    yield h
+    h.close()
+
+
+def test_factory_builds_backend_and_waits_for_pool(harness: Harness,
                                                   store_config: dict[str, Any]) -> None:
-    sglang.call("check_factory", store=store_config)
+    harness.call("check_factory", store=store_config)
 
 
-def test_shipped_config_builds_a_v1_backend(sglang: Harness,
+def test_shipped_config_builds_a_v1_backend(harness: Harness,
                                             store_config: dict[str, Any]) -> None:
     path = Path(__file__).parents[1] / "configs" / "sglang-hicache-kvcentric.json"
-    sglang.call("check_shipped_config", store=store_config, path=str(path))
+    harness.call("check_shipped_config", store=store_config, path=str(path))
 
 
-def test_bad_config_is_a_clear_error(sglang: Harness, store_config: dict[str, Any]) -> None:
-    sglang.call("check_bad_config", store=store_config)
+def test_bad_config_is_a_clear_error(harness: Harness, store_config: dict[str, Any]) -> None:
+    harness.call("check_bad_config", store=store_config)
 
 
 @pytest.fixture(scope="module")
-def cross_process(sglang: Harness, store_config: dict[str, Any]) -> dict[str, Any]:
+def cross_process(harness: Harness, store_config: dict[str, Any],
+                  mooncake: MooncakeCluster | None) -> dict[str, Any]:
     """Store pages 1-4 per case in the harness process, then load them in a second,
     fresh process (one for all cases) into pages 6, 0, 9, 3 of a zeroed pool."""
     cases = {cid: {"mla": mla, "layout": layout, "model": "xp"}
              for (mla, layout), cid in zip(CASES, CASE_IDS)}
-    wrote = sglang.call("write_cases", store=store_config, cases=cases)
+    wrote = harness.call("write_cases", store=store_config, cases=cases)
     reads = {cid: {**case, "keys": wrote[cid]["keys"], "pages": [6, 0, 9, 3]}
              for cid, case in cases.items()}
-    proc = subprocess.run([sys.executable, str(WORKER),
-                           json.dumps({"store": store_config, "cases": reads})],
+    cmd = [sys.executable, str(WORKER), json.dumps({"store": store_config, "cases": reads})]
+    proc = subprocess.run(mooncake.ns.wrap(cmd) if mooncake else cmd,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     read = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,34 +135,34 @@ def test_another_process_reads_identical_bytes(cross_process: dict[str, Any], ci
 
 
 @pytest.mark.parametrize(("mla", "layout"), CASES, ids=CASE_IDS)
-def test_missing_keys_read_as_false(sglang: Harness, store_config: dict[str, Any], mla: bool,
+def test_missing_keys_read_as_false(harness: Harness, store_config: dict[str, Any], mla: bool,
                                     layout: str) -> None:
-    sglang.call("check_missing", store=store_config, mla=mla, layout=layout)
+    harness.call("check_missing", store=store_config, mla=mla, layout=layout)
 
 
 @pytest.mark.parametrize(("mla", "layout"), CASES, ids=CASE_IDS)
-def test_legacy_and_v1_interfaces_share_objects(sglang: Harness, store_config: dict[str, Any],
+def test_legacy_and_v1_interfaces_share_objects(harness: Harness, store_config: dict[str, Any],
                                                 mla: bool, layout: str) -> None:
-    sglang.call("check_legacy_shares_objects", store=store_config, mla=mla, layout=layout)
+    harness.call("check_legacy_shares_objects", store=store_config, mla=mla, layout=layout)
 
 
-def test_mla_only_rank0_writes_every_rank_reads(sglang: Harness,
+def test_mla_only_rank0_writes_every_rank_reads(harness: Harness,
                                                 store_config: dict[str, Any]) -> None:
-    sglang.call("check_mla_writer", store=store_config)
+    harness.call("check_mla_writer", store=store_config)
 
 
-def test_keys_separate_ranks_layouts_and_models(sglang: Harness,
+def test_keys_separate_ranks_layouts_and_models(harness: Harness,
                                                 store_config: dict[str, Any]) -> None:
-    sglang.call("check_key_separation", store=store_config)
+    harness.call("check_key_separation", store=store_config)
 
 
-def test_stats_per_call_and_cumulative(sglang: Harness, store_config: dict[str, Any]) -> None:
-    sglang.call("check_stats", store=store_config)
+def test_stats_per_call_and_cumulative(harness: Harness, store_config: dict[str, Any]) -> None:
+    harness.call("check_stats", store=store_config)
 
 
-def test_clear_removes_only_this_key_space(sglang: Harness,
+def test_clear_removes_only_this_key_space(harness: Harness,
                                            store_config: dict[str, Any]) -> None:
-    sglang.call("check_clear", store=store_config)
+    harness.call("check_clear", store=store_config)
 
 
 def _local(cfg: StoreConfig) -> dict[str, Any]:

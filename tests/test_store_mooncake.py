@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvcentric.store import ERR_NO_SPACE, ERR_UNAVAILABLE, OK, KVStore, open_store
-from kvcentric.store.mooncake_netns import unavailable_reason
+from kvcentric.store.mooncake_netns import NetNamespace, unavailable_reason
 from tests.helpers.mooncake_cluster import ROOT, MooncakeCluster, clean_env, cluster, end
 from tests.helpers.payload import payload, size_of
 from tests.store_contract import WORKER, StoreContract, get, put
@@ -30,8 +30,9 @@ LOAD = ROOT / "tests" / "helpers" / "mooncake_load.py"
 
 
 @pytest.fixture(scope="module")
-def mc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    with cluster(tmp_path_factory.mktemp("mooncake")) as c:
+def mc(tmp_path_factory: pytest.TempPathFactory, mooncake_ns: NetNamespace
+       ) -> Iterator[MooncakeCluster]:
+    with cluster(tmp_path_factory.mktemp("mooncake"), ns=mooncake_ns) as c:
         yield c
 
 
@@ -91,6 +92,16 @@ def test_scatter_gather_puts_and_gets(store: KVStore) -> None:
     assert got[0] == 3 * 4096 and got[1] < 0
     assert all(np.array_equal(o, pages[i]) for i, o in enumerate(out))
     assert store.stats()["skipped_puts"] == 1
+    # more buffers than one Mooncake call takes: split into several calls, same result
+    big = np.random.default_rng(0).integers(0, 255, 70 * 16 * 1024, dtype=np.uint8)
+    ptr_lists = [[big.ctypes.data + (16 * i + j) * 1024 for j in range(16)] for i in range(70)]
+    keys = [f"sgbig/{i}" for i in range(70)]
+    assert store.batch_put_from_multi(keys, ptr_lists, [[1024] * 16] * 70) == [OK] * 70
+    back = np.zeros_like(big)
+    back_lists = [[back.ctypes.data + (16 * i + j) * 1024 for j in range(16)]
+                  for i in range(70)]
+    assert store.batch_get_into_multi(keys, back_lists, [[1024] * 16] * 70) == [16384] * 70
+    assert np.array_equal(back, big)
 
 
 # ---- processes and nodes ----

@@ -171,6 +171,15 @@ def test_rdma_without_devices_says_so_and_falls_back_only_if_asked() -> None:
     assert cpu_numa_node() >= -1
 
 
+def test_scatter_gather_calls_are_chunked() -> None:
+    from kvcentric.store.mooncake_client import MAX_SLICES, chunks
+    lists = [[0] * 16] * 70  # 1120 buffers: two calls
+    cs = chunks(lists)
+    assert [(c.start, c.stop) for c in cs] == [(0, MAX_SLICES // 16), (MAX_SLICES // 16, 70)]
+    assert [(c.start, c.stop) for c in chunks([[0] * 2000, [0]])] == [(0, 1), (1, 2)]
+    assert chunks([]) == []
+
+
 # ---- staging ----
 def test_staging_runs_are_contiguous_and_refcounted() -> None:
     registered: list[tuple[int, int]] = []

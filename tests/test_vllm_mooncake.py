@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcentric.store import KVStore, StoreUnavailable, open_store
-from kvcentric.store.mooncake_netns import unavailable_reason
+from kvcentric.store import open_store
+from kvcentric.store.mooncake_netns import NetNamespace, unavailable_reason
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
 from tests.helpers.mooncake_cluster import MooncakeCluster, cluster
@@ -39,8 +39,9 @@ def hits(server: VllmServer) -> float:
 
 
 @pytest.fixture(scope="module")
-def mc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    with cluster(tmp_path_factory.mktemp("mooncake-vllm")) as c:
+def mc(tmp_path_factory: pytest.TempPathFactory, mooncake_ns: NetNamespace
+       ) -> Iterator[MooncakeCluster]:
+    with cluster(tmp_path_factory.mktemp("mooncake-vllm"), ns=mooncake_ns) as c:
         c.start_node("pool", "256mb")
         yield c
 
@@ -123,19 +124,6 @@ def test_storage_node_killed_no_wrong_tokens(servers: dict[str, VllmServer],
     mc.start_node("pool", "256mb")
 
 
-def _join(cfg: dict, timeout_s: float = 60.0) -> KVStore:  # type: ignore[type-arg]
-    """A probe client; right after a storage node restarts, the master may refuse new
-    clients for a while ("Client not available"), so retry within a bound."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return open_store(cfg)
-        except StoreUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
-
-
 def test_full_store_requests_still_succeed(servers: dict[str, VllmServer],
                                           mc: MooncakeCluster) -> None:
     """A 16 MiB pool (Mooncake's smallest) and prompts of ~15.5 MiB of KV each: saves are
@@ -144,7 +132,7 @@ def test_full_store_requests_still_succeed(servers: dict[str, VllmServer],
     mc.kill_node("pool")
     mc.start_node("pool", "16mb")
     saved_before = a.metrics().get("vllm:kvcentric_saved_blocks_total", 0.0)
-    with _join(mc.store_config()) as probe:
+    with open_store(mc.store_config()) as probe:  # stats come from the master's HTTP
         evicted_before = probe.stats()["evictions"]
         prompts = [prompt(seed, 4000) for seed in (5, 6, 7)]
         for p in prompts:

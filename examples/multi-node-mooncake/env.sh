@@ -14,10 +14,14 @@
 : "${ROUTER_HOST:=127.0.0.1}"      # the kvcentric router (OpenAI API for clients)
 : "${ROUTER_PORT:=8000}"
 : "${PROTOCOL:=tcp}"               # tcp or rdma (rdma: NICs are discovered, see README)
-: "${MODEL:=.models/tiny}"         # python -m kvcentric.testing.models --size tiny --out .models/tiny
-: "${PY:=python}"
+_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# the tiny test model: python -m kvcentric.testing.models --size tiny --out .models/tiny
+: "${MODEL:=$_repo/.models/tiny}"
+if [ -z "${PY:-}" ]; then
+  if [ -x "$_repo/.venv/bin/python" ]; then PY="$_repo/.venv/bin/python"; else PY=python; fi
+fi
 # `kvcentric store ...`; `$PY -m kvcentric.store.mooncake_service` is the same commands
-: "${KVC_STORE:=kvcentric store}"
+: "${KVC_STORE:=$PY -m kvcentric.cli store}"
 export MASTER_HOST MASTER_PORT NODE_HOST SEGMENT ENGINE1_HOST ENGINE1_PORT ENGINE2_HOST \
   ENGINE2_PORT ROUTER_HOST ROUTER_PORT PROTOCOL MODEL PY KVC_STORE
 METADATA="http://${MASTER_HOST}:8080/metadata"

@@ -5,10 +5,12 @@
 # served by instance 1 is loaded from the store by instance 2, and the router serves it.
 #   ./run-one-machine.sh            (KEEP=1 keeps everything running until Ctrl-C)
 set -euo pipefail
-cd "$(dirname "$0")"
+here="$(cd "$(dirname "$0")" && pwd)"
 if [ "${KVC_IN_NETNS:-}" != 1 ]; then
-  exec unshare -n env KVC_IN_NETNS=1 bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
+  exec unshare -n env KVC_IN_NETNS=1 bash -c 'ip link set lo up && exec "$0" "$@"' \
+    "$here/$(basename "$0")" "$@"
 fi
+cd "$here"
 source ./env.sh
 logs="${LOGS:-$(mktemp -d -t kvc-mooncake-XXXX)}"
 echo "logs: $logs"

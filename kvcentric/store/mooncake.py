@@ -1,34 +1,31 @@
 """``MooncakeStore``: the ``mooncake`` backend, a client of a Mooncake Store cluster.
 
-Wraps ``mooncake.store.MooncakeDistributedStore`` (wheel ``mooncake-transfer-engine``,
-``-non-cuda`` on CPU machines). Objects live in the segments that processes contribute to
-the pool (``global_segment_size`` > 0 here, or ``kvcentric store mooncake-node``);
-``mooncake_master`` keeps the index, allocates space, evicts (asynchronously, at its high
-watermark) and grants 10 s read leases.
+Wraps ``mooncake.store.MooncakeDistributedStore`` (``mooncake-transfer-engine``, the
+``-non-cuda`` wheel on CPU). Objects live in segments processes lend to the pool
+(``global_segment_size`` > 0, or ``kvcentric store mooncake-node``); ``mooncake_master``
+indexes, allocates, evicts (asynchronously, at its high watermark) and leases reads.
 
-Hot path, all batched: existence is ``batch_is_exist``; puts ``batch_put_from`` and gets
-``batch_get_into`` move bytes straight between caller memory and the pool, no Python
-``bytes``. Saves first ask which keys exist and skip them. Caller buffers should be
-registered once (:meth:`register_buffer`); unregistered sources work but Mooncake bounces
-them through its local buffer (~5x slower puts).
+Hot path, all batched, no Python ``bytes``: ``batch_is_exist``, ``batch_put_from`` (after
+asking which keys exist and skipping them), ``batch_get_into``. Register caller buffers
+once (:meth:`register_buffer`): Mooncake bounces unregistered sources through its local
+buffer (~5x slower puts). :meth:`batch_alloc` hands out extents of one registered staging
+arena (the connector packs layers into them during the forward pass) and
+:meth:`batch_commit` puts them with one ``batch_put_from``, so an object becomes visible
+whole; :meth:`batch_acquire` gets objects into the arena and hands out pointers until
+:meth:`release`. :meth:`batch_put_from_multi` / :meth:`batch_get_into_multi` gather and
+scatter objects over several buffers (e.g. KV cache pages) without a staging copy.
 
-In-place paths for the connector: :meth:`batch_alloc` hands out extents of one registered
-staging arena (layers are packed into them while the forward pass runs) and
-:meth:`batch_commit` puts them with one ``batch_put_from`` (the object becomes visible only
-then, whole); :meth:`batch_acquire` gets objects into the arena and hands out pointers
-until :meth:`release`. The wheel also has a put-session/range API
-(``batch_put_session_start`` + ``batch_put_from_multi_buffer_ranges`` + ``..._end``) that
-could stream each layer as it is packed; measured on this wheel over tcp it is 2-3.5x
-slower than one ``batch_put_from`` (``benchmarks/bench_store_mooncake.py``,
-``session_vs_put``), so the commit uses ``batch_put_from``.
+The wheel's put-session/range API (``batch_put_session_start`` +
+``batch_put_from_multi_buffer_ranges`` + ``..._end``) could stream each layer as it is
+packed; measured here over tcp (``benchmarks/bench_store_mooncake.py``) a session put is
+0.25-0.4x of one ``batch_put_from`` in process, and one range per layer 0.15-0.2x in
+process and 0.6-0.9x across processes, so commits use ``batch_put_from``.
 
-Errors: Mooncake codes map onto the ``KVStore`` ones (:func:`map_code`). While the master
-is unreachable every call answers ``ERR_UNAVAILABLE`` (or raises ``StoreUnavailable``)
-within microseconds instead of Mooncake's ~4 s reconnect stall, and the client reconnects
-by itself once the master is back (:mod:`kvcentric.store.mooncake_health`).
-
-Not supported: ``verify_checksums`` (rejected at open), leaf-first eviction (``parents`` is
-accepted and ignored: Mooncake evicts by its own policy).
+Errors map onto the ``KVStore`` codes (:mod:`kvcentric.store.mooncake_codes`). While the
+master is unreachable calls answer ``ERR_UNAVAILABLE`` (or raise ``StoreUnavailable``) in
+microseconds instead of Mooncake's ~4 s reconnect stall, and the client rejoins by itself
+(:mod:`kvcentric.store.mooncake_health`). ``verify_checksums`` is rejected at open;
+``parents`` is ignored (Mooncake evicts by its own policy, not leaves first).
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from kvcentric.store.base import (
     StoreUnavailable,
     WriteSlot,
 )
+from kvcentric.store.mooncake_client import check_installed, chunks, join
 from kvcentric.store.mooncake_codes import MC_NO_SPACE, map_code
 from kvcentric.store.mooncake_config import MooncakeSettings, apply_engine_env
 from kvcentric.store.mooncake_health import MasterMonitor
@@ -61,17 +59,6 @@ from kvcentric.store.mooncake_staging import StagingArena
 log = logging.getLogger("kvcentric.store")
 
 _SENTINEL = "kvc/health/probe"
-
-
-def _client_class() -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:  # the wheel, or its RDMA user-space libraries
-        raise ImportError(
-            "the mooncake backend needs the Mooncake wheel (pip install "
-            "'kvcentric[mooncake]') and libibverbs1 librdmacm1 libnl-3-200 "
-            f"libnl-route-3-200 (apt): {exc}") from exc
-    return MooncakeDistributedStore
 
 
 class MooncakeStore(KVStore):
@@ -85,8 +72,8 @@ class MooncakeStore(KVStore):
         self.protocol, self.devices = resolve_transport(s.protocol, s.device_name,
                                                         s.fallback_to_tcp)
         apply_engine_env(s)
-        self._cls = _client_class()
-        self._replicate = self._replicate_config()
+        check_installed()
+        self._replicate: Any = None
         self._client: Any = None
         self._closed = False
         self._lock = threading.Lock()
@@ -98,28 +85,19 @@ class MooncakeStore(KVStore):
         self.monitor = MasterMonitor(host, port, self._probe, s.probe_interval_s,
                                      s.probe_timeout_s)
         if self.monitor.check_once():
-            self._join()  # the master answers: a failure now is a real error, say it
-        # else Mooncake's setup would block ~90 s: the monitor joins once the master is up
+            try:
+                self._join()
+            except StoreUnavailable as exc:  # a cache never stops its engine from starting
+                self.monitor.mark_down(str(exc))
+        # the monitor joins in the background once the master is up (and answers): calling
+        # Mooncake's setup with the master away would block ~90 s
         self.monitor.start()
 
     def _join(self) -> None:
         """Create and set up the Mooncake client (blocks while Mooncake retries)."""
-        s = self.settings
-        client = self._cls()
-        rc = client.setup(s.local_hostname, s.metadata_server, s.global_segment_size,
-                          s.local_buffer_size, self.protocol, self.devices,
-                          s.master_server_address, None, False, "", s.tenant_id)
-        if rc != 0:  # a client whose setup failed must not be used (it crashes)
-            raise StoreUnavailable(f"cannot join mooncake at {s.master_server_address} "
-                                   f"(metadata {s.metadata_server}, {self.protocol}): {rc}")
-        log.info("mooncake client up: master %s, %s, segment %d B, staging %d B",
-                 s.master_server_address, self.protocol, s.global_segment_size, s.staging_size)
+        client, self._replicate = join(self.settings, self.protocol, self.devices)
         for ptr, size in self._registered.items():  # asked for before the client existed
             client.register_buffer(ptr, size)
-        if s.preferred_segment:
-            own = s.preferred_segment == "local"
-            self._replicate.preferred_segment = client.get_hostname() if own \
-                else s.preferred_segment
         self._client = client
 
     def _probe(self) -> bool:
@@ -134,13 +112,6 @@ class MooncakeStore(KVStore):
                 return False
             return True
         return all(int(c) >= 0 for c in self._client.batch_is_exist([_SENTINEL]))
-
-    def _replicate_config(self) -> Any:
-        from mooncake.store import ReplicateConfig
-
-        rc = ReplicateConfig()
-        rc.replica_num = self.settings.replica_num
-        return rc
 
     # ---- plumbing ----
     @property
@@ -205,7 +176,10 @@ class MooncakeStore(KVStore):
         ``ptr_lists[i][j]``: gather without a packing copy, e.g. an object's pages layer by
         layer straight from a registered paged KV cache. Keys already stored are skipped."""
         _check_lengths(keys, ptr_lists, size_lists)
-        return self._put_new(keys, ptr_lists, size_lists)
+        out: list[int] = []
+        for c in chunks(ptr_lists):
+            out += self._put_new(keys[c], ptr_lists[c], size_lists[c])
+        return out
 
     def _put_new(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                  size_lists: Sequence[Sequence[int]]) -> list[int]:
@@ -263,8 +237,13 @@ class MooncakeStore(KVStore):
         :meth:`batch_put_from_multi`, e.g. straight into KV cache pages); returns the bytes
         read per key or a negative code."""
         _check_lengths(keys, ptr_lists, size_lists)
-        return self._get(keys, lambda c: c.batch_get_into_multi_buffers(
-            list(keys), [list(p) for p in ptr_lists], [list(n) for n in size_lists]))
+        out: list[int] = []
+        for c in chunks(ptr_lists):
+            k = list(keys[c])
+            p = [list(x) for x in ptr_lists[c]]
+            n = [list(x) for x in size_lists[c]]
+            out += self._get(k, lambda m, k=k, p=p, n=n: m.batch_get_into_multi_buffers(k, p, n))
+        return out
 
     def _get(self, keys: Sequence[str], call: Any) -> list[int]:
         if not keys:

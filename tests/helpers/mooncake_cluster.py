@@ -6,7 +6,8 @@ collide. Processes run in their own process groups and are ended by pid at :meth
 
 One process must keep all its Mooncake clients in one namespace: Mooncake's I/O threads
 are process-wide and stay in the namespace of the first client. A second cluster in the
-same test process therefore shares the first one's namespace (``ns=``) on other ports.
+same test process therefore shares the first one's namespace (``ns=``; the session's is
+the ``mooncake_ns`` fixture), on other ports while both run.
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""Creating a Mooncake client (``mooncake.store.MooncakeDistributedStore``) from settings,
+and the limits its calls need.
+
+Imports of the wheel happen here, at open time, never at import of kvcentric: the
+package works without Mooncake until a ``mooncake`` store is opened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvcentric.store.base import StoreUnavailable
+from kvcentric.store.mooncake_config import MooncakeSettings
+
+log = logging.getLogger("kvcentric.store")
+# buffers per scatter/gather call: one call with 4096 slices of 16 KiB over tcp wedged the
+# 0.3.13 transfer engine (60 s timeout, then TRANSFER_FAIL for later transfers too)
+MAX_SLICES = 1024
+
+
+def check_installed() -> None:
+    """Raise a clear ``ImportError`` when the wheel or its system libraries are missing."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:  # the wheel, or its RDMA user-space libraries
+        raise ImportError(
+            "the mooncake backend needs the Mooncake wheel (pip install "
+            "'kvcentric[mooncake]') and libibverbs1 librdmacm1 libnl-3-200 "
+            f"libnl-route-3-200 (apt): {exc}") from exc
+
+
+def join(s: MooncakeSettings, protocol: str, devices: str) -> tuple[Any, Any]:
+    """A set-up client and the ``ReplicateConfig`` its puts use; raises
+    ``StoreUnavailable`` when setup fails (Mooncake retries ~90 s first when the master
+    does not answer, so callers check the master's port before)."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    client = MooncakeDistributedStore()
+    rc = client.setup(s.local_hostname, s.metadata_server, s.global_segment_size,
+                      s.local_buffer_size, protocol, devices, s.master_server_address,
+                      None, False, "", s.tenant_id)
+    if rc != 0:  # a client whose setup failed must not be used (it crashes)
+        raise StoreUnavailable(f"cannot join mooncake at {s.master_server_address} "
+                               f"(metadata {s.metadata_server}, {protocol}): {rc}")
+    log.info("mooncake client up: master %s, %s, segment %d B, staging %d B",
+             s.master_server_address, protocol, s.global_segment_size, s.staging_size)
+    replicate = ReplicateConfig()
+    replicate.replica_num = s.replica_num
+    if s.preferred_segment:  # "local": this client's own segment
+        replicate.preferred_segment = (client.get_hostname() if s.preferred_segment == "local"
+                                       else s.preferred_segment)
+    return client, replicate
+
+
+def chunks(ptr_lists: Sequence[Sequence[int]]) -> list[slice]:
+    """Consecutive key ranges of at most ``MAX_SLICES`` buffers (an object with more is a
+    range of its own)."""
+    out, start, count = [], 0, 0
+    for i, ptrs in enumerate(ptr_lists):
+        if count and count + len(ptrs) > MAX_SLICES:
+            out.append(slice(start, i))
+            start, count = i, 0
+        count += len(ptrs)
+    if start < len(ptr_lists):
+        out.append(slice(start, len(ptr_lists)))
+    return out
