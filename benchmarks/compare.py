@@ -185,7 +185,8 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
             reset_caches(servers, store)
             gw = gateway_for(arm.gateway, urls, logs, model=SERVED_NAME, tokenizer=fspec.model,
                              store=store, slo_ttft_ms=args.slo_ttft_ms,
-                             slo_tpot_ms=args.slo_tpot_ms, profile=profile, dtype=fspec.dtype)
+                             slo_tpot_ms=args.slo_tpot_ms, profile=profile, dtype=fspec.dtype,
+                             **arm.gateway_opts)
             try:
                 base = [gw.start().wait_ready().url] if gw else urls
                 cfg = RunConfig(tuple(base), Api(SERVED_NAME, endpoint))
@@ -198,9 +199,13 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
     return results
 
 
+# Every instance here binds its worker threads to the same cores (vLLM's automatic binding
+# is per machine): our router is told they share one processor. Admission control is off:
+# the benchmark's users end their conversation on a refused turn, which no retry can help.
+OUR_ROUTER = Arm("kvcentric-router", gateway="kvcentric",
+                 gateway_opts={"compute": "host-cpu", "reject": False})
 ROUTING_ARMS = [Arm("round-robin"), Arm("sglang-round_robin", gateway="sglang:round_robin"),
-                Arm("sglang-cache_aware", gateway="sglang:cache_aware"),
-                Arm("kvcentric-router", gateway="kvcentric")]
+                Arm("sglang-cache_aware", gateway="sglang:cache_aware"), OUR_ROUTER]
 
 
 def routing(args: argparse.Namespace) -> dict[str, Any]:
@@ -254,8 +259,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     workload = build(spec, src)
     logs = Path(tempfile.mkdtemp(prefix="kvc-compare-trace-"))
     print(f"{workload.num_requests} requests, {workload.info}; logs in {logs}")
-    arms = [Arm("sglang-cache_aware", gateway="sglang:cache_aware"),
-            Arm("kvcentric-router", gateway="kvcentric")]
+    arms = [Arm("sglang-cache_aware", gateway="sglang:cache_aware"), OUR_ROUTER]
     t0 = time.monotonic()
     results = behind_gateways(args, fspec, arms, workload, src, "completions", logs)
     notes = [f"Workload: {asdict(spec)}; {workload.info}.",

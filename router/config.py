@@ -66,6 +66,9 @@ class InstanceSpec:
     no connector). ``kv_events``: the ZMQ endpoint the engine publishes KV cache events to
     (``tcp://127.0.0.1:PORT``: the engine connects and the router binds; ``ipc://...``:
     the engine binds and the router connects); ``None``: the router's own bookkeeping.
+    ``compute``: instances naming the same compute share one processor (several engines
+    on one GPU, or vLLM CPU engines bound to the same cores); their prefills queue one
+    behind another in the cost model instead of running side by side.
     """
 
     url: str
@@ -73,6 +76,7 @@ class InstanceSpec:
     model: str | None = None
     name: str | None = None
     kv_events: str | None = None
+    compute: str | None = None
 
     def __post_init__(self) -> None:
         parsed = urlparse(self.url)
@@ -88,13 +92,15 @@ class InstanceSpec:
         if self.kv_events is not None and not self.kv_events.startswith(
                 ("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"kv_events {self.kv_events!r} must be a tcp:// or ipc:// endpoint")
+        if self.compute is not None and not _NAME_RE.fullmatch(self.compute):
+            raise ValueError(f"instance compute {self.compute!r} must match {_NAME_RE.pattern}")
 
     @classmethod
     def from_dict(cls, raw: Any) -> InstanceSpec:
         if not isinstance(raw, Mapping) or "url" not in raw:
             raise ValueError(f"an instance needs at least a url, got {raw!r}")
         _check_keys("instance", raw, cls)
-        for key in ("url", "role", "model", "name", "kv_events"):
+        for key in ("url", "role", "model", "name", "kv_events", "compute"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise ValueError(f"instance {key} must be a string, got {raw[key]!r}")
         return cls(**raw)
@@ -110,13 +116,19 @@ class InstanceSpec:
 
 @dataclass(frozen=True)
 class SloConfig:
-    """Service levels; a request predicted to miss either is refused with 429."""
+    """Service levels. ``reject``: a request predicted to miss the TTFT SLO because of
+    queueing is refused with 429 and ``Retry-After`` (Mooncake's early rejection); false
+    serves it best effort (flagged ``over_slo``), for clients that cannot retry, e.g. a
+    conversation that ends on a refused turn."""
 
     ttft_ms: float = 2000.0
     tbt_ms: float = 200.0
+    reject: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "ttft_ms", "tbt_ms")
+        if not isinstance(self.reject, bool):
+            raise ValueError(f"slo.reject must be true or false, got {self.reject!r}")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ the prompt's KV from the store fastest and whose predicted TBT (running batch, K
 is lowest, adding ``T_load(prompt − local_d)`` and one decode step. Pairs breaking the TBT
 SLO are never chosen; if the best pair's TTFT breaks the TTFT SLO because of queueing the
 request is refused (HTTP 429 with ``Retry-After``: the time for the predicted queue to
-drain by the excess). A prompt that would break the TTFT SLO even on an idle instance is
+drain by the excess), unless ``slo.reject`` is off (then it is served, flagged
+``over_slo``). ``T_queue`` is per processor: instances sharing one (``compute``) share it.
+A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
 
@@ -157,7 +159,7 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     # Refuse what load makes late. A prompt too long for the SLO even on an idle instance is
     # served best effort: refusing would not help it (no retry ever would) and serving it
     # caches its prefix for the requests that follow.
-    if ttft > slo_s and ttft - pc.queue_s <= slo_s:
+    if slo.reject and ttft > slo_s and ttft - pc.queue_s <= slo_s:
         excess = ttft - slo_s
         return Rejection("ttft", max(1, math.ceil(excess)), ttft, tbt,
                          f"predicted TTFT {ttft * 1000:.0f} ms exceeds the SLO "

@@ -2,8 +2,9 @@
 
 An :class:`Instance` owns a slot (its bit in :class:`router.prefix_index.PrefixIndex`),
 its health, the engine's last ``/metrics`` snapshot, and the router's in-flight
-bookkeeping: prefills it predicted and has not yet seen finish (``T_queue``) and decodes
-running. Everything here is touched only from the router's event loop.
+bookkeeping: prefills it predicted and has not yet seen finish (``T_queue``, one
+:class:`PrefillQueue` per processor) and decodes running. Everything here is touched
+only from the router's event loop.
 """
 
 from __future__ import annotations
@@ -38,6 +39,46 @@ class EngineStats:
     page_size: int | None = None
 
 
+class PrefillQueue:
+    """Prefills the router dispatched to one processor and has not seen finish, FIFO,
+    with their predicted compute seconds. Instances sharing a processor (``compute`` in
+    their spec) share one queue: their prefills run one after another, not side by side."""
+
+    def __init__(self) -> None:
+        self._q: OrderedDict[str, float] = OrderedDict()
+        self._head_start = 0.0
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def seconds(self, now: float) -> float:
+        """Predicted seconds until a new prefill can start: the predicted work queued, less
+        the time already spent on it."""
+        q = self._q
+        while q:
+            rid, pred = next(iter(q.items()))
+            if now - self._head_start <= pred * _STALE_FACTOR:
+                break
+            del q[rid]
+            self._head_start += pred
+        if not q:
+            return 0.0
+        return max(0.0, sum(q.values()) - (now - self._head_start))
+
+    def add(self, rid: str, pred_s: float, now: float) -> None:
+        if not self._q:
+            self._head_start = now
+        self._q[rid] = pred_s
+
+    def done(self, rid: str, now: float) -> None:
+        if rid not in self._q:
+            return
+        head = next(iter(self._q))
+        del self._q[rid]
+        if rid == head:
+            self._head_start = now
+
+
 @dataclass
 class Instance:
     spec: InstanceSpec
@@ -49,44 +90,25 @@ class Instance:
     correction: float = 1.0  # EWMA of actual / predicted prefill time
     translator: EventTranslator | None = None
     listener: EventListener | None = None
-    _queue: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    _head_start: float = 0.0
+    prefills: PrefillQueue = field(default_factory=PrefillQueue)
 
     @property
     def name(self) -> str:
         return str(self.spec.name)
 
-    # ---- prefill queue (T_queue) ----
+    # ---- prefill queue (T_queue), shared with the instances on the same compute ----
     def queue_s(self, now: float) -> float:
-        """Predicted seconds until this instance can start a new prefill: the predicted
-        work of the prefills it holds, less the time it has already worked on them."""
-        q = self._queue
-        while q:
-            rid, pred = next(iter(q.items()))
-            if now - self._head_start <= pred * _STALE_FACTOR:
-                break
-            del q[rid]
-            self._head_start += pred
-        if not q:
-            return 0.0
-        return max(0.0, sum(q.values()) - (now - self._head_start))
+        return self.prefills.seconds(now)
 
     def enqueue(self, rid: str, pred_s: float, now: float) -> None:
-        if not self._queue:
-            self._head_start = now
-        self._queue[rid] = pred_s
+        self.prefills.add(rid, pred_s, now)
 
     def prefill_done(self, rid: str, now: float) -> None:
-        if rid not in self._queue:
-            return
-        head = next(iter(self._queue))
-        del self._queue[rid]
-        if rid == head:
-            self._head_start = now
+        self.prefills.done(rid, now)
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self.prefills)
 
     def observe(self, predicted_s: float, actual_s: float, weight: float = 0.2) -> None:
         """Fold an observed prefill time into the correction factor (bounded 0.25..4)."""
@@ -102,7 +124,8 @@ class Instance:
     def describe(self, index: PrefixIndex, now: float) -> dict[str, object]:
         return {
             "name": self.name, "url": self.spec.url, "role": self.spec.role,
-            "model": self.spec.model, "healthy": self.healthy, "slot": self.slot,
+            "model": self.spec.model, "compute": self.spec.compute, "healthy": self.healthy,
+            "slot": self.slot,
             "queue_s": round(self.queue_s(now), 4), "queued_prefills": self.queued,
             "decodes": self.decodes, "running": self.stats.running,
             "waiting": self.stats.waiting, "kv_usage": self.stats.kv_usage,
@@ -140,6 +163,10 @@ class Registry:
         slot = next(s for s in range(len(used) + 1) if s not in used)
         self.index.add_slot(slot, self.default_blocks)
         inst = Instance(spec, slot)
+        peer = next((i for i in self._by_name.values()
+                     if spec.compute is not None and i.spec.compute == spec.compute), None)
+        if peer is not None:
+            inst.prefills = peer.prefills
         self._by_name[str(spec.name)] = inst
         return inst
 

@@ -9,7 +9,8 @@ import pytest
 from router.config import InstanceSpec, SloConfig
 from router.cost_model import Profile
 from router.decision import CostParams, Decision, Rejection, choose
-from router.instances import Instance
+from router.instances import Instance, Registry
+from router.prefix_index import PrefixIndex
 
 BS = 256
 PROFILE = Profile(a=1e-9, b=1e-4, c=0.005, tbt_base_s=0.02, tbt_per_seq_s=0.002)
@@ -86,6 +87,33 @@ def test_a_prompt_too_long_for_the_slo_when_idle_is_served_best_effort() -> None
     a.enqueue("x", 1.0, now=0.0)  # with a queue the excess is still not the queue's fault
     d = choose([a], [a], {}, 0, n, PARAMS, SLO, now=0.0)
     assert isinstance(d, Decision) and d.over_slo
+
+
+def test_reject_off_serves_late_requests_best_effort() -> None:
+    a = inst("a", 0)
+    for i in range(40):
+        a.enqueue(f"r{i}", 0.1, now=0.0)
+    lenient = SloConfig(ttft_ms=2000, tbt_ms=100, reject=False)
+    d = choose([a], [a], {}, 0, N, PARAMS, lenient, now=0.0)
+    assert isinstance(d, Decision) and d.over_slo and d.ttft_s > 4.0
+    with pytest.raises(ValueError, match="slo.reject"):
+        SloConfig(reject="no")  # type: ignore[arg-type]
+
+
+def test_instances_on_one_compute_share_their_prefill_queue() -> None:
+    reg = Registry(PrefixIndex(), 64)
+    a, b, c = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute=g))
+               for n, g in (("a", "gpu0"), ("b", "gpu0"), ("c", None)))
+    a.enqueue("x", 1.0, now=0.0)
+    assert b.queue_s(0.5) == pytest.approx(0.5) and b.queued == 1
+    assert c.queue_s(0.5) == 0.0
+    # b holds the prefix, a and b share a processor busy for 1 s: c (idle) is cheaper
+    d = choose([a, b, c], [a, b, c], {1: 4}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is c
+    b.prefill_done("x", now=0.2)  # the shared queue drains whichever instance reports
+    assert a.queue_s(0.2) == 0.0
+    with pytest.raises(ValueError, match="compute"):
+        InstanceSpec(url="http://d:1", compute="bad name")
 
 
 def test_tbt_slo_steers_and_rejects() -> None:

@@ -133,6 +133,10 @@ def test_full_store_requests_still_succeed(servers: dict[str, VllmServer],
     mc.start_node("pool", "16mb")
     saved_before = a.metrics().get("vllm:kvcentric_saved_blocks_total", 0.0)
     with open_store(mc.store_config()) as probe:  # stats come from the master's HTTP
+        deadline = time.monotonic() + 90  # the killed node's segment counts until its TTL
+        while probe.stats()["capacity_bytes"] != 16 << 20:
+            assert time.monotonic() < deadline, probe.stats()
+            time.sleep(1.0)
         evicted_before = probe.stats()["evictions"]
         prompts = [prompt(seed, 4000) for seed in (5, 6, 7)]
         for p in prompts:

@@ -28,13 +28,14 @@ class Arm:
     ``kv_transfer``: the instances' connector (None: no connector); ``store``: a local
     store the arm owns (stopped afterwards); ``gateway``: what sits in front of the
     instances (``"client-rr"``: none, the client round-robins; ``"sglang:<policy>"``;
-    ``"kvcentric"``: our router).
+    ``"kvcentric"``: our router, with ``gateway_opts`` for its config).
     """
 
     name: str
     kv_transfer: dict[str, Any] | None = None
     store: dict[str, Any] | None = None
     gateway: str = "client-rr"
+    gateway_opts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -89,14 +89,15 @@ def sglang_router(policy: str, worker_urls: Sequence[str], logs: Path) -> Gatewa
 
 def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
                      store: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float,
-                     logs: Path, profile: str | None = None,
-                     dtype: str | None = None) -> Gateway:
-    """Our router over ``worker_urls`` (role ``both``) sharing ``store``; the router's SLO
-    is the benchmark's, so what it refuses is what it predicts would miss it anyway."""
+                     logs: Path, profile: str | None = None, dtype: str | None = None,
+                     compute: str | None = None, reject: bool = True) -> Gateway:
+    """Our router over ``worker_urls`` (role ``both``, on one ``compute`` when they share
+    a processor) sharing ``store``; the router's SLO is the benchmark's, so what it
+    refuses (``reject``) is what it predicts would miss it anyway."""
     port = free_port()
     cfg = {"model": model, "tokenizer": tokenizer, "listen": {"host": "127.0.0.1", "port": port},
-           "instances": [{"url": u, "role": "both"} for u in worker_urls],
-           "slo": {"ttft_ms": slo_ttft_ms, "tbt_ms": slo_tpot_ms},
+           "instances": [{"url": u, "role": "both", "compute": compute} for u in worker_urls],
+           "slo": {"ttft_ms": slo_ttft_ms, "tbt_ms": slo_tpot_ms, "reject": reject},
            "store": dict(store),
            "cost": {"profile": profile, "kv_dtype": dtype}}
     path = logs / f"kvcentric-router-{port}.yaml"
