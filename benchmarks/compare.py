@@ -204,6 +204,9 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
 # the benchmark's users end their conversation on a refused turn, which no retry can help.
 OUR_ROUTER = Arm("kvcentric-router", gateway="kvcentric",
                  gateway_opts={"compute": "host-cpu", "reject": False})
+OUR_ROUTER_NOTE = ("kvcentric-router: instances on one `compute` (vLLM binds both to the same "
+                   "cores), `slo.reject: false` (no 429s: a refused turn ends the user's "
+                   "conversation); its cost profile is fitted on instance 0 first.")
 ROUTING_ARMS = [Arm("round-robin"), Arm("sglang-round_robin", gateway="sglang:round_robin"),
                 Arm("sglang-cache_aware", gateway="sglang:cache_aware"), OUR_ROUTER]
 
@@ -227,7 +230,7 @@ def routing(args: argparse.Namespace) -> dict[str, Any]:
              fleet_note(fspec, args, "all arms on the same instances, each with the "
                         "kvcentric connector over one local store, emptied (store and "
                         "engine prefix caches) before every arm"),
-             slo_note(args, t0)]
+             OUR_ROUTER_NOTE, slo_note(args, t0)]
     return report.write(RESULTS, "compare_routing" + ("_quick" if q else "") + args.tag,
                         "Routing: round-robin vs sglang-router vs kvcentric router",
                         results, "round-robin",
@@ -265,7 +268,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     notes = [f"Workload: {asdict(spec)}; {workload.info}.",
              fleet_note(fspec, args, "both arms on the same instances with the kvcentric "
                         "connector over one local store, emptied before every arm"),
-             slo_note(args, t0)]
+             OUR_ROUTER_NOTE, slo_note(args, t0)]
     return report.write(RESULTS, "compare_trace" + ("_quick" if q else "") + args.tag,
                         "Trace replay (conversation, scaled): sglang-router vs kvcentric",
                         results, "sglang-cache_aware",
