@@ -55,3 +55,5 @@ bench: setup
 compare: setup
 	$(BIN)/pip install -q sglang-router==0.3.2
 	$(BIN)/python benchmarks/compare.py reuse
+	$(BIN)/python benchmarks/compare.py routing
+	$(BIN)/python benchmarks/compare.py trace

@@ -98,6 +98,7 @@ class Instance:
 
     # ---- prefill queue (T_queue), shared with the instances on the same compute ----
     def queue_s(self, now: float) -> float:
+        """Predicted seconds until this instance's processor can start a new prefill."""
         return self.prefills.seconds(now)
 
     def enqueue(self, rid: str, pred_s: float, now: float) -> None:
