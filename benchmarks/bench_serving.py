@@ -76,6 +76,9 @@ def add_client_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--routing", choices=ROUTINGS, default="round-robin")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--request-timeout", type=float, default=600.0)
+    g.add_argument("--retry-429", type=int, default=0, metavar="N",
+                   help="resend a 429 after its Retry-After up to N times (as the OpenAI "
+                        "SDK does); TTFT counts from the first attempt")
     g.add_argument("--no-ignore-eos", action="store_true")
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into bodies")
     g.add_argument("--metrics-url", nargs="+", action="extend", dest="metrics_urls",
@@ -102,7 +105,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     api = Api(args.model or served_model(urls[0]), args.endpoint, not args.no_ignore_eos,
               dict(args.extra_body))
     return RunConfig(urls, api, args.prompt_format, args.routing, args.max_concurrency,
-                     args.request_timeout)
+                     args.request_timeout, args.retry_429)
 
 
 def benchmark(src: TokenSource, workload: Workload, cfg: RunConfig,

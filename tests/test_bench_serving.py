@@ -3,17 +3,22 @@ against a real vLLM CPU server (tiny model, one server for the module)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from benchmarks import bench_serving, plot
 from benchmarks.serving import scrape
-from benchmarks.serving.client import Api
+from benchmarks.serving.client import Api, send
 from benchmarks.serving.metrics import RequestRecord, summarize
 from benchmarks.serving.runner import RunConfig
 from benchmarks.serving.tokens import TAG_DIGITS, TokenSource
@@ -185,6 +190,67 @@ def test_metrics_match_hand_computed_values() -> None:
     assert none["goodput"] is None and none["ttft_mean_ms"] is None and none["completed"] == 0
     with pytest.raises(ValueError):
         summarize(recs, 0.0)
+
+
+class _BusyThenServe(BaseHTTPRequestHandler):
+    """Answers the first ``busy`` POSTs 429 (Retry-After 0.2 s), then one SSE stream."""
+
+    busy = 0
+    seen: list[float] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).seen.append(time.perf_counter())
+        if len(self.seen) <= self.busy:
+            body = b'{"error": {"message": "predicted TTFT exceeds the SLO", "code": 429}}'
+            self.send_response(429)
+            self.send_header("Retry-After", "0.2")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for text in ("a", "b"):
+            self.wfile.write(b"data: " + json.dumps({"choices": [{"text": text}]}).encode()
+                             + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("busy", "retries", "ok"), [(2, 2, True), (2, 1, False)])
+def test_429_is_retried_after_retry_after(busy: int, retries: int, ok: bool) -> None:
+    """A real HTTP server refuses ``busy`` times; the client waits Retry-After and resends
+    up to ``retries`` times; TTFT counts from the first attempt."""
+    handler = type("H", (_BusyThenServe,), {"busy": busy, "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    rec = RequestRecord("s", 0, "", 0.0, 3, 2)
+
+    async def go() -> str:
+        async with httpx.AsyncClient() as client:
+            return await send(client, url, Api("m"), "hi", rec, time.perf_counter(), retries)
+
+    try:
+        text = asyncio.run(go())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rec.retries == retries and len(handler.seen) == retries + 1
+    assert all(b - a >= 0.2 for a, b in zip(handler.seen, handler.seen[1:]))
+    if ok:
+        assert rec.success and rec.status == 200 and text == "ab"
+        assert rec.ttft_s >= 0.4 and rec.output_tokens == 2
+    else:
+        assert not rec.success and rec.rejected and text == ""
+        assert "exceeds the SLO" in rec.error
+    assert summarize([rec], 1.0)["retried_429"] == retries
+    with pytest.raises(ValueError, match="retry-429"):
+        RunConfig(("http://x",), Api("m"), retry_429=-1)
 
 
 def test_scrape_parse_and_delta() -> None:

@@ -6,6 +6,7 @@ up in the returned :class:`RequestRecord` (``success=False``, ``status``, ``erro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import httpx
 from .metrics import RequestRecord
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+MAX_RETRY_AFTER_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,29 @@ class _Stream:
 
 
 async def send(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
-               rec: RequestRecord, t_origin: float) -> str:
-    """Send one request, fill ``rec`` in place and return the generated text."""
-    chat = api.endpoint == "chat"
+               rec: RequestRecord, t_origin: float, retry_429: int = 0) -> str:
+    """Send one request, fill ``rec`` in place and return the generated text.
+
+    A 429 is sent again up to ``retry_429`` times after its ``Retry-After`` (seconds,
+    capped at ``MAX_RETRY_AFTER_S``; 1 s when absent), as the OpenAI SDK does; TTFT and
+    latency then count from the first attempt, waits included.
+    """
     t0 = time.perf_counter()
     rec.start_s, rec.url = t0 - t_origin, base_url
+    while True:
+        wait, text = await _attempt(client, base_url, api, prompt, rec, t0)
+        if wait is None or rec.retries >= retry_429:
+            return text
+        rec.retries += 1
+        await asyncio.sleep(wait)
+
+
+async def _attempt(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
+                   rec: RequestRecord, t0: float) -> tuple[float | None, str]:
+    """One try: (seconds to wait before retrying a 429, else None; the generated text)."""
+    chat = api.endpoint == "chat"
     st = _Stream(t0)
+    rec.error = ""
     try:
         async with client.stream("POST", base_url.rstrip("/") + ENDPOINTS[api.endpoint],
                                  json=api.body(prompt, rec.max_tokens)) as r:
@@ -82,7 +101,7 @@ async def send(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_message(body)}"
-                return ""
+                return (_retry_after(r) if r.status_code == 429 else None), ""
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -92,14 +111,21 @@ async def send(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
                 obj = json.loads(data)
                 if obj.get("error"):
                     rec.error = f"stream error: {_message(json.dumps(obj))}"
-                    return ""
+                    return None, ""
                 st.feed(obj, chat, rec)
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         rec.error = f"{type(e).__name__}: {e}"
-        return ""
+        return None, ""
     rec.latency_s = time.perf_counter() - t0
     _finish(rec, st)
-    return "".join(st.text)
+    return None, "".join(st.text)
+
+
+def _retry_after(r: httpx.Response) -> float:
+    try:
+        return min(MAX_RETRY_AFTER_S, max(0.0, float(r.headers.get("retry-after", "1"))))
+    except ValueError:  # an HTTP date: not sent by the servers we target
+        return 1.0
 
 
 def _finish(rec: RequestRecord, st: _Stream) -> None:

@@ -43,6 +43,7 @@ class RequestRecord:
     output_tokens: int = 0
     server_prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    retries: int = 0  # 429s answered by waiting Retry-After and sending again
 
     @property
     def rejected(self) -> bool:
@@ -92,6 +93,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     out: dict[str, Any] = {
         "duration_s": duration_s, "num_requests": len(records), "completed": len(ok),
         "failed": len(bad), "rejected": sum(r.rejected for r in records),
+        "retried_429": sum(r.retries for r in records),
         "failure_reasons": dict(Counter(_reason(r) for r in bad)),
         "total_input_tokens": n_in, "total_output_tokens": n_out,
         "request_throughput": len(ok) / duration_s,
@@ -127,6 +129,7 @@ def format_table(s: dict[str, Any], title: str = "Serving Benchmark Result") -> 
     row("Successful requests:", s["completed"], "{:<10}")
     row("Failed requests:", s["failed"], "{:<10}")
     row("Rejected requests (429):", s["rejected"], "{:<10}")
+    row("429s retried after Retry-After:", s.get("retried_429", 0), "{:<10}")
     row("Benchmark duration (s):", s["duration_s"])
     row("Total input tokens:", s["total_input_tokens"], "{:<10}")
     row("Total generated tokens:", s["total_output_tokens"], "{:<10}")

@@ -4,9 +4,10 @@ Each session is one task: it waits for its arrival time, then sends its turns in
 each after the previous answer plus the turn's think time, resending the whole history
 with every turn. Requests go to the base URLs in global round-robin order (``routing=
 "round-robin"``: a user's consecutive turns usually land on different servers) or stick to
-one URL per session (``"session"``). A failed or rejected turn ends its session (a real
-client cannot continue a conversation without the answer); the turns it would still have
-sent are counted as ``aborted_turns``.
+one URL per session (``"session"``). A 429 is resent after its ``Retry-After`` up to
+``retry_429`` times (the same server: the router behind it decides again). A failed or
+rejected turn ends its session (a real client cannot continue a conversation without the
+answer); the turns it would still have sent are counted as ``aborted_turns``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class RunConfig:
     routing: str = "round-robin"
     max_concurrency: int | None = None
     timeout_s: float = 600.0
+    retry_429: int = 0  # resend a 429 after its Retry-After, up to this many times
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -48,6 +50,8 @@ class RunConfig:
             raise ValueError(f"prompt format must be in {FORMATS}, routing in {ROUTINGS}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be >= 1")
+        if self.retry_429 < 0:
+            raise ValueError("--retry-429 must be >= 0")
 
 
 @dataclass
@@ -145,7 +149,7 @@ class Runner:
             rec = RequestRecord(s.sid, k, "", 0.0, n, turn.output_len)
             async with sem:
                 answer = await send(client, self._url(s), self.cfg.api, prompt, rec,
-                                    self.t_origin)
+                                    self.t_origin, self.cfg.retry_429)
             self.records.append(rec)
             self._tick(1)
             if not rec.success:
