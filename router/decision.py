@@ -12,7 +12,8 @@ is lowest, adding ``T_load(prompt − local_d)`` and one decode step. Pairs brea
 SLO are never chosen; if the best pair's TTFT breaks the TTFT SLO because of queueing the
 request is refused (HTTP 429 with ``Retry-After``: the time for the predicted queue to
 drain by the excess), unless ``slo.reject`` is off (then it is served, flagged
-``over_slo``). ``T_queue`` is per processor: instances sharing one (``compute``) share it.
+``over_slo``). ``T_queue`` and the profile's correction are per processor: instances
+sharing one (``compute``) share them; ties go to the instance running fewer sequences.
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -133,6 +134,7 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo)
     costs: list[PrefillCost] = []
     best: tuple[float, float, Instance, Instance, PrefillCost] | None = None
+    best_key: tuple[float, int, float] | None = None
     min_tbt = math.inf
     for p in prefill:
         pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now)
@@ -147,8 +149,11 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         if pair is None:
             continue
         min_tbt = min(min_tbt, pair[1])
-        if pair[1] <= tbt_slo and (best is None or pair[0] < best[0]):
-            best = (pair[0], pair[1], p, pair[2], pc)
+        # equal predicted TTFT (instances on one processor, same prefix knowledge): the one
+        # running fewer sequences, then the emptier cache, so new prefixes spread out
+        key = (pair[0], p.batch(), p.stats.kv_usage)
+        if pair[1] <= tbt_slo and (best_key is None or key < best_key):
+            best, best_key = (pair[0], pair[1], p, pair[2], pc), key
     if best is None:
         msg = (f"predicted TBT {min_tbt * 1000:.0f} ms exceeds the SLO {slo.tbt_ms:.0f} ms"
                if math.isfinite(min_tbt) else

@@ -2,8 +2,8 @@
 
 An :class:`Instance` owns a slot (its bit in :class:`router.prefix_index.PrefixIndex`),
 its health, the engine's last ``/metrics`` snapshot, and the router's in-flight
-bookkeeping: prefills it predicted and has not yet seen finish (``T_queue``, one
-:class:`PrefillQueue` per processor) and decodes running. Everything here is touched
+bookkeeping: prefills it predicted and has not yet seen finish (``T_queue``) and the
+measured prefill speed, both per :class:`Processor`, and decodes running. Everything here is touched
 only from the router's event loop.
 """
 
@@ -39,19 +39,22 @@ class EngineStats:
     page_size: int | None = None
 
 
-class PrefillQueue:
-    """Prefills the router dispatched to one processor and has not seen finish, FIFO,
-    with their predicted compute seconds. Instances sharing a processor (``compute`` in
-    their spec) share one queue: their prefills run one after another, not side by side."""
+class Processor:
+    """What an instance computes on, as the cost model sees it: the prefills dispatched to
+    it and not yet seen finishing (FIFO, predicted compute seconds each), and the
+    correction of the profile's prefill times measured on it. Instances sharing a processor
+    (the same ``compute`` in their spec) share one: their prefills run one after another,
+    at one speed."""
 
     def __init__(self) -> None:
         self._q: OrderedDict[str, float] = OrderedDict()
         self._head_start = 0.0
+        self.correction = 1.0  # EWMA of actual / predicted prefill time
 
     def __len__(self) -> int:
         return len(self._q)
 
-    def seconds(self, now: float) -> float:
+    def queue_s(self, now: float) -> float:
         """Predicted seconds until a new prefill can start: the predicted work queued, less
         the time already spent on it."""
         q = self._q
@@ -78,6 +81,13 @@ class PrefillQueue:
         if rid == head:
             self._head_start = now
 
+    def observe(self, predicted_s: float, actual_s: float, weight: float = 0.2) -> None:
+        """Fold an observed prefill time into the correction factor (bounded 0.25..4)."""
+        if predicted_s <= 0 or actual_s <= 0:
+            return
+        ratio = min(4.0, max(0.25, actual_s / predicted_s))
+        self.correction = min(4.0, max(0.25, (1 - weight) * self.correction + weight * ratio))
+
 
 @dataclass
 class Instance:
@@ -87,36 +97,36 @@ class Instance:
     failures: int = 0
     stats: EngineStats = field(default_factory=EngineStats)
     decodes: int = 0
-    correction: float = 1.0  # EWMA of actual / predicted prefill time
     translator: EventTranslator | None = None
     listener: EventListener | None = None
-    prefills: PrefillQueue = field(default_factory=PrefillQueue)
+    proc: Processor = field(default_factory=Processor)
 
     @property
     def name(self) -> str:
         return str(self.spec.name)
 
-    # ---- prefill queue (T_queue), shared with the instances on the same compute ----
+    # ---- the processor: prefill queue (T_queue) and speed, shared on one compute ----
     def queue_s(self, now: float) -> float:
         """Predicted seconds until this instance's processor can start a new prefill."""
-        return self.prefills.seconds(now)
+        return self.proc.queue_s(now)
 
     def enqueue(self, rid: str, pred_s: float, now: float) -> None:
-        self.prefills.add(rid, pred_s, now)
+        self.proc.add(rid, pred_s, now)
 
     def prefill_done(self, rid: str, now: float) -> None:
-        self.prefills.done(rid, now)
+        self.proc.done(rid, now)
 
     @property
     def queued(self) -> int:
-        return len(self.prefills)
+        return len(self.proc)
 
-    def observe(self, predicted_s: float, actual_s: float, weight: float = 0.2) -> None:
-        """Fold an observed prefill time into the correction factor (bounded 0.25..4)."""
-        if predicted_s <= 0 or actual_s <= 0:
-            return
-        ratio = min(4.0, max(0.25, actual_s / predicted_s))
-        self.correction = min(4.0, max(0.25, (1 - weight) * self.correction + weight * ratio))
+    @property
+    def correction(self) -> float:
+        """Actual / predicted prefill time on this instance's processor."""
+        return self.proc.correction
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        self.proc.observe(predicted_s, actual_s)
 
     def batch(self) -> int:
         """Sequences decoding on the engine, counting the router's own in flight."""
@@ -167,7 +177,7 @@ class Registry:
         peer = next((i for i in self._by_name.values()
                      if spec.compute is not None and i.spec.compute == spec.compute), None)
         if peer is not None:
-            inst.prefills = peer.prefills
+            inst.proc = peer.proc
         self._by_name[str(spec.name)] = inst
         return inst
 

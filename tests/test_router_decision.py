@@ -112,6 +112,18 @@ def test_instances_on_one_compute_share_their_prefill_queue() -> None:
     assert isinstance(d, Decision) and d.prefill is c
     b.prefill_done("x", now=0.2)  # the shared queue drains whichever instance reports
     assert a.queue_s(0.2) == 0.0
+    a.observe(1.0, 2.0)  # one processor, one speed
+    assert a.correction == b.correction > 1.0 and c.correction == 1.0
+    # same processor, same prefix knowledge: the instance running fewer sequences, then the
+    # emptier cache; a prefix held locally still wins over both
+    a.decodes = 2
+    d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=1.0)
+    assert isinstance(d, Decision) and d.prefill is b
+    a.decodes, b.stats.kv_usage = 0, 0.5
+    d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=1.0)
+    assert isinstance(d, Decision) and d.prefill is a
+    d = choose([a, b], [a, b], {1: 8}, 8, N, PARAMS, SLO, now=1.0)
+    assert isinstance(d, Decision) and d.prefill is b and d.load_blocks == 0
     with pytest.raises(ValueError, match="compute"):
         InstanceSpec(url="http://d:1", compute="bad name")
 
