@@ -104,6 +104,15 @@ def fleet_spec(args: argparse.Namespace, model: str, longest: int) -> FleetSpec:
                      args=(*SERVER_ARGS, *engine_cache_args(args.engine_cache_tokens)))
 
 
+def multi_turn_fleet(args: argparse.Namespace, spec: WorkloadSpec) -> tuple[str, FleetSpec]:
+    """The ``bench`` model's folder and a fleet whose context fits the longest
+    conversation of ``spec`` (turns up to mean + 3 std, 16 tokens of chat template each)."""
+    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    longest = spec.shared_system_prompt_len + spec.user_context_len + round(
+        spec.turns_mean + 3 * spec.turns_std) * (spec.turn_input_len + spec.output_len + 16)
+    return model, fleet_spec(args, model, longest)
+
+
 def fleet_note(fspec: FleetSpec, args: argparse.Namespace, routing: str) -> str:
     return (f"Instances: {fspec.instances} x vLLM CPU, bench model ({fspec.dtype}), "
             f"max_model_len {fspec.max_model_len}, env {fspec.env}, engine KV cache "
@@ -126,10 +135,7 @@ def reuse(args: argparse.Namespace) -> dict[str, Any]:
     q = args.quick
     spec = multi_turn_spec(args, 4 if q else 16, 3 if q else 5, 2.0 if q else 10.0,
                            0.5 if q else 0.12)
-    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
-    longest = spec.shared_system_prompt_len + spec.user_context_len + round(
-        spec.turns_mean + 3 * spec.turns_std) * (spec.turn_input_len + spec.output_len + 16)
-    fspec = fleet_spec(args, model, longest)
+    model, fspec = multi_turn_fleet(args, spec)
     store = new_store()
     arms = [Arm("vllm-prefix-cache"), Arm("kvcentric", connector_config(store), store)]
     src = TokenSource(model)
@@ -216,10 +222,7 @@ def routing(args: argparse.Namespace) -> dict[str, Any]:
     q = args.quick
     spec = multi_turn_spec(args, 4 if q else 12, 3 if q else 4, 2.0 if q else 8.0,
                            0.5 if q else 0.15)
-    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
-    longest = spec.shared_system_prompt_len + spec.user_context_len + round(
-        spec.turns_mean + 3 * spec.turns_std) * (spec.turn_input_len + spec.output_len + 16)
-    fspec = fleet_spec(args, model, longest)
+    model, fspec = multi_turn_fleet(args, spec)
     src = TokenSource(model)
     workload = build(spec, src)
     logs = Path(tempfile.mkdtemp(prefix="kvc-compare-routing-"))
