@@ -3,17 +3,20 @@ the last two on the same Mooncake Store, in one run.
 
     python benchmarks/bench_connectors.py [--quick] [--out FILE.json]
 
-One vLLM CPU server per arm (``bench`` model, float32, the same pinned worker threads and
-the same small KV cache in every arm), all up at once, serves the same conversations;
-each request goes to the arms one after the other (the first arm rotating), so every arm
-sees the same machine at the same time and only one computes at any moment:
+One vLLM CPU server per arm (``bench`` model, float32, the same worker threads and the
+same small KV cache in every arm) serves the same conversations. Arms run one at a time,
+each on a fresh Mooncake cluster (so every arm starts from an empty store and no idle
+server's threads share the two cores with the measured one), ``--repeats`` times in a
+rotating order; per request, TTFT is the median over repeats:
 
 - ``no_connector``: vLLM with prefix caching only;
 - ``mooncake_store_connector``: vLLM's built-in ``MooncakeStoreConnector`` (config via
   ``MOONCAKE_CONFIG_PATH``, ``standalone-store`` mode: the engine is a pure client and a
   storage node holds the memory);
-- ``kvcentric``: our connector with the ``mooncake`` backend, also a pure client of the
-  same master and node (the two connectors' keys never collide).
+- ``kvcentric``: our connector with the ``mooncake`` backend, also a pure client of a
+  master and node set up the same way; loads stream layer by layer (``ranged_reads``);
+- ``kvcentric_whole_get`` (``--arms`` only): the same with ``ranged_reads`` off (one whole
+  ``batch_get_into`` per step before the forward pass), to show what streaming buys.
 
 Workload: ``users`` conversations share a system prompt; each has its own document and
 ``turns`` turns (a new message, then a greedy answer that joins the history). Turns are
@@ -40,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,8 @@ from kvcentric.testing.models import build_model  # noqa: E402
 from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-ARMS = ("no_connector", "mooncake_store_connector", "kvcentric")
+ARMS = ("no_connector", "mooncake_store_connector", "kvcentric", "kvcentric_whole_get")
+DEFAULT_ARMS = ARMS[:3]
 MASTER = "127.0.0.1:50051"
 PAGE = 128  # vLLM CPU block size; both connectors store 128-token blocks
 # float32: a stored block then holds exactly the bytes a recompute would produce, so every
@@ -104,71 +108,67 @@ def counters(server: VllmServer) -> dict[str, float]:
 
 @dataclass
 class Arm:
-    """One arm: its server and its copy of the conversations."""
+    """One arm's runs (one per repeat) and how they combine."""
 
     name: str
-    server: VllmServer
+    runs: list[dict[str, Any]] = field(default_factory=list)
     status: str = "ok"
-    busy_s: float = 0.0
+    log_tail: str = ""
 
-    def __post_init__(self) -> None:
-        self.history: list[list[int]] = []
-        self.ttfts: list[float] = []
-        self.outputs: list[list[int]] = []
-        self.before: dict[str, float] = {}
-
-    def fail(self, exc: BaseException) -> None:
-        log = self.server.log_path
+    def fail(self, exc: BaseException, log: Path | None) -> None:
         self.status = f"failed: {type(exc).__name__}: {exc}"
-        self.log_tail = log.read_text(errors="replace")[-1500:] if log else ""
-        self.server.stop()
+        self.log_tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
 
     def result(self) -> dict[str, Any]:
-        if self.status != "ok":
+        if self.status != "ok" or not self.runs:
             return {"status": self.status, "log_tail": self.log_tail}
-        after = counters(self.server)
-        delta = {k: after[k] - self.before.get(k, 0.0) for k in after}
-        t = self.ttfts
+        # per request, the median over repeats: one slow repeat moves no request's TTFT
+        t = [statistics.median(r) for r in zip(*(run["ttft_s"] for run in self.runs))]
         p90 = statistics.quantiles(t, n=10)[-1] if len(t) > 1 else t[0]
-        return {"status": "ok", "ttft_ms": [1e3 * x for x in t],
+        first = self.runs[0]["counters"]
+        own = ("engine_hit_tokens", "external_hit_tokens", "prompt_tokens")
+        totals = {k: sum(run["counters"].get(k, 0.0) for run in self.runs) for k in first
+                  if k not in own}
+        hits = [run["counters"]["engine_hit_tokens"] + run["counters"]["external_hit_tokens"]
+                for run in self.runs]
+        busy = sum(run["busy_s"] for run in self.runs)
+        return {"status": "ok", "repeats": len(self.runs), "ttft_ms": [1e3 * x for x in t],
+                "ttft_ms_runs": [[1e3 * x for x in run["ttft_s"]] for run in self.runs],
                 "ttft_mean_ms": 1e3 * statistics.mean(t), "ttft_p90_ms": 1e3 * p90,
                 "ttft_median_ms": 1e3 * statistics.median(t),
-                "requests_per_s": len(t) / self.busy_s,
-                "output_tokens_per_s": sum(len(o) for o in self.outputs) / self.busy_s,
-                "hit_tokens": delta["engine_hit_tokens"] + delta["external_hit_tokens"],
-                **{k: delta.pop(k) for k in ("engine_hit_tokens", "external_hit_tokens",
-                                             "prompt_tokens")},
-                "connector_counters": delta, "outputs": self.outputs}
+                "requests_per_s": sum(len(run["ttft_s"]) for run in self.runs) / busy,
+                "output_tokens_per_s": sum(len(o) for run in self.runs
+                                           for o in run["outputs"]) / busy,
+                "hit_tokens": hits[0], "hit_tokens_runs": hits,
+                **{k: first[k] for k in own},
+                "outputs_same_every_repeat": all(run["outputs"] == self.runs[0]["outputs"]
+                                                 for run in self.runs),
+                "connector_counters_all_repeats": totals,
+                "outputs": self.runs[0]["outputs"]}
 
 
-def serve(arms: list[Arm], w: Workload, bar: tqdm) -> None:
-    """The conversations, round-robin over users; each request goes to every arm in turn
-    (the first arm rotating), so all arms see the same machine noise at the same time."""
+def serve(server: VllmServer, w: Workload, bar: tqdm) -> dict[str, Any]:
+    """The conversations on one server, round-robin over users, one request at a time."""
     system, docs, msgs = w.prompts()
-    warm = random.Random(1).sample(range(4, 8000), 256)
-    for arm in arms:
-        arm.history = [system + d for d in docs]
-        arm.server.complete(warm, max_tokens=2)  # first requests pay one-off costs
-        arm.before = counters(arm.server)
-    k = 0
+    history = [system + d for d in docs]
+    server.complete(random.Random(1).sample(range(4, 8000), 256), max_tokens=2)  # one-offs
+    before = counters(server)
+    ttfts: list[float] = []
+    outputs: list[list[int]] = []
+    busy = 0.0
     for turn in range(w.turns):
         for u in range(w.users):
-            live = [a for a in arms if a.status == "ok"]
-            for arm in live[k % len(live):] + live[:k % len(live)] if live else []:
-                prompt = arm.history[u] + msgs[u][turn]
-                t0 = time.perf_counter()
-                try:
-                    ttft, toks = arm.server.stream(prompt, max_tokens=w.answer_len,
-                                                   timeout_s=900)
-                except Exception as exc:  # an arm that breaks is reported, never faked
-                    arm.fail(exc)
-                    continue
-                arm.busy_s += time.perf_counter() - t0
-                arm.ttfts.append(ttft)
-                arm.outputs.append(toks)
-                arm.history[u] = prompt + toks
-            k += 1
+            prompt = history[u] + msgs[u][turn]
+            t0 = time.perf_counter()
+            ttft, toks = server.stream(prompt, max_tokens=w.answer_len, timeout_s=900)
+            busy += time.perf_counter() - t0
+            ttfts.append(ttft)
+            outputs.append(toks)
+            history[u] = prompt + toks
             bar.update()
+    after = counters(server)
+    return {"ttft_s": ttfts, "outputs": outputs, "busy_s": busy,
+            "counters": {k: after[k] - before.get(k, 0.0) for k in after}}
 
 
 def mooncake_json(path: Path) -> Path:
@@ -195,22 +195,25 @@ def make_server(arm: str, model: str, w: Workload, env: dict[str, str], logs: Pa
                                        "kv_role": "kv_both", "kv_connector_extra_config": {}})
     store = {"backend": "mooncake", "mooncake": {
         "master_server_address": MASTER, "metadata_server": "P2PHANDSHAKE", "use_env": False,
-        "global_segment_size": 0, "staging_size": "512mb"}}
+        "global_segment_size": 0, "staging_size": "512mb",
+        "ranged_reads": arm != "kvcentric_whole_get"}}
     return VllmServer(**common, env=env,
                       kv_transfer=connector_config(store, block_size=PAGE, save_decode=False))
 
 
-def start_arms(names: list[str], model: str, w: Workload, env: dict[str, str],
-               logs: Path) -> list[Arm]:
-    arms = [Arm(n, make_server(n, model, w, env, logs)) for n in names]
-    for arm in arms:
-        arm.server.start()
-    for arm in arms:
-        try:
-            arm.server.wait_ready(900)
-        except Exception as exc:  # e.g. a connector that cannot run here: say why
-            arm.fail(exc)
-    return arms
+def run_arm(arm: Arm, ns: NetNamespace, model: str, w: Workload, env: dict[str, str],
+            logs: Path, bar: tqdm) -> None:
+    """One repeat of ``arm``: a fresh master and node, its server, the workload."""
+    cluster = Cluster(ns, logs, "2gb")
+    server = make_server(arm.name, model, w, env, logs)
+    try:
+        server.start().wait_ready(900)
+        arm.runs.append(serve(server, w, bar))
+    except Exception as exc:  # an arm that cannot run is reported, never faked
+        arm.fail(exc, server.log_path)
+    finally:
+        server.stop()
+        cluster.stop()
 
 
 class Cluster:
@@ -241,7 +244,9 @@ class Cluster:
                 p.wait(timeout=30)
 
 
-def summarise(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summarise(arms: dict[str, dict[str, Any]], users: int) -> dict[str, Any]:
+    """Per-arm figures and the ratios between arms (``users``: the first ``users``
+    requests are first turns, prefilled cold in every arm; later turns can hit a store)."""
     ok = {a: r for a, r in arms.items() if r["status"] == "ok"}
     ref = ok.get("no_connector", {}).get("outputs")
     out: dict[str, Any] = {
@@ -249,32 +254,43 @@ def summarise(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "ttft_mean_ms": {a: r["ttft_mean_ms"] for a, r in ok.items()},
         "ttft_p90_ms": {a: r["ttft_p90_ms"] for a, r in ok.items()},
         "ttft_median_ms": {a: r["ttft_median_ms"] for a, r in ok.items()},
+        "ttft_first_turn_mean_ms": {a: statistics.mean(r["ttft_ms"][:users])
+                                    for a, r in ok.items()},
+        "ttft_later_turns_mean_ms": {a: statistics.mean(r["ttft_ms"][users:])
+                                     for a, r in ok.items() if len(r["ttft_ms"]) > users},
         "hit_tokens": {a: r["hit_tokens"] for a, r in ok.items()},
         "external_hit_tokens": {a: r["external_hit_tokens"] for a, r in ok.items()},
         "engine_hit_tokens": {a: r["engine_hit_tokens"] for a, r in ok.items()},
         "requests_per_s": {a: r["requests_per_s"] for a, r in ok.items()},
-        "outputs_match_no_connector": {a: r["outputs"] == ref for a, r in ok.items()
-                                       if ref is not None},
+        "outputs_match_no_connector": {
+            a: r["outputs"] == ref and r.get("outputs_same_every_repeat", True)
+            for a, r in ok.items() if ref is not None},
     }
     if "kvcentric" in ok and "mooncake_store_connector" in ok:
         out["outputs_match_between_connectors"] = \
             ok["kvcentric"]["outputs"] == ok["mooncake_store_connector"]["outputs"]
-    mean = out["ttft_mean_ms"]
-    for a in ("mooncake_store_connector", "kvcentric"):
-        if a in mean and "no_connector" in mean:
-            out[f"ttft_{a}_vs_no_connector"] = mean[a] / mean["no_connector"]
-    if "kvcentric" in mean and "mooncake_store_connector" in mean:
-        out["ttft_kvcentric_vs_mooncake_store_connector"] = \
-            mean["kvcentric"] / mean["mooncake_store_connector"]
-        med = out["ttft_median_ms"]
-        out["ttft_median_kvcentric_vs_mooncake_store_connector"] = \
-            med["kvcentric"] / med["mooncake_store_connector"]
-        # each request ran on both back to back: the median of per-request ratios is the
-        # comparison least moved by load spikes on a shared machine
-        pairs = zip(ok["kvcentric"]["ttft_ms"], ok["mooncake_store_connector"]["ttft_ms"])
-        out["ttft_paired_median_kvcentric_vs_mooncake_store_connector"] = \
-            statistics.median(a / b for a, b in pairs)
+    for a, b in (("mooncake_store_connector", "no_connector"), ("kvcentric", "no_connector"),
+                 ("kvcentric", "mooncake_store_connector"),
+                 ("kvcentric_whole_get", "mooncake_store_connector"),
+                 ("kvcentric", "kvcentric_whole_get")):
+        if a in ok and b in ok:
+            out.update(_ratios(out, ok, a, b, users))
     return out
+
+
+def _ratios(out: dict[str, Any], ok: dict[str, dict[str, Any]], a: str, b: str,
+            users: int) -> dict[str, float]:
+    """``a`` over ``b``: mean, median, later-turn mean, and the median of per-request
+    ratios (the same request in both arms: the comparison least moved by one slow
+    request on a shared machine)."""
+    later = out["ttft_later_turns_mean_ms"]
+    r = {f"ttft_{a}_vs_{b}": out["ttft_mean_ms"][a] / out["ttft_mean_ms"][b],
+         f"ttft_median_{a}_vs_{b}": out["ttft_median_ms"][a] / out["ttft_median_ms"][b],
+         f"ttft_paired_median_{a}_vs_{b}": statistics.median(
+             x / y for x, y in zip(ok[a]["ttft_ms"], ok[b]["ttft_ms"]))}
+    if a in later and b in later:
+        r[f"ttft_later_turns_{a}_vs_{b}"] = later[a] / later[b]
+    return r
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -283,7 +299,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [a for a in ARMS if res["arms"][a]["status"] == "ok"]
+    ok = [a for a in ARMS if a in res["summary"]["ttft_mean_ms"]]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     xs = range(len(ok))
     a1.bar([x - 0.2 for x in xs], [res["summary"]["ttft_mean_ms"][a] for a in ok], 0.4,
@@ -307,15 +323,17 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def print_table(res: dict[str, Any]) -> None:
     s = res["summary"]
-    print(f"\n{'arm':>26} {'TTFT mean':>10} {'p90':>8} {'median':>8} {'req/s':>7} "
-          f"{'engine hit':>11} {'store hit':>10} {'same tokens':>12}")
+    later = s.get("ttft_later_turns_mean_ms", {})
+    print(f"\n{'arm':>26} {'TTFT mean':>10} {'p90':>8} {'median':>8} {'turns 2+':>9} "
+          f"{'req/s':>7} {'engine hit':>11} {'store hit':>10} {'same tokens':>12}")
     for a in ARMS:
-        r = res["arms"][a]
+        r = res["arms"].get(a, {"status": "not run"})
         if r["status"] != "ok":
             print(f"{a:>26} {r['status']}")
             continue
         print(f"{a:>26} {r['ttft_mean_ms']:10.0f} {r['ttft_p90_ms']:8.0f} "
-              f"{r['ttft_median_ms']:8.0f} {r['requests_per_s']:7.3f} "
+              f"{r['ttft_median_ms']:8.0f} {later.get(a, float('nan')):9.0f} "
+              f"{r['requests_per_s']:7.3f} "
               f"{r['engine_hit_tokens']:11.0f} "
               f"{r['external_hit_tokens']:10.0f} "
               f"{str(s['outputs_match_no_connector'].get(a, '-')):>12}")
@@ -328,13 +346,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of every arm (default 2)")
     ap.add_argument("--summarise", type=Path, help="recompute summary, table and PNG of a "
                     "result JSON (no servers run)")
     args = ap.parse_args()
     if args.summarise:
         res = json.loads(args.summarise.read_text())
-        res["summary"] = summarise(res["arms"])
+        res["summary"] = summarise(res["arms"], res["workload"]["users"])
         args.summarise.write_text(json.dumps(res, indent=1) + "\n")
         print_table(res)
         plot(res, args.summarise.with_suffix(".png"))
@@ -347,23 +367,22 @@ def main() -> None:
     model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
     reserved = "1" if (os.cpu_count() or 1) <= 2 else "0"
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": reserved, "VLLM_HOST_IP": "127.0.0.1"}
-    chosen = [a for a in ARMS if a in args.arms.split(",")]
+    unknown = set(args.arms.split(",")) - set(ARMS)
+    if unknown or args.repeats < 1:
+        ap.error(f"unknown arms {sorted(unknown)}" if unknown else "--repeats must be >= 1")
+    live = [Arm(a) for a in ARMS if a in args.arms.split(",")]
+    total = args.repeats * len(live) * w.users * w.turns
+    with NetNamespace() as ns, ns.entered(), tqdm(total=total, desc="requests") as bar:
+        for r in range(args.repeats):
+            for arm in live[r % len(live):] + live[:r % len(live)]:  # rotate the order
+                if arm.status == "ok":
+                    bar.set_postfix_str(f"{arm.name} (repeat {r + 1})")
+                    run_arm(arm, ns, model, w, env, logs, bar)
     arms: dict[str, dict[str, Any]] = {a: {"status": "not run"} for a in ARMS}
-    with NetNamespace() as ns, ns.entered():
-        cluster = Cluster(ns, logs, "2gb")
-        live: list[Arm] = []
-        try:
-            live = start_arms(chosen, model, w, env, logs)
-            with tqdm(total=w.users * w.turns, desc="requests (all arms)") as bar:
-                serve(live, w, bar)
-            arms |= {a.name: a.result() for a in live}
-        finally:
-            for a in live:
-                a.server.stop()
-            cluster.stop()
+    arms |= {a.name: a.result() for a in live}
     res = {"benchmark": "connectors", "quick": args.quick, "model": f"bench ({DTYPE})",
            "worker_threads": f"cores - {reserved} reserved", "workload": asdict(w),
-           "arms": arms, "summary": summarise(arms)}
+           "repeats": args.repeats, "arms": arms, "summary": summarise(arms, w.users)}
     print_table(res)
     out = args.out or RESULTS / f"connectors{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")

@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcentric.store import ERR_NO_SPACE, ERR_UNAVAILABLE, OK, KVStore, open_store
+from kvcentric.store import (
+    ERR_NO_SPACE,
+    ERR_UNAVAILABLE,
+    OK,
+    KVStore,
+    StoreUnavailable,
+    open_store,
+)
 from kvcentric.store.mooncake_netns import NetNamespace, unavailable_reason
 from tests.helpers.mooncake_cluster import ROOT, MooncakeCluster, clean_env, cluster, end
 from tests.helpers.payload import payload, size_of
@@ -138,6 +145,27 @@ def test_storage_node_killed_reads_fail_never_wrong(mc: MooncakeCluster) -> None
             assert time.monotonic() < deadline, "the master never dropped the dead node"
             time.sleep(0.5)
         assert s.stats()["capacity_bytes"] == 0 and put(s, ["after"]) == [ERR_NO_SPACE]
+
+
+def test_storage_node_killed_mid_streamed_lease_fails_the_range(mc: MooncakeCluster) -> None:
+    """A layer-wise load whose node dies between two ranges gets an error for the second
+    range (so the connector recomputes), never stale or foreign bytes."""
+    mc.start_node("midway", "32mb")
+    size = 64 << 10
+    with open_store(mc.store_config()) as s:
+        keys = [f"midway/{i}" for i in range(4)]
+        data = [payload(k, size) for k in keys]
+        assert s.batch_put_from(keys, [d.ctypes.data for d in data], [size] * 4) == [OK] * 4
+        lease = s.batch_acquire_streamed(keys, [size] * 4)
+        try:
+            assert lease.keys == keys
+            s.fetch_range(lease, 0, size // 2)
+            mc.kill_node("midway")
+            with pytest.raises(StoreUnavailable):
+                s.fetch_range(lease, size // 2, size // 2)
+        finally:
+            s.release(lease)
+        assert s.stats()["staging_used_bytes"] == 0
 
 
 def test_full_store_refuses_puts_cleanly(mc: MooncakeCluster) -> None:

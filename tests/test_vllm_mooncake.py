@@ -117,9 +117,11 @@ def test_storage_node_killed_no_wrong_tokens(servers: dict[str, VllmServer],
     a, b = servers["a"], servers["b"]
     p = prompt(3)
     want = a.tokens(p)  # stored on the node
+    errors = b.metrics().get("vllm:kvcentric_load_errors_total", 0.0)
     mc.kill_node("pool")
     # the master still lists the node's objects (until its client TTL): loads fail, recompute
     assert timed_tokens(b, p) == want
+    assert b.metrics()["vllm:kvcentric_load_errors_total"] > errors  # the failure was seen
     assert timed_tokens(b, prompt(4)) == timed_tokens(a, prompt(4))
     mc.start_node("pool", "256mb")
 

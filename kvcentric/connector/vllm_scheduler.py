@@ -17,6 +17,7 @@ request's block table and how many stored blocks are already saved).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,11 +100,12 @@ class KVCentricScheduler:
             return 0, False
         st = self._state(request)
         keys = self.layout.keyspace.keys(self._hashes(st, max_blocks)[first:])
+        t0 = time.perf_counter()
         try:
             run = self.store.batch_exists(keys)
         except StoreUnavailable:
             run = 0
-        self.stats.add(lookups=1)
+        self.stats.add(lookups=1, lookup_seconds=time.perf_counter() - t0)
         if run == 0:
             return 0, False
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, first, run)

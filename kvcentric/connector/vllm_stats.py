@@ -14,14 +14,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 # name -> help text; every field is a counter summed over steps and workers
 FIELDS = {
     "lookups": "Prefix lookups in the store",
+    "lookup_seconds": "Time the scheduler spent in store lookups (blocks scheduling)",
     "hit_tokens": "Prompt tokens found in the store (scheduler side)",
     "loaded_blocks": "Stored blocks loaded into the engine",
     "loaded_bytes": "Bytes loaded from the store",
-    "load_seconds": "Time spent in load copies (worker; overlaps compute when async)",
+    "load_seconds": "Time spent in layer loads: ranged fetches and copies (worker; "
+                    "overlaps compute when async)",
+    "fetch_seconds": "Time the worker spent leasing stored objects at step start (blocks "
+                     "the step; a streamed lease moves its bytes in the layer loads)",
+    "load_wait_seconds": "Time the forward pass waited for layer loads (worker)",
     "load_errors": "Stored blocks that failed to load and were recomputed",
     "saved_blocks": "Blocks written to the store",
     "saved_bytes": "Bytes written to the store",
     "save_seconds": "Time spent in save copies (worker; overlaps compute when async)",
+    "commit_seconds": "Time the worker spent reserving and committing saves (blocks the "
+                      "step)",
     "skipped_blocks": "Blocks not saved: already stored or no space",
 }
 

@@ -3,9 +3,11 @@
 Runs in each vLLM worker process. Per step (vLLM's call order):
 
 1. ``start_load(meta)`` leases every object to load (one store call per request; the local
-   store hands out pointers into shared memory, no copy) and queues one unpack per layer
-   on the copy thread, in layer order, so loading runs ahead of compute.
-2. ``wait_for_layer(l)`` before layer ``l``'s attention: waits for that layer's unpack.
+   store hands out pointers into shared memory, no copy; a streamed lease, e.g. Mooncake's
+   get session, moves no bytes yet) and queues, per layer in layer order on the copy
+   thread, the fetch of that layer's byte range and its unpack, so loading runs ahead of
+   compute and the forward waits for one layer's transfer, not the whole prefix's.
+2. ``wait_for_layer(l)`` before layer ``l``'s attention: waits for that layer's load.
 3. ``save_layer(l, kv)`` after layer ``l``'s attention: on the first layer, reserves
    in-place write slots for all objects completed in this step (one store call); then
    queues the pack of layer ``l``'s pages into them, overlapping the next layers.
@@ -57,7 +59,8 @@ class KVCentricWorker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-copy") \
             if settings.async_copy else None
         self._load_futs: list[Future[None]] = []
-        self._load_plans: list[PagePlan] = []
+        self._load_failed = False
+        self._load_plans: list[tuple[ReadLease, PagePlan]] = []
         self._leases: list[ReadLease] = []
         self._load_errors: set[int] = set()
         self._save_specs: list[TransferSpec] = []
@@ -95,16 +98,22 @@ class KVCentricWorker:
 
     # ---- loads ----
     def start_load(self, meta: KVCentricMetadata) -> None:
+        t0 = time.perf_counter()
         for spec in meta.loads:
             self._lease_and_plan(spec)
+        if meta.loads:
+            self.stats.add(fetch_seconds=time.perf_counter() - t0)
         if self._load_plans:
             self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer)
                                for layer in range(len(self._kv))]
 
     def _lease_and_plan(self, spec: TransferSpec) -> None:
+        sizes = [self.layout.geometry.object_bytes] * len(spec.keys)
+        # a checksum covers the whole object: verified leases must be eager
+        acquire = (self.store.batch_acquire if self.settings.store.verify_checksums
+                   else self.store.batch_acquire_streamed)
         try:
-            lease = self.store.batch_acquire(
-                spec.keys, [self.layout.geometry.object_bytes] * len(spec.keys))
+            lease = acquire(spec.keys, sizes)
         except StoreUnavailable as exc:
             log.warning("store unavailable, recomputing %d blocks: %s", len(spec.keys), exc)
             self._fail_pages(spec.page_ids)
@@ -118,8 +127,8 @@ class KVCentricWorker:
                      spec.req_id, len(spec.keys) - good, len(spec.keys))
             self._fail_pages(spec.page_ids[good:])
         if good:
-            self._load_plans.append(PagePlan(self.layout.geometry, lease.ptrs[:good],
-                                             spec.page_ids[:good]))
+            self._load_plans.append((lease, PagePlan(self.layout.geometry, lease.ptrs[:good],
+                                                     spec.page_ids[:good])))
             self.stats.add(loaded_blocks=good, loaded_bytes=good * size)
 
     def _verified_prefix(self, lease: ReadLease) -> int:
@@ -136,20 +145,32 @@ class KVCentricWorker:
         self.stats.add(load_errors=len(page_ids))
 
     def _unpack_layer(self, layer: int) -> None:
-        for plan in self._load_plans:
+        g = self.layout.geometry
+        span = g.pages_per_object * g.page_bytes  # objects are [num_layers][k][page_bytes]
+        for lease, plan in self._load_plans:
+            self.store.fetch_range(lease, layer * span, span)
             plan.unpack_layer(layer, self._kv[layer])
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self.layer_of(layer_name)
-        if not self._load_futs or layer is None:
+        if not self._load_futs or self._load_failed or layer is None:
             return
+        t0 = time.perf_counter()
         try:
             self._load_futs[layer].result(self.settings.load_timeout_s)
-        except Exception as exc:  # a failed or late copy: recompute everything loaded
+        except Exception as exc:  # a failed or late load: recompute everything loaded
             log.error("layer load failed (%s); recomputing this step's loaded blocks", exc)
-            for plan in self._load_plans:
-                self._load_errors.update(plan.page_ids())
-            self._load_futs = []
+            self._fail_loads()
+        self.stats.add(load_wait_seconds=time.perf_counter() - t0)
+
+    def _fail_loads(self) -> None:
+        """Report every page this step loads; later layers' loads must not run (they
+        would write pages vLLM is about to recompute)."""
+        self._load_failed = True
+        for fut in self._load_futs:
+            fut.cancel()
+        for _, plan in self._load_plans:
+            self._load_errors.update(plan.page_ids())
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -163,8 +184,12 @@ class KVCentricWorker:
         layer = self.layer_of(layer_name)
         if layer is None or (self._save_plan is None and not self._save_specs):
             return
-        if self._save_plan is None and not self._reserve():
-            return
+        if self._save_plan is None:
+            t0 = time.perf_counter()
+            reserved = self._reserve()
+            self.stats.add(commit_seconds=time.perf_counter() - t0)
+            if not reserved:
+                return
         assert self._save_plan is not None
         self._save_futs.append(self._run(self._timed, "save_seconds",
                                          self._save_plan.pack_layer, layer, kv_layer))
@@ -198,14 +223,16 @@ class KVCentricWorker:
         self._finish_saves()
 
     def _finish_loads(self) -> None:
-        for fut in self._load_futs:
+        for fut in self._load_futs:  # the running one, at most: leases outlive copies
             try:
                 fut.result()
-            except Exception:  # already reported by wait_for_layer or not waited for
-                pass
+            except Exception:  # a layer never waited for failed: report it all the same
+                if not self._load_failed:
+                    self._fail_loads()
         for lease in self._leases:
             self.store.release(lease)
         self._leases, self._load_plans, self._load_futs = [], [], []
+        self._load_failed = False
 
     def _finish_saves(self) -> None:
         slots, self._slots = self._slots, []
@@ -223,9 +250,11 @@ class KVCentricWorker:
         if len(futs) != len(self._kv):  # some layer never ran: the objects are incomplete
             self.store.batch_abort(slots)
             return
+        t0 = time.perf_counter()
         codes = self.store.batch_commit(slots)
         ok = sum(1 for c in codes if c == 0)
-        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes)
+        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes,
+                       commit_seconds=time.perf_counter() - t0)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -22,6 +22,8 @@ Optional zero-copy paths with working defaults:
 - :meth:`batch_alloc` / :meth:`batch_commit` / :meth:`batch_abort`: write an object in place
   (local store: straight into shared memory), visible only after commit.
 - :meth:`batch_acquire`: read objects in place under a lease until released.
+- :meth:`batch_acquire_streamed` + :meth:`fetch_range`: lease now, receive the bytes range by
+  range (e.g. one layer at a time, under compute); by default the whole lease is eager.
 """
 
 from __future__ import annotations
@@ -167,6 +169,20 @@ class KVStore(ABC):
         n = next((i for i, g in enumerate(got) if g != sizes[i]), len(got))
         return ReadLease(list(keys[:n]), [ctypes.addressof(b) for b in bufs[:n]],
                          list(sizes[:n]), [None] * n, bufs)
+
+    def batch_acquire_streamed(self, keys: Sequence[str], sizes: Sequence[int]) -> ReadLease:
+        """Lease the leading run of present ``keys`` like :meth:`batch_acquire`, except that
+        the bytes may arrive later: a byte range of the leased objects is readable only once
+        :meth:`fetch_range` has returned for it. ``sizes`` are the exact object sizes.
+        Default: an eager lease (every byte present at return)."""
+        return self.batch_acquire(keys, sizes)
+
+    def fetch_range(self, lease: ReadLease, offset: int, size: int) -> None:  # noqa: B027
+        """Bring bytes ``[offset, offset + size)`` of every object of a streamed lease to
+        its pointer; a no-op for eager leases (this default). May run on another thread
+        than the one that acquired (one call per lease at a time, before :meth:`release`).
+        Raises ``StoreUnavailable`` when the range cannot be read: those bytes are then
+        undefined and the caller must not use them."""
 
     def release(self, lease: ReadLease) -> None:
         """End a read lease; its pointers become invalid."""

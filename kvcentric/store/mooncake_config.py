@@ -83,6 +83,9 @@ class MooncakeSettings:
         preferred_segment: where puts should place objects: ``""`` (the master decides),
             ``"local"`` (this client's own segment, so its puts and gets are local copies;
             needs ``global_segment_size`` > 0) or a segment name ``host:port``.
+        ranged_reads: serve streamed reads (``batch_acquire_streamed``) with Mooncake's
+            get session and one ranged get per ``fetch_range``, so the connector loads
+            layer by layer under compute; false: one whole ``batch_get_into`` up front.
     """
 
     master_server_address: str = DEFAULT_MASTER
@@ -101,6 +104,7 @@ class MooncakeSettings:
     metrics_url: str = ""
     tenant_id: str = "default"
     preferred_segment: str = ""
+    ranged_reads: bool = True
 
     def __post_init__(self) -> None:
         host, _ = split_host_port(self.master_server_address)
@@ -166,8 +170,9 @@ class MooncakeSettings:
                 raw[name] = float(raw[name])
         if "replica_num" in raw:
             raw["replica_num"] = int(raw["replica_num"])
-        if "fallback_to_tcp" in raw:
-            raw["fallback_to_tcp"] = _as_bool(raw["fallback_to_tcp"])
+        for name in ("fallback_to_tcp", "ranged_reads"):
+            if name in raw:
+                raw[name] = _as_bool(raw[name])
         if "protocol" in raw:
             raw["protocol"] = str(raw["protocol"]).strip().lower()
         for name in ("device_name", "tenant_id", "preferred_segment"):
