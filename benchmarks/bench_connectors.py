@@ -306,13 +306,13 @@ def plot(res: dict[str, Any], path: Path) -> None:
            label="mean")
     a1.bar([x + 0.2 for x in xs], [res["summary"]["ttft_p90_ms"][a] for a in ok], 0.4,
            label="p90")
-    a1.set_xticks(list(xs), ok, fontsize=8)
+    a1.set_xticks(list(xs), [a.replace("_", "\n", 1) for a in ok], fontsize=8)
     a1.set(ylabel="TTFT (ms)", title="TTFT per arm")
     a1.legend()
     for a in ok:
         a2.plot(res["arms"][a]["ttft_ms"], marker="o", label=a)
     a2.set(xlabel="request (turn-major, round-robin over users)", ylabel="TTFT (ms)",
-           title="TTFT per request")
+           title=f"TTFT per request (median of {res.get('repeats', 1)} runs)")
     a2.legend(fontsize=8)
     wl = res["workload"]
     fig.suptitle(f"vLLM CPU, bench model: {wl['users']} users x {wl['turns']} turns, "

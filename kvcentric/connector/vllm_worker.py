@@ -39,12 +39,6 @@ from kvcentric.store.local.client import checksum
 log = logging.getLogger("kvcentric.connector")
 
 
-def _done() -> Future[None]:
-    fut: Future[None] = Future()
-    fut.set_result(None)
-    return fut
-
-
 class KVCentricWorker:
     """Moves pages between the paged KV cache and the store for one worker."""
 
@@ -85,10 +79,17 @@ class KVCentricWorker:
         return self._layer_index.get(layer_name)
 
     def _run(self, fn: Any, *args: Any) -> Future[None]:
-        if self._pool is None:
+        """Run ``fn`` on the copy thread, or now without one; failures land in the future
+        either way (a failed fetch must become a recompute, never an exception in vLLM)."""
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        fut: Future[None] = Future()
+        try:
             fn(*args)
-            return _done()
-        return self._pool.submit(fn, *args)
+            fut.set_result(None)
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
 
     def _timed(self, stat: str, fn: Any, *args: Any) -> None:
         """Run one copy and add its duration to ``stat`` (copy time, not step time)."""
