@@ -166,6 +166,12 @@ def test_storage_node_killed_mid_streamed_lease_fails_the_range(mc: MooncakeClus
         finally:
             s.release(lease)
         assert s.stats()["staging_used_bytes"] == 0
+        # later tests need a pool without the dead segment: the master drops it after the
+        # node's client TTL
+        deadline = time.monotonic() + 40
+        while s.batch_exists(keys[:1]):
+            assert time.monotonic() < deadline, "the master never dropped the dead node"
+            time.sleep(0.5)
 
 
 def test_full_store_refuses_puts_cleanly(mc: MooncakeCluster) -> None:

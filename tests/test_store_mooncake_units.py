@@ -64,6 +64,8 @@ def test_defaults_are_a_loopback_pure_client() -> None:
     assert (s.master_server_address, s.metadata_server, s.protocol, s.global_segment_size) == \
         ("127.0.0.1:50051", "P2PHANDSHAKE", "tcp", 0)
     assert StoreConfig.from_dict({"backend": "mooncake"}).mooncake == {}
+    assert s.ranged_reads  # layer-wise loads unless turned off
+    assert not MooncakeSettings.load({"use_env": False, "ranged_reads": "false"}).ranged_reads
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -77,6 +79,7 @@ def test_defaults_are_a_loopback_pure_client() -> None:
     ({"global_segment_size": "1mb"}, "16 MiB"),
     ({"masterr": "x"}, "unknown mooncake config keys"),
     ({"fallback_to_tcp": "maybe"}, "boolean"),
+    ({"ranged_reads": "sometimes"}, "boolean"),
     ({"probe_interval_s": 0}, "probe_interval_s"),
 ])
 def test_bad_values_raise(bad: dict[str, object], match: str) -> None:

@@ -172,6 +172,7 @@ class KVCentricWorker:
             fut.cancel()
         for _, plan in self._load_plans:
             self._load_errors.update(plan.page_ids())
+        self.stats.add(load_errors=sum(plan.num_objects for _, plan in self._load_plans))
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

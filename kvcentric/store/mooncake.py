@@ -345,8 +345,8 @@ class MooncakeStore(KVStore):
             raise
         n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
         if n < len(keys):
-            self.client.batch_get_session_end(keys[n:])
             self.staging.free(ptrs[n:])
+            self._end_session(keys[n:])
         if n == 0 and ERR_UNAVAILABLE in codes:
             raise StoreUnavailable("mooncake master unreachable")
         self._count(hits=n, gets=n, misses=codes.count(ERR_NOT_FOUND))
@@ -371,10 +371,19 @@ class MooncakeStore(KVStore):
         held, lease.handle = lease.handle, None
         if not isinstance(held, _Held) or held.owner is not self:
             return
-        if held.session and self._client is not None and not self._closed:
-            self._client.batch_get_session_end(lease.keys)
         if self._staging is not None:
             self._staging.free(held.ptrs)
+        if held.session:
+            self._end_session(lease.keys)
+
+    def _end_session(self, keys: list[str]) -> None:
+        """Drop a get session's cached replicas (best effort: the master may be away)."""
+        if self._client is None or self._closed or not keys:
+            return
+        try:
+            self._client.batch_get_session_end(keys)
+        except Exception as exc:  # never let cleanup fail a request
+            log.debug("batch_get_session_end failed: %s", exc)
 
     # ---- registration ----
     def register_buffer(self, ptr: int, size: int) -> int:
