@@ -1,7 +1,8 @@
 """Multi-turn serving through vLLM: no connector vs vLLM's MooncakeStoreConnector vs ours,
-the last two on the same Mooncake Store, in one run.
+the last two on Mooncake Stores set up the same way, in one run.
 
-    python benchmarks/bench_connectors.py [--quick] [--out FILE.json]
+    python benchmarks/bench_connectors.py [--quick] [--repeats N] [--arms A,B,...]
+                                          [--out FILE.json]
 
 One vLLM CPU server per arm (``bench`` model, float32, the same worker threads and the
 same small KV cache in every arm) serves the same conversations. Arms run one at a time,
