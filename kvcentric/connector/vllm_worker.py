@@ -91,37 +91,35 @@ class KVCentricWorker:
             fut.set_exception(exc)
         return fut
 
-    def _timed(self, stat: str, fn: Any, *args: Any) -> None:
-        """Run one copy and add its duration to ``stat`` (copy time, not step time)."""
+    def _timed(self, stat: str, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)``, add its duration to ``stat`` and return its result."""
         t0 = time.perf_counter()
-        fn(*args)
-        self.stats.add(**{stat: time.perf_counter() - t0})
+        try:
+            return fn(*args)
+        finally:
+            self.stats.add(**{stat: time.perf_counter() - t0})
 
     # ---- loads ----
     def start_load(self, meta: KVCentricMetadata) -> None:
-        t0 = time.perf_counter()
         for spec in meta.loads:
-            self._lease_and_plan(spec)
-        if meta.loads:
-            self.stats.add(fetch_seconds=time.perf_counter() - t0)
+            self._timed("fetch_seconds", self._lease_and_plan, spec)
         if self._load_plans:
             self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer)
                                for layer in range(len(self._kv))]
 
     def _lease_and_plan(self, spec: TransferSpec) -> None:
-        sizes = [self.layout.geometry.object_bytes] * len(spec.keys)
+        size = self.layout.geometry.object_bytes
         # a checksum covers the whole object: verified leases must be eager
         acquire = (self.store.batch_acquire if self.settings.store.verify_checksums
                    else self.store.batch_acquire_streamed)
         try:
-            lease = acquire(spec.keys, sizes)
+            lease = acquire(spec.keys, [size] * len(spec.keys))
         except StoreUnavailable as exc:
             log.warning("store unavailable, recomputing %d blocks: %s", len(spec.keys), exc)
             self._fail_pages(spec.page_ids)
             return
         self._leases.append(lease)
         good = self._verified_prefix(lease)
-        size = self.layout.geometry.object_bytes
         good = next((i for i in range(good) if lease.sizes[i] != size), good)
         if good < len(spec.keys):
             log.info("request %s: %d of %d stored blocks unavailable, recomputing them",
@@ -186,12 +184,8 @@ class KVCentricWorker:
         layer = self.layer_of(layer_name)
         if layer is None or (self._save_plan is None and not self._save_specs):
             return
-        if self._save_plan is None:
-            t0 = time.perf_counter()
-            reserved = self._reserve()
-            self.stats.add(commit_seconds=time.perf_counter() - t0)
-            if not reserved:
-                return
+        if self._save_plan is None and not self._timed("commit_seconds", self._reserve):
+            return
         assert self._save_plan is not None
         self._save_futs.append(self._run(self._timed, "save_seconds",
                                          self._save_plan.pack_layer, layer, kv_layer))
@@ -252,11 +246,9 @@ class KVCentricWorker:
         if len(futs) != len(self._kv):  # some layer never ran: the objects are incomplete
             self.store.batch_abort(slots)
             return
-        t0 = time.perf_counter()
-        codes = self.store.batch_commit(slots)
+        codes = self._timed("commit_seconds", self.store.batch_commit, slots)
         ok = sum(1 for c in codes if c == 0)
-        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes,
-                       commit_seconds=time.perf_counter() - t0)
+        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes)
 
     def close(self) -> None:
         if self._pool is not None:

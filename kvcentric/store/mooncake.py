@@ -319,39 +319,35 @@ class MooncakeStore(KVStore):
         ``sizes`` bounds each object and is required. Raises ``StoreUnavailable``."""
         if sizes is None or len(sizes) != len(keys):
             raise ValueError("the mooncake backend needs one size bound per key")
-        if not keys:
-            return ReadLease([], [], [], [], None)
-        ptrs = self.staging.alloc_run(list(sizes))
-        got = self.batch_get_into(list(keys[:len(ptrs)]), ptrs, list(sizes[:len(ptrs)]))
-        n = next((i for i, g in enumerate(got) if g <= 0), len(got))
-        if n == 0 and ERR_UNAVAILABLE in got:
-            self.staging.free(ptrs)
-            raise StoreUnavailable("mooncake master unreachable")
-        self.staging.free(ptrs[n:])
-        return ReadLease(list(keys[:n]), ptrs[:n], got[:n], [None] * n, _Held(self, ptrs[:n]))
+        return self._lease(keys, sizes, session=False)
 
     def batch_acquire_streamed(self, keys: Sequence[str], sizes: Sequence[int]) -> ReadLease:
         """With ``ranged_reads``: open a get session (the master resolves every replica
         once), reserve staging, move no bytes; :meth:`fetch_range` then gets one range of
         every object per call. Raises ``StoreUnavailable``."""
-        if not self.settings.ranged_reads or not keys:
-            return self.batch_acquire(keys, sizes)
+        if len(sizes) != len(keys):
+            raise ValueError("the mooncake backend needs one size per key")
+        return self._lease(keys, sizes, session=self.settings.ranged_reads)
+
+    def _lease(self, keys: Sequence[str], sizes: Sequence[int], session: bool) -> ReadLease:
+        """Reserve staging for ``keys`` (a leading prefix when it fills up), then get them
+        whole, or (``session``) only open a get session; lease the leading run present."""
+        if not keys:
+            return ReadLease([], [], [], [], None)
         ptrs = self.staging.alloc_run(list(sizes))
-        keys = list(keys[:len(ptrs)])
-        try:
-            codes = self._mapped(self.client.batch_get_session_start(keys))
-        except StoreUnavailable:
-            self.staging.free(ptrs)
-            raise
-        n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
-        if n < len(keys):
-            self.staging.free(ptrs[n:])
+        keys, sizes = list(keys[:len(ptrs)]), list(sizes[:len(ptrs)])
+        if session:
+            codes = self._get(keys, lambda c: c.batch_get_session_start(keys))
+            n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
             self._end_session(keys[n:])
+        else:
+            codes = self.batch_get_into(keys, ptrs, sizes)
+            n = next((i for i, c in enumerate(codes) if c <= 0), len(codes))
+        self.staging.free(ptrs[n:])
         if n == 0 and ERR_UNAVAILABLE in codes:
             raise StoreUnavailable("mooncake master unreachable")
-        self._count(hits=n, gets=n, misses=codes.count(ERR_NOT_FOUND))
-        return ReadLease(keys[:n], ptrs[:n], list(sizes[:n]), [None] * n,
-                         _Held(self, ptrs[:n], session=True))
+        got = sizes[:n] if session else codes[:n]  # a session has moved no bytes yet
+        return ReadLease(keys[:n], ptrs[:n], got, [None] * n, _Held(self, ptrs[:n], session))
 
     def fetch_range(self, lease: ReadLease, offset: int, size: int) -> None:
         held = lease.handle
