@@ -51,15 +51,15 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_store_mooncake import MASTER, start_cluster, start_node  # noqa: E402
+
 from kvcentric.store.mooncake_netns import NetNamespace  # noqa: E402
-from kvcentric.store.mooncake_service import master_command, wait_master  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
 from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ARMS = ("no_connector", "mooncake_store_connector", "kvcentric", "kvcentric_whole_get")
 DEFAULT_ARMS = ARMS[:3]
-MASTER = "127.0.0.1:50051"
 PAGE = 128  # vLLM CPU block size; both connectors store 128-token blocks
 # float32: a stored block then holds exactly the bytes a recompute would produce, so every
 # arm must answer the same greedy tokens (in bf16, recompute and reuse round differently
@@ -221,22 +221,12 @@ class Cluster:
     """mooncake_master and one storage node, in the namespace this thread is in."""
 
     def __init__(self, ns: NetNamespace, logs: Path, segment: str) -> None:
-        log = open(logs / "connectors-master.log", "ab")
-        self.procs: list[subprocess.Popen[Any]] = [subprocess.Popen(
-            ns.wrap(master_command(metadata_port=0)), stdout=log, stderr=log,
-            start_new_session=True)]
-        wait_master("127.0.0.1", 50051, 9003, proc=self.procs[0])
-        node = subprocess.Popen(
-            ns.wrap([sys.executable, "-m", "kvcentric.store.mooncake_service", "mooncake-node",
-                     "--segment", segment, "--master", MASTER, "--metadata", "P2PHANDSHAKE"]),
-            stdout=subprocess.PIPE, stderr=open(logs / "connectors-node.log", "ab"), text=True,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-            start_new_session=True)
-        self.procs.append(node)
-        assert node.stdout is not None
-        if "ready" not in node.stdout.readline():
+        self.procs: list[subprocess.Popen[Any]] = start_cluster(ns, logs, "connectors")
+        try:
+            self.procs.append(start_node(ns, segment, logs, "connectors"))
+        except Exception:
             self.stop()
-            raise RuntimeError("the storage node did not start; see connectors-node.log")
+            raise
 
     def stop(self) -> None:
         for p in reversed(self.procs):

@@ -254,24 +254,30 @@ def paired(times: dict[str, list[float | None]]) -> dict[str, float | None]:
     return out
 
 
-def start_cluster(ns: NetNamespace, logdir: Path) -> list[subprocess.Popen[Any]]:
-    log = open(logdir / "bench-mooncake-master.log", "ab")
+def start_cluster(ns: NetNamespace, logdir: Path, prefix: str = "bench-mooncake"
+                  ) -> list[subprocess.Popen[Any]]:
+    """``mooncake_master`` on the default ports in ``ns``, logging to ``{prefix}-master.log``."""
+    log = open(logdir / f"{prefix}-master.log", "ab")
     master = subprocess.Popen(ns.wrap(master_command(metadata_port=0)), stdout=log, stderr=log,
                               start_new_session=True)
     wait_master("127.0.0.1", 50051, 9003, proc=master)
     return [master]
 
 
-def start_node(ns: NetNamespace, segment: int, logdir: Path) -> subprocess.Popen[str]:
+def start_node(ns: NetNamespace, segment: int | str, logdir: Path,
+               prefix: str = "bench-mooncake") -> subprocess.Popen[str]:
+    """A storage node lending ``segment`` (bytes or e.g. ``"2gb"``); returns once mounted."""
     cmd = [sys.executable, "-m", "kvcentric.store.mooncake_service", "mooncake-node",
            "--segment", str(segment), "--master", MASTER, "--metadata", "P2PHANDSHAKE"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    log = open(logdir / "bench-mooncake-node.log", "ab")
-    node = subprocess.Popen(ns.wrap(cmd), stdout=subprocess.PIPE, stderr=log, text=True,
-                            env=env, start_new_session=True)
+    log_path = logdir / f"{prefix}-node.log"
+    node = subprocess.Popen(ns.wrap(cmd), stdout=subprocess.PIPE, stderr=open(log_path, "ab"),
+                            text=True, env=env, start_new_session=True)
     assert node.stdout is not None
     if "ready" not in node.stdout.readline():
-        raise RuntimeError("storage node failed to start")
+        node.kill()
+        node.wait()
+        raise RuntimeError(f"storage node failed to start; see {log_path}")
     return node
 
 
