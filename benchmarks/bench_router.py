@@ -44,15 +44,15 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.hashing import KeySpace  # noqa: E402
+from kvcentric.router.config import InstanceSpec, RouterConfig  # noqa: E402
+from kvcentric.router.cost_model import Profile  # noqa: E402
+from kvcentric.router.decision import Decision  # noqa: E402
+from kvcentric.router.scheduler import Conductor  # noqa: E402
+from kvcentric.router.store_view import StoreView  # noqa: E402
+from kvcentric.router.tokenize import PromptTokenizer  # noqa: E402
 from kvcentric.store import open_store  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
-from router.config import InstanceSpec, RouterConfig  # noqa: E402
-from router.cost_model import Profile  # noqa: E402
-from router.decision import Decision  # noqa: E402
-from router.scheduler import Conductor  # noqa: E402
-from router.store_view import StoreView  # noqa: E402
-from router.tokenize import PromptTokenizer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUT = "0123456789abcdef"

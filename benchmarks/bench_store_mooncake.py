@@ -42,9 +42,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcentric.store import OK, open_store  # noqa: E402
-from kvcentric.store.mooncake import MooncakeStore  # noqa: E402
-from kvcentric.store.mooncake_netns import NetNamespace  # noqa: E402
-from kvcentric.store.mooncake_service import master_command, wait_master  # noqa: E402
+from kvcentric.store.mooncake.service import master_command, wait_master  # noqa: E402
+from kvcentric.store.mooncake.store import MooncakeStore  # noqa: E402
+from kvcentric.testing.netns import NetNamespace  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 RESULTS = Path(__file__).parent / "results"
@@ -267,7 +267,7 @@ def start_cluster(ns: NetNamespace, logdir: Path, prefix: str = "bench-mooncake"
 def start_node(ns: NetNamespace, segment: int | str, logdir: Path,
                prefix: str = "bench-mooncake") -> subprocess.Popen[str]:
     """A storage node lending ``segment`` (bytes or e.g. ``"2gb"``); returns once mounted."""
-    cmd = [sys.executable, "-m", "kvcentric.store.mooncake_service", "mooncake-node",
+    cmd = [sys.executable, "-m", "kvcentric.store.mooncake.service", "mooncake-node",
            "--segment", str(segment), "--master", MASTER, "--metadata", "P2PHANDSHAKE"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     log_path = logdir / f"{prefix}-node.log"

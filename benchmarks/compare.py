@@ -168,7 +168,7 @@ def reuse(args: argparse.Namespace) -> dict[str, Any]:
 def router_profile(server: VllmServer, model: str, logs: Path) -> str:
     """Fit our router's cost profile on one instance (``router.cli profile``); its path."""
     out = logs / "router-profile.json"
-    subprocess.run([sys.executable, "-m", "router.cli", "profile", "--url", server.url,
+    subprocess.run([sys.executable, "-m", "kvcentric.router.cli", "profile", "--url", server.url,
                     "--model", SERVED_NAME, "--out", str(out), "--lengths", "256,1024,2048",
                     "--repeats", "1", "--page", str(CPU_PAGE), "--block-size", "256",
                     "--model-dir", model, "--kv-dtype", "bfloat16", "--store-tokens", "1024"],

@@ -1,6 +1,6 @@
 """Move KV between vLLM's paged KV cache and contiguous store objects.
 
-Public API (see :mod:`kernels.dispatch` for the full contracts):
+Public API (see :mod:`kvcentric.kernels.dispatch` for the full contracts):
 
 * :func:`pack_blocks` / :func:`unpack_blocks`: one layer, ``out[i]`` = block
   ``block_ids[i]`` with the block dim moved first, and back;
@@ -13,7 +13,7 @@ Importing this package imports torch only; Triton is imported on the first
 Triton launch.
 """
 
-from kernels.dispatch import (
+from kvcentric.kernels.dispatch import (
     IMPLS,
     ImplChoice,
     explain_impl,
@@ -24,8 +24,8 @@ from kernels.dispatch import (
     unpack_blocks,
     unpack_blocks_layers,
 )
-from kernels.layout import as_rows
-from kernels.reference import pack_reference, unpack_reference
+from kvcentric.kernels.reference import pack_reference, unpack_reference
+from kvcentric.kernels.tensor_views import as_rows
 
 __all__ = [
     "IMPLS",

@@ -8,9 +8,9 @@ they wrote (``out`` or the layer(s)).
 
 Implementations (``impl``):
 
-* ``"torch"``: :mod:`kernels.reference` (``index_select(out=)`` /
+* ``"torch"``: :mod:`kvcentric.kernels.reference` (``index_select(out=)`` /
   ``index_copy_``), synchronous on CPU, stream-ordered on CUDA;
-* ``"triton"``: :mod:`kernels.triton_gather`, for CUDA tensors, or CPU tensors
+* ``"triton"``: :mod:`kvcentric.kernels.triton_gather`, for CUDA tensors, or CPU tensors
   when ``TRITON_INTERPRET=1`` (Triton's interpreter). If the kernel cannot
   address a layout (see :func:`choose_impl`) the torch path runs instead;
 * ``"auto"``: Triton when the layers are on CUDA or ``TRITON_INTERPRET=1`` and
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import (
+from kvcentric.kernels.reference import torch_pack, torch_unpack
+from kvcentric.kernels.tensor_views import (
     LayerGroup,
     block_shape,
     check_block_dim,
@@ -39,8 +40,7 @@ from kernels.layout import (
     normalize_ids,
     rows_view,
 )
-from kernels.reference import torch_pack, torch_unpack
-from kernels.triton_gather import triton_pack, triton_unpack, unsupported_reason
+from kvcentric.kernels.triton_gather import triton_pack, triton_unpack, unsupported_reason
 
 IMPLS = ("auto", "torch", "triton")
 BlockIds = torch.Tensor | Sequence[int]

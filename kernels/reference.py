@@ -2,7 +2,7 @@
 
 The functions here take already-validated arguments (see ``kernels.dispatch``):
 
-* ``groups``: :class:`kernels.layout.LayerGroup` views, each
+* ``groups``: :class:`kvcentric.kernels.tensor_views.LayerGroup` views, each
   ``[layers_in_group, *layer_shape]``, block dim at ``1 + block_dim``;
 * ``ids``: 1-D int32/int64 tensor on the layers' device, every id in range;
 * ``rows``: ``[n, num_layers, *rest]`` of the layer dtype, rows contiguous.
@@ -10,7 +10,7 @@ The functions here take already-validated arguments (see ``kernels.dispatch``):
 They never allocate a copy of the KV data on the fast path: pack writes
 straight into ``rows`` with ``torch.index_select(..., out=...)`` and unpack
 uses ``index_copy_`` on the layer. Tensors are viewed as wide integers first
-(:func:`kernels.layout.widen_pair`), which is bit-exact and lets one element
+(:func:`kvcentric.kernels.tensor_views.widen_pair`), which is bit-exact and lets one element
 carry up to 8 bytes.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.layout import INT_BY_SIZE, LayerGroup, widen_pair
+from kvcentric.kernels.tensor_views import INT_BY_SIZE, LayerGroup, widen_pair
 
 
 def pack_reference(kv_layer: torch.Tensor, block_ids: torch.Tensor, block_dim: int) -> torch.Tensor:

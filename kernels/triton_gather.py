@@ -5,7 +5,7 @@ live in ``kernels.triton_kernels``, imported on the first launch
 (:func:`_kernels`). Arguments arrive validated from ``kernels.dispatch``
 (same conventions as ``kernels.reference``):
 
-* ``groups``: :class:`kernels.layout.LayerGroup` views ``[Lg, *layer_shape]``
+* ``groups``: :class:`kvcentric.kernels.tensor_views.LayerGroup` views ``[Lg, *layer_shape]``
   with the block dim at ``1 + block_dim``;
 * ``ids``: 1-D int32/int64 tensor on the layers' device, ids in range;
 * ``rows``: ``[n, num_layers, *rest]`` of the layer dtype, each row contiguous;
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kernels.layout import LayerGroup, widen_pair
+from kvcentric.kernels.tensor_views import LayerGroup, widen_pair
 
 MAX_DIMS = 4  # slice dims (after merging) one kernel addresses: 3 outer + inner
 MAX_TILES = 65535  # CUDA limit of grid axis 1
@@ -229,6 +229,6 @@ def _launch(kernel: Any, plan: _Launch, ids: torch.Tensor) -> None:
 
 def _kernels() -> tuple[Any, Any]:
     """The jit kernels; the first call imports Triton (Python caches the module)."""
-    from kernels import triton_kernels
+    from kvcentric.kernels import triton_kernels
 
     return triton_kernels.gather_kernel, triton_kernels.scatter_kernel

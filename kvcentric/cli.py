@@ -72,7 +72,7 @@ def _store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
                            help="exit after this many seconds without clients (0: never)")
         if name == "stats":
             p.add_argument("--prometheus", action="store_true")
-    from kvcentric.store.mooncake_service import add_mooncake_commands
+    from kvcentric.store.mooncake.service import add_mooncake_commands
 
     add_mooncake_commands(ssub)
 

@@ -83,7 +83,7 @@ class KeySpace:
     """Builds store keys for one (model, KV layout, TP rank).
 
     Two engines share KV only when every field here is equal; ``layout_sig`` folds in
-    everything that decides the bytes of a block (see :mod:`kvcentric.layout`).
+    everything that decides the bytes of a block (see :mod:`kvcentric.stored_layout`).
     """
 
     model_id: str

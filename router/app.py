@@ -25,17 +25,17 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from kvcentric.connector.settings import ConnectorSettings
-from router import instances as inst_mod
-from router.config import InstanceSpec, RouterConfig
-from router.cost_model import Profile, kv_bytes_per_token
-from router.instances import Instance
-from router.kv_events import EventListener, EventTranslator
-from router.metrics import RouterMetrics
-from router.proxy import Proxy, error_response
-from router.scheduler import Conductor
-from router.store_view import StoreView
-from router.tokenize import PromptTokenizer
+from kvcentric.connector.vllm.settings import ConnectorSettings
+from kvcentric.router import instances as inst_mod
+from kvcentric.router.config import InstanceSpec, RouterConfig
+from kvcentric.router.cost_model import Profile, kv_bytes_per_token
+from kvcentric.router.instances import Instance
+from kvcentric.router.kv_events import EventListener, EventTranslator
+from kvcentric.router.metrics import RouterMetrics
+from kvcentric.router.proxy import Proxy, error_response
+from kvcentric.router.scheduler import Conductor
+from kvcentric.router.store_view import StoreView
+from kvcentric.router.tokenize import PromptTokenizer
 
 log = logging.getLogger("router.app")
 

@@ -37,8 +37,8 @@ def _fracs(text: str) -> list[float]:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from router.app import build_app
-    from router.config import load_config
+    from kvcentric.router.app import build_app
+    from kvcentric.router.config import load_config
 
     cfg = load_config(args.config)
     listen = cfg.listen
@@ -55,8 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from router.cost_model import kv_bytes_per_token
-    from router.profile import run_profile
+    from kvcentric.router.cost_model import kv_bytes_per_token
+    from kvcentric.router.profile import run_profile
 
     kvb = kv_bytes_per_token(args.model_dir, args.kv_dtype) if args.model_dir else None
     prof = run_profile(args.url, args.model, lengths=args.lengths, hits=args.hits,

@@ -150,7 +150,7 @@ class KeysConfig:
     (:meth:`ConnectorSettings.stored_block_size`: 128 on vLLM CPU), found at the first
     health check. ``layout_sig``: the engines' layout signature (part of every key).
     ``None`` discovers it once from the keys the engines stored (``list_keys``), see
-    :mod:`router.store_view`. ``model_id``: key namespace; ``None`` uses the served model
+    :mod:`kvcentric.router.store_view`. ``model_id``: key namespace; ``None`` uses the served model
     name, like the connector.
     """
 

@@ -28,9 +28,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.config import SloConfig
-from router.cost_model import Profile, load_s
-from router.instances import Instance
+from kvcentric.router.config import SloConfig
+from kvcentric.router.cost_model import Profile, load_s
+from kvcentric.router.instances import Instance
 
 
 @dataclass(frozen=True)

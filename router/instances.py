@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import InstanceSpec
-from router.kv_events import EventListener, EventTranslator
-from router.prefix_index import PrefixIndex
+from kvcentric.router.config import InstanceSpec
+from kvcentric.router.kv_events import EventListener, EventTranslator
+from kvcentric.router.prefix_index import PrefixIndex
 
 log = logging.getLogger("router.instances")
 # A prefill not seen finishing is assumed done after this many times its prediction: the

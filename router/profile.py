@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from router.cost_model import Profile, fit
+from kvcentric.router.cost_model import Profile, fit
 
 
 class Profiler:

@@ -25,10 +25,10 @@ from typing import Any
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from router.decision import Decision, Rejection
-from router.instances import Instance
-from router.metrics import RouterMetrics
-from router.scheduler import Conductor
+from kvcentric.router.decision import Decision, Rejection
+from kvcentric.router.instances import Instance
+from kvcentric.router.metrics import RouterMetrics
+from kvcentric.router.scheduler import Conductor
 
 log = logging.getLogger("router.proxy")
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")

@@ -19,13 +19,13 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 
 from kvcentric.hashing import block_hashes, hash_seed
-from router.config import RouterConfig
-from router.cost_model import Profile
-from router.decision import CostParams, Decision, Rejection, choose
-from router.heat import PrefixHeat
-from router.instances import Registry
-from router.prefix_index import PrefixIndex
-from router.store_view import StoreView
+from kvcentric.router.config import RouterConfig
+from kvcentric.router.cost_model import Profile
+from kvcentric.router.decision import CostParams, Decision, Rejection, choose
+from kvcentric.router.heat import PrefixHeat
+from kvcentric.router.instances import Registry
+from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.store_view import StoreView
 
 log = logging.getLogger("router.decision")
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
-from kvcentric.store.mooncake_netns import NetNamespace, unavailable_reason
+from kvcentric.testing.netns import NetNamespace, unavailable_reason
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ def test_runtime_dir_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_connector_settings() -> None:
-    from kvcentric.connector.settings import ConnectorSettings
+    from kvcentric.connector.vllm.settings import ConnectorSettings
 
     s = ConnectorSettings.from_extra_config({"store": {"name": "x", "capacity": "1gb"}})
     assert s.store.name == "x" and s.load_failure_policy == "recompute"

@@ -1,6 +1,6 @@
 """Connector stats: summing across workers, rates, take-and-reset."""
 
-from kvcentric.connector.vllm_stats import FIELDS, KVCentricStats
+from kvcentric.connector.vllm.stats import FIELDS, KVCentricStats
 
 
 def test_aggregate_reduce_take() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvcentric.hashing import KeySpace, block_hashes, hash_seed
-from kvcentric.layout import KVLayout
+from kvcentric.stored_layout import KVLayout
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "hash_vectors.json").read_text())["vectors"]
 

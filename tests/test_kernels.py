@@ -16,8 +16,8 @@ import mmap
 import pytest
 import torch
 
-import kernels
-from kernels import (
+from kvcentric import kernels
+from kvcentric.kernels import (
     as_rows,
     explain_impl,
     pack_blocks,
@@ -28,7 +28,7 @@ from kernels import (
     unpack_blocks_layers,
     unpack_reference,
 )
-from kernels.layout import group_layers
+from kvcentric.kernels.tensor_views import group_layers
 
 INTERPRET = kernels.triton_interpret_enabled()
 IMPLS_UNDER_TEST = ["triton"] if INTERPRET else ["torch"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import (
+from kvcentric import kernels
+from kvcentric.kernels import (
     as_rows,
     explain_impl,
     pack_blocks,

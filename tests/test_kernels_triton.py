@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+from kvcentric import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ import ctypes
 import pytest
 import torch
 
-from kvcentric.connector.mover import SKIP, ObjectGeometry, PagePlan, find_runs
+from kvcentric.connector.vllm.mover import SKIP, ObjectGeometry, PagePlan, find_runs
 
 LAYERS, PAGES, BLOCKS = 3, 2, 10
 PAGE_SHAPE = (2, 4, 16)  # [num_kv_heads, block_size, 2*head_size], like vLLM CPU

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
+from kvcentric.router.app import build_app
+from kvcentric.router.config import RouterConfig
+from kvcentric.router.cost_model import Profile
+from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.testing.models import build_model
-from router.app import build_app
-from router.config import RouterConfig
-from router.cost_model import Profile
-from router.tokenize import PromptTokenizer
 
 PROFILE = Profile(a=0.0, b=1e-5, c=0.001, tbt_base_s=0.01, tbt_per_seq_s=0.0)
 METRICS = ('vllm:num_requests_running{engine="0"} 3.0\n'
@@ -371,7 +371,7 @@ def test_block_size_and_cache_size_come_from_the_engines(tiny_dir: str,
                                                          tokenizer: PromptTokenizer) -> None:
     """Without keys.block_size the router uses the connector's default for the page size
     the engines report (128-token pages on vLLM CPU -> 128-token blocks)."""
-    from kvcentric.connector.settings import ConnectorSettings
+    from kvcentric.connector.vllm.settings import ConnectorSettings
 
     ups = Upstreams()
     cfg = RouterConfig.from_dict({"model": "tiny", "tokenizer": tiny_dir, "instances": TWO,

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from router.config import InstanceSpec, SloConfig
-from router.cost_model import Profile
-from router.decision import CostParams, Decision, Rejection, choose
-from router.instances import Instance, Registry
-from router.prefix_index import PrefixIndex
+from kvcentric.router.config import InstanceSpec, SloConfig
+from kvcentric.router.cost_model import Profile
+from kvcentric.router.decision import CostParams, Decision, Rejection, choose
+from kvcentric.router.instances import Instance, Registry
+from kvcentric.router.prefix_index import PrefixIndex
 
 BS = 256
 PROFILE = Profile(a=1e-9, b=1e-4, c=0.005, tbt_base_s=0.02, tbt_per_seq_s=0.002)

@@ -118,8 +118,9 @@ def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         for s in servers.values():
             s.wait_ready()
         profile = tmp / "profile.json"
-        subprocess.run([sys.executable, "-m", "router.cli", "profile", "--url", servers["a"].url,
-                        "--model", "tiny", "--out", str(profile), "--lengths", "256,1024,2048",
+        subprocess.run([sys.executable, "-m", "kvcentric.router.cli", "profile",
+                        "--url", servers["a"].url, "--model", "tiny", "--out", str(profile),
+                        "--lengths", "256,1024,2048",
                         "--hits", "0,0.5", "--repeats", "1"], check=True, timeout=300)
         port = free_port()
         cfg = {"model": "tiny", "tokenizer": model, "listen": {"port": port},
@@ -132,7 +133,7 @@ def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                "upstream": {"timeout_s": 120}}
         (tmp / "router.yaml").write_text(yaml.safe_dump(cfg))
         log = tmp / "router.log"
-        proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
                                  str(tmp / "router.yaml"), "--log-level", "debug"],
                                 stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -16,13 +16,13 @@ import zmq.asyncio
 
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KeySpace, block_hashes, hash_seed
+from kvcentric.router.config import InstanceSpec, RouterConfig, load_config
+from kvcentric.router.cost_model import Profile, fit, kv_bytes_per_token
+from kvcentric.router.heat import PrefixHeat
+from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch, router_binds
+from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.store_view import StoreView
 from kvcentric.store import open_store
-from router.config import InstanceSpec, RouterConfig, load_config
-from router.cost_model import Profile, fit, kv_bytes_per_token
-from router.heat import PrefixHeat
-from router.kv_events import EventListener, EventTranslator, decode_batch, router_binds
-from router.prefix_index import PrefixIndex
-from router.store_view import StoreView
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -267,7 +267,7 @@ def test_prefix_heat_decays_and_ranks() -> None:
 
 # ---- command line ----
 def test_cli_reports_bad_input_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from router.cli import main
+    from kvcentric.router.cli import main
 
     assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "No such file" in capsys.readouterr().err

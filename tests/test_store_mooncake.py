@@ -24,7 +24,7 @@ from kvcentric.store import (
     StoreUnavailable,
     open_store,
 )
-from kvcentric.store.mooncake_netns import NetNamespace, unavailable_reason
+from kvcentric.testing.netns import NetNamespace, unavailable_reason
 from tests.helpers.mooncake_cluster import ROOT, MooncakeCluster, clean_env, cluster, end
 from tests.helpers.payload import payload, size_of
 from tests.store_contract import WORKER, StoreContract, get, put
@@ -83,7 +83,7 @@ class TestMooncakeContract(StoreContract):
 
 def test_scatter_gather_puts_and_gets(store: KVStore) -> None:
     """Objects gathered from several buffers (pages) read back whole, and vice versa."""
-    from kvcentric.store.mooncake import MooncakeStore
+    from kvcentric.store.mooncake.store import MooncakeStore
     assert isinstance(store, MooncakeStore)
     pages = [np.full(4096, i, np.uint8) for i in range(6)]
     ptrs, sizes = [p.ctypes.data for p in pages], [p.nbytes for p in pages]
@@ -264,7 +264,7 @@ def test_client_opened_before_the_master_joins_when_it_starts(mc: MooncakeCluste
 def test_cli_master_with_http_metadata_and_node(mc: MooncakeCluster, tmp_path: Path) -> None:
     """``mooncake-master`` (metadata server on) and ``mooncake-node`` as users run them."""
     c = MooncakeCluster(tmp_path, http_metadata=True, ns=mc.ns, port_offset=10)
-    base = [sys.executable, "-m", "kvcentric.store.mooncake_service"]
+    base = [sys.executable, "-m", "kvcentric.store.mooncake.service"]
     master = spawn(c, base + ["mooncake-master", "--port", str(c.rpc_port), "--metrics-port",
                               str(c.metrics_port), "--metadata-port", str(c.metadata_port),
                               "--log", str(tmp_path / "m.log")], stdout=subprocess.PIPE)

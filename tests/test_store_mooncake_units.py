@@ -19,8 +19,8 @@ from kvcentric.store import (
     ERR_TRANSFER,
     ERR_UNAVAILABLE,
 )
-from kvcentric.store.mooncake_config import MooncakeSettings, engine_env, split_host_port
-from kvcentric.store.mooncake_rdma import (
+from kvcentric.store.mooncake.config import MooncakeSettings, engine_env, split_host_port
+from kvcentric.store.mooncake.rdma import (
     RdmaDevice,
     RdmaUnavailable,
     _from_sysfs,
@@ -28,7 +28,7 @@ from kvcentric.store.mooncake_rdma import (
     cpu_numa_node,
     resolve_transport,
 )
-from kvcentric.store.mooncake_staging import StagingArena
+from kvcentric.store.mooncake.staging import StagingArena
 
 KEP74 = {"MOONCAKE_MASTER": "10.0.0.1:50051", "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
          "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16gb", "MOONCAKE_LOCAL_BUFFER_SIZE": "512mb",
@@ -88,7 +88,7 @@ def test_bad_values_raise(bad: dict[str, object], match: str) -> None:
 
 
 def test_shipped_configs_parse() -> None:
-    from kvcentric.connector.settings import ConnectorSettings
+    from kvcentric.connector.vllm.settings import ConnectorSettings
     root = Path(__file__).resolve().parents[1] / "configs"
     client = MooncakeSettings.load({"config_path": str(root / "mooncake-store.json"),
                                     "use_env": False})
@@ -124,7 +124,7 @@ def test_engine_env_binds_loopback_only_with_a_metadata_server(
 
 
 def test_error_codes_map_to_the_contract() -> None:
-    from kvcentric.store.mooncake_codes import map_code
+    from kvcentric.store.mooncake.codes import map_code
     assert [map_code(c) for c in (0, 4096, -200, -704, -703, -705, -706, -707, -800, -801,
                                   -900, -1010, -600, -1)] == \
         [0, 4096, ERR_NO_SPACE, ERR_NOT_FOUND, ERR_NOT_FOUND, ERR_EXISTS, ERR_HAS_LEASE,
@@ -163,7 +163,7 @@ def test_choose_prefers_active_devices_on_the_local_numa_node() -> None:
 
 
 def test_rdma_without_devices_says_so_and_falls_back_only_if_asked() -> None:
-    from kvcentric.store.mooncake_rdma import list_devices
+    from kvcentric.store.mooncake.rdma import list_devices
     if choose(list_devices()[0], -1):
         pytest.skip("this machine has RDMA devices")
     with pytest.raises(RdmaUnavailable, match="no RDMA device|fallback_to_tcp"):
@@ -175,7 +175,7 @@ def test_rdma_without_devices_says_so_and_falls_back_only_if_asked() -> None:
 
 
 def test_scatter_gather_calls_are_chunked() -> None:
-    from kvcentric.store.mooncake_client import MAX_SLICES, chunks
+    from kvcentric.store.mooncake.client import MAX_SLICES, chunks
     lists = [[0] * 16] * 70  # 1120 buffers: two calls
     cs = chunks(lists)
     assert [(c.start, c.stop) for c in cs] == [(0, MAX_SLICES // 16), (MAX_SLICES // 16, 70)]

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvcentric.store import open_store
-from kvcentric.store.mooncake_netns import NetNamespace, unavailable_reason
 from kvcentric.testing.models import build_model
+from kvcentric.testing.netns import NetNamespace, unavailable_reason
 from kvcentric.testing.servers import VllmServer, connector_config
 from tests.helpers.mooncake_cluster import MooncakeCluster, cluster
 

@@ -102,7 +102,7 @@ def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
            "cost": {"profile": profile, "kv_dtype": dtype}}
     path = logs / f"kvcentric-router-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+    cmd = [sys.executable, "-m", "kvcentric.router.cli", "serve", "--config", str(path)]
     return Gateway("kvcentric-router", cmd, port, logs / "kvcentric-router.log",
                    "/instances", "instances", len(worker_urls))
 

@@ -20,7 +20,7 @@ _repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [ -z "${PY:-}" ]; then
   if [ -x "$_repo/.venv/bin/python" ]; then PY="$_repo/.venv/bin/python"; else PY=python; fi
 fi
-# `kvcentric store ...`; `$PY -m kvcentric.store.mooncake_service` is the same commands
+# `kvcentric store ...`; `$PY -m kvcentric.store.mooncake.service` is the same commands
 : "${KVC_STORE:=$PY -m kvcentric.cli store}"
 export MASTER_HOST MASTER_PORT NODE_HOST SEGMENT ENGINE1_HOST ENGINE1_PORT ENGINE2_HOST \
   ENGINE2_PORT ROUTER_HOST ROUTER_PORT PROTOCOL MODEL PY KVC_STORE

@@ -37,6 +37,6 @@ def open_store(config: Mapping[str, Any] | StoreConfig | None = None) -> KVStore
         from kvcentric.store.local.client import LocalStore
 
         return LocalStore(cfg)
-    from kvcentric.store.mooncake import MooncakeStore  # type: ignore[import-not-found]
+    from kvcentric.store.mooncake.store import MooncakeStore  # type: ignore[import-not-found]
 
     return MooncakeStore(cfg)  # type: ignore[no-any-return]

@@ -1,1 +1,3 @@
-"""Test and benchmark helpers (synthetic models, fixtures); not used at serving time."""
+"""Test and benchmark helpers, never used at serving time: synthetic models and
+tokenizers built on disk (``models``), vLLM server processes (``servers``), private network
+namespaces for servers that bind every interface (``netns``)."""

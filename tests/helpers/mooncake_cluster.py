@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvcentric.store.mooncake_netns import NetNamespace
-from kvcentric.store.mooncake_service import master_command, wait_master
+from kvcentric.store.mooncake.service import master_command, wait_master
+from kvcentric.testing.netns import NetNamespace
 
 HOST, RPC_PORT, METRICS_PORT, METADATA_PORT = "127.0.0.1", 50051, 9003, 8080
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ class MooncakeCluster:
 
     def start_node(self, name: str, segment: str = "64mb") -> subprocess.Popen[str]:
         """A storage-only node via ``kvcentric store mooncake-node``; returns once mounted."""
-        cmd = [sys.executable, "-m", "kvcentric.store.mooncake_service", "mooncake-node",
+        cmd = [sys.executable, "-m", "kvcentric.store.mooncake.service", "mooncake-node",
                "--segment", segment, "--master", f"{HOST}:{self.rpc_port}",
                "--metadata", self.metadata_server]
         log = open(self.logdir / f"node-{name}.log", "ab")

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvcentric.config import StoreConfig
-from kvcentric.store.index import ObjectIndex
+from kvcentric.store.local.index import ObjectIndex
 from kvcentric.store.metrics import log_line
 
 log = logging.getLogger("kvcentric.store")

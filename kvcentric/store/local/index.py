@@ -17,7 +17,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcentric.store.allocator import ExtentAllocator
 from kvcentric.store.base import (
     ERR_EXISTS,
     ERR_HAS_LEASE,
@@ -26,6 +25,7 @@ from kvcentric.store.base import (
     ERR_NOT_FOUND,
     OK,
 )
+from kvcentric.store.local.allocator import ExtentAllocator
 
 PENDING, COMMITTED = 0, 1
 

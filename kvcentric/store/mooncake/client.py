@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcentric.store.base import StoreUnavailable
-from kvcentric.store.mooncake_config import MooncakeSettings
+from kvcentric.store.mooncake.config import MooncakeSettings
 
 log = logging.getLogger("kvcentric.store")
 # buffers per scatter/gather call: one call with 4096 slices of 16 KiB over tcp wedged the

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcentric.store.mooncake_health import tcp_accepts
+from kvcentric.store.mooncake.health import tcp_accepts
 
 log = logging.getLogger("kvcentric.store")
 
@@ -131,8 +131,8 @@ def node_config(args: argparse.Namespace) -> dict[str, Any]:
 def run_node(args: argparse.Namespace) -> int:
     """Contribute a segment to the pool until SIGTERM/SIGINT."""
     from kvcentric.config import StoreConfig
-    from kvcentric.store.mooncake import MooncakeStore
-    from kvcentric.store.mooncake_config import MooncakeSettings
+    from kvcentric.store.mooncake.config import MooncakeSettings
+    from kvcentric.store.mooncake.store import MooncakeStore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stop = _stop_event()
@@ -182,7 +182,7 @@ def add_mooncake_commands(sub: argparse._SubParsersAction) -> None:  # type: ign
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcentric.store.mooncake_service mooncake-master|mooncake-node ...``"""
+    """``python -m kvcentric.store.mooncake.service mooncake-master|mooncake-node ...``"""
     ap = argparse.ArgumentParser(prog="kvcentric store")
     add_mooncake_commands(ap.add_subparsers(dest="action", required=True))
     args = ap.parse_args(argv)

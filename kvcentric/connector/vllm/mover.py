@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+from kvcentric import kernels
 
 SKIP = -1  # a page id that must not be written (already computed by the engine)
 

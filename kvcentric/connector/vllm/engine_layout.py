@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcentric.connector.mover import ObjectGeometry
+from kvcentric.connector.vllm.mover import ObjectGeometry
 from kvcentric.hashing import KeySpace
-from kvcentric.layout import KVLayout, dtype_name
+from kvcentric.stored_layout import KVLayout, dtype_name
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvcentric.connector.sglang_pages import PageGeometry
+from kvcentric.connector.sglang.pages import PageGeometry
 from kvcentric.store import OK, KVStore
 from kvcentric.store.local.client import checksum
 

@@ -14,11 +14,11 @@ zero-copy interface: :meth:`batch_exists` (leading hits), :meth:`batch_get_v1` a
 :meth:`batch_set_v1` (pages moved straight between the host pool and the store); without
 it, the legacy tensor interface (:meth:`get`, :meth:`set`, :meth:`batch_get`,
 :meth:`batch_set`, :meth:`exists`). Both store the same object per page under the same
-key (see :mod:`kvcentric.connector.sglang_pages`), so SGLang instances of one model share KV.
+key (see :mod:`kvcentric.connector.sglang.pages`), so SGLang instances of one model share KV.
 
 Memory: the host pool's buffers belong to SGLang; they are registered with the store
 once (RDMA backends need that) and must outlive this object. Pages move straight
-between pool memory and the store (:mod:`kvcentric.connector.sglang_io`).
+between pool memory and the store (:mod:`kvcentric.connector.sglang.page_io`).
 
 Failures never raise into SGLang: a missing key, a full store, a store that is down or
 slow all read as "not stored" (``False`` / ``0`` / ``None``), and SGLang recomputes.
@@ -42,10 +42,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvcentric.connector.sglang_io import legacy_target, load_pages, save_pages
-from kvcentric.connector.sglang_pages import PageGeometry, page_geometry
-from kvcentric.connector.sglang_settings import SGLangSettings
-from kvcentric.connector.sglang_stats import SGLangStats
+from kvcentric.connector.sglang.page_io import legacy_target, load_pages, save_pages
+from kvcentric.connector.sglang.pages import PageGeometry, page_geometry
+from kvcentric.connector.sglang.settings import SGLangSettings
+from kvcentric.connector.sglang.stats import SGLangStats
 from kvcentric.store import OK, KVStore, open_store
 
 log = logging.getLogger("kvcentric.connector.sglang")

@@ -17,7 +17,7 @@ under the same key.
 
 Keys come from :class:`kvcentric.hashing.KeySpace`. SGLang hands us its page hashes
 (hex strings, chained over the prefix); the key folds in the model, a
-:class:`~kvcentric.layout.KVLayout` signature of the pool (``sglang:{layout}``, layers,
+:class:`~kvcentric.stored_layout.KVLayout` signature of the pool (``sglang:{layout}``, layers,
 page size, heads, head size, dtype, MLA) and the rank. MLA KV is the same on every TP
 rank, so MLA keys use rank ``0of1`` (``dcp_rank of dcp_size`` under decode context
 parallelism) and only the storage writer (TP rank 0) stores them; every rank reads.
@@ -35,7 +35,7 @@ import torch
 import xxhash
 
 from kvcentric.hashing import KeySpace
-from kvcentric.layout import KVLayout, dtype_name
+from kvcentric.stored_layout import KVLayout, dtype_name
 
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
 

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from kvcentric.connector.mover import SKIP, PagePlan
-from kvcentric.connector.settings import ConnectorSettings
-from kvcentric.connector.vllm_layout import EngineLayout
-from kvcentric.connector.vllm_meta import KVCentricMetadata, TransferSpec
-from kvcentric.connector.vllm_stats import KVCentricStats
+from kvcentric.connector.vllm.engine_layout import EngineLayout
+from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
+from kvcentric.connector.vllm.mover import SKIP, PagePlan
+from kvcentric.connector.vllm.settings import ConnectorSettings
+from kvcentric.connector.vllm.stats import KVCentricStats
 from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
 from kvcentric.store.local.client import checksum
 

@@ -26,10 +26,10 @@ get session and :meth:`fetch_range` gets one layer's range of every object per c
 in ~4 ms where a whole ``batch_get_into`` takes ~16 ms (all 8 ranges: ~29 ms, hidden
 under the forward pass).
 
-Errors map onto the ``KVStore`` codes (:mod:`kvcentric.store.mooncake_codes`). While the
+Errors map onto the ``KVStore`` codes (:mod:`kvcentric.store.mooncake.codes`). While the
 master is unreachable calls answer ``ERR_UNAVAILABLE`` (or raise ``StoreUnavailable``) in
 microseconds instead of Mooncake's ~4 s reconnect stall, and the client rejoins by itself
-(:mod:`kvcentric.store.mooncake_health`). ``verify_checksums`` is rejected at open;
+(:mod:`kvcentric.store.mooncake.health`). ``verify_checksums`` is rejected at open;
 ``parents`` is ignored (Mooncake evicts by its own policy, not leaves first).
 """
 
@@ -54,13 +54,13 @@ from kvcentric.store.base import (
     StoreUnavailable,
     WriteSlot,
 )
-from kvcentric.store.mooncake_client import check_installed, chunks, join
-from kvcentric.store.mooncake_codes import MC_NO_SPACE, map_code
-from kvcentric.store.mooncake_config import MooncakeSettings, apply_engine_env
-from kvcentric.store.mooncake_health import MasterMonitor
-from kvcentric.store.mooncake_http import fetch_keys, fetch_metrics
-from kvcentric.store.mooncake_rdma import resolve_transport
-from kvcentric.store.mooncake_staging import StagingArena
+from kvcentric.store.mooncake.client import check_installed, chunks, join
+from kvcentric.store.mooncake.codes import MC_NO_SPACE, map_code
+from kvcentric.store.mooncake.config import MooncakeSettings, apply_engine_env
+from kvcentric.store.mooncake.health import MasterMonitor
+from kvcentric.store.mooncake.http import fetch_keys, fetch_metrics
+from kvcentric.store.mooncake.rdma import resolve_transport
+from kvcentric.store.mooncake.staging import StagingArena
 
 log = logging.getLogger("kvcentric.store")
 

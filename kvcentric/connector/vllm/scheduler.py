@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcentric.connector.mover import SKIP
-from kvcentric.connector.settings import ConnectorSettings
-from kvcentric.connector.vllm_layout import EngineLayout
-from kvcentric.connector.vllm_meta import KVCentricMetadata, TransferSpec
-from kvcentric.connector.vllm_stats import KVCentricStats
+from kvcentric.connector.vllm.engine_layout import EngineLayout
+from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
+from kvcentric.connector.vllm.mover import SKIP
+from kvcentric.connector.vllm.settings import ConnectorSettings
+from kvcentric.connector.vllm.stats import KVCentricStats
 from kvcentric.hashing import block_hashes, hash_seed
 from kvcentric.store import KVStore, StoreUnavailable
 

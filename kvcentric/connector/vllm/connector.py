@@ -10,8 +10,8 @@ Use it with::
 so ``kv_connector_module_path`` may be left out). Roles: ``kv_producer`` only saves,
 ``kv_consumer`` only loads, ``kv_both`` does both.
 
-The scheduler-side logic lives in :mod:`kvcentric.connector.vllm_scheduler`, the worker
-side in :mod:`kvcentric.connector.vllm_worker`; this class only routes vLLM's calls.
+The scheduler-side logic lives in :mod:`kvcentric.connector.vllm.scheduler`, the worker
+side in :mod:`kvcentric.connector.vllm.worker`; this class only routes vLLM's calls.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcentric.connector.settings import ConnectorSettings
-from kvcentric.connector.vllm_layout import engine_layout
-from kvcentric.connector.vllm_meta import KVCentricMetadata
-from kvcentric.connector.vllm_scheduler import KVCentricScheduler
-from kvcentric.connector.vllm_stats import KVCentricPromMetrics, KVCentricStats
-from kvcentric.connector.vllm_worker import KVCentricWorker
+from kvcentric.connector.vllm.engine_layout import engine_layout
+from kvcentric.connector.vllm.metadata import KVCentricMetadata
+from kvcentric.connector.vllm.scheduler import KVCentricScheduler
+from kvcentric.connector.vllm.settings import ConnectorSettings
+from kvcentric.connector.vllm.stats import KVCentricPromMetrics, KVCentricStats
+from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.store import open_store
 
 log = logging.getLogger("kvcentric.connector")
