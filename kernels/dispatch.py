@@ -23,12 +23,12 @@ pinned host rows the caller must synchronise before reading/reusing them.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvcentric.config import triton_interpret
 from kvcentric.kernels.reference import torch_pack, torch_unpack
 from kvcentric.kernels.tensor_views import (
     LayerGroup,
@@ -56,16 +56,10 @@ class ImplChoice:
 
 
 def triton_interpret_enabled() -> bool:
-    """Whether Triton's interpreter is switched on (``TRITON_INTERPRET``).
-
-    Project rule: only the config layer reads environment variables. This is
-    the one exception: ``TRITON_INTERPRET`` is Triton's own switch (it is what
-    lets Triton run kernels on CPU tensors), so it is read here, where the
-    Triton path is selected. Triton reads it when the kernels are first
-    imported, so set it before the first Triton launch in the process.
-    """
-    value = os.environ.get("TRITON_INTERPRET", "0")
-    return value.strip().lower() in ("1", "true", "on", "yes")
+    """Whether Triton's interpreter is switched on (``TRITON_INTERPRET``, read by the
+    config layer). Triton reads it when the kernels are first imported, so set it before
+    the first Triton launch in the process."""
+    return triton_interpret()
 
 
 def triton_available() -> bool:

@@ -1,16 +1,107 @@
 """Configuration: frozen dataclasses, parsed once, ``ValueError`` on bad values.
 
-This module is the only place in kvcentric that reads environment variables.
+Every parser in kvcentric (store, connectors, Mooncake, router) goes through
+:func:`parse_fields`: unknown keys are a ``ValueError`` naming the key and the known ones,
+and values are coerced to the field's declared type once (``"false"`` is false, not a
+truthy string). The config layer (this module, ``kvcentric.store.mooncake.config`` for
+Mooncake's own ``MOONCAKE_*``/``MC_*`` variables) is the only reader of environment
+variables; nothing writes ``os.environ``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(value: Any, name: str = "value") -> bool:
+    """``True``/``False``, ``1``/``0``, or one of ``true yes on 1`` / ``false no off 0``
+    (any case); anything else is a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """``value`` as the declared type ``hint`` (bool, int, float, str, Path, or an optional
+    of one); other types pass through for the dataclass to check."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(hint)):
+            return None
+        return _coerce(value, args[0], name) if len(args) == 1 else value
+    if hint is bool:
+        return parse_bool(value, name)
+    try:
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a{'n integer' if hint is int else ' number'}, "
+                         f"got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return value
+    if hint is Path:
+        return Path(value)
+    return value
+
+
+def check_keys(cls: type, raw: Any, section: str, extra: Collection[str] = ()) -> None:
+    """``ValueError`` unless ``raw`` is a mapping whose keys are fields of the dataclass
+    ``cls`` (or in ``extra``); the message names the unknown keys and the known ones."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{section} must be a mapping, got {type(raw).__name__}")
+    known = {f.name for f in fields(cls) if f.init} | set(extra)
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"unknown keys in {section}: {sorted(unknown)}; known: {sorted(known)}")
+
+
+def parse_fields(cls: type, raw: Mapping[str, Any] | None, section: str, *,
+                 aliases: Mapping[str, str] | None = None, sizes: Collection[str] = (),
+                 ignore: Collection[str] = ()) -> dict[str, Any]:
+    """Check ``raw`` against the dataclass ``cls`` and return constructor keywords.
+
+    ``aliases`` maps accepted spellings to field names (``capacity`` -> ``capacity_bytes``);
+    ``sizes`` names fields parsed by :func:`parse_size`; keys in ``ignore`` are accepted and
+    dropped. Unknown keys raise ``ValueError`` naming them, the section and the known keys.
+    """
+    if raw is None:
+        return {}
+    aliases = aliases or {}
+    check_keys(cls, raw, section, extra=set(aliases) | set(ignore))
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in ignore:
+            continue
+        name = aliases.get(key, key)
+        label = f"{section}.{key}"
+        out[name] = parse_size(value) if name in sizes else _coerce(value, hints[name], label)
+    return out
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -29,6 +120,15 @@ def parse_size(value: int | str) -> int:
         raise ValueError(f"invalid size {value!r}; use bytes or e.g. '512mb', '16gb'")
     unit = (m.group(2) or "b").lower()[0]
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def triton_interpret() -> bool:
+    """Triton's own ``TRITON_INTERPRET`` switch (kernels on CPU tensors), as a boolean;
+    an unparsable value counts as off, as it does for Triton."""
+    try:
+        return parse_bool(os.environ.get("TRITON_INTERPRET", "0"))
+    except ValueError:
+        return False
 
 
 def default_runtime_dir() -> Path:
@@ -59,6 +159,9 @@ class StoreConfig:
         verify_checksums: store an xxh3_64 per object at commit and check it on every read;
             a mismatch is reported as a failed read (``ERR_CORRUPT``), never as data.
         op_timeout_s: bound on one store round trip; on expiry the call fails, never hangs.
+        reconnect_interval_s: after the store could not be reached or (re)started, calls
+            fail fast (``StoreUnavailable``: the engine recomputes) for this long before the
+            next attempt.
         prefault: map (and so allocate) the whole local arena when a client opens it, so no
             copy on the hot path pays page faults; costs ``capacity_bytes`` of RAM up front.
         mooncake: backend-specific settings (see ``kvcentric.store.mooncake``).
@@ -74,6 +177,7 @@ class StoreConfig:
     prefault: bool = True
     op_timeout_s: float = 10.0
     start_timeout_s: float = 20.0
+    reconnect_interval_s: float = 1.0
     mooncake: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,7 +187,8 @@ class StoreConfig:
             raise ValueError(f"store name {self.name!r} must match [A-Za-z0-9_.-]{{1,64}}")
         if self.capacity_bytes <= 0 and self.backend == "local":
             raise ValueError("capacity_bytes must be positive")
-        for name in ("idle_timeout_s", "op_timeout_s", "start_timeout_s"):
+        for name in ("idle_timeout_s", "op_timeout_s", "start_timeout_s",
+                     "reconnect_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.op_timeout_s == 0 or self.start_timeout_s == 0:
@@ -94,21 +199,10 @@ class StoreConfig:
         """Parse a user dict (e.g. the connector's ``store`` extra config)."""
         if isinstance(raw, StoreConfig):
             return raw
-        raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known - {"capacity"}
-        if unknown:
-            raise ValueError(f"unknown store config keys {sorted(unknown)}; known: {sorted(known)}")
-        if "capacity" in raw:
-            raw["capacity_bytes"] = raw.pop("capacity")
-        if "capacity_bytes" in raw:
-            raw["capacity_bytes"] = parse_size(raw["capacity_bytes"])
-        if "runtime_dir" in raw:
-            raw["runtime_dir"] = Path(raw["runtime_dir"])
-        for name in ("idle_timeout_s", "op_timeout_s", "start_timeout_s"):
-            if name in raw:
-                raw[name] = float(raw[name])
-        return cls(**raw)
+        if raw is not None and "capacity" in raw and "capacity_bytes" in raw:
+            raise ValueError("store: give capacity or capacity_bytes, not both")
+        return cls(**parse_fields(cls, raw, "store", aliases={"capacity": "capacity_bytes"},
+                                  sizes={"capacity_bytes"}))
 
     def with_(self, **changes: Any) -> StoreConfig:
         return replace(self, **changes)

@@ -36,7 +36,9 @@ def root_hash(seed: bytes) -> bytes:
     return xxhash.xxh3_128_digest(seed)
 
 
-def _tokens_le_u32(token_ids: Sequence[int] | np.ndarray) -> bytes:
+def tokens_le_u32(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as the little-endian u32 bytes the chain hashes; ``ValueError`` if not
+    1-D or out of ``[0, 2**32)``."""
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
@@ -67,15 +69,26 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    raw = _tokens_le_u32(token_ids)
-    nbytes = block_size * 4
     prev = root_hash(seed) if parent is None else parent
+    return extend_chain(prev, tokens_le_u32(token_ids), block_size)[0]
+
+
+def extend_chain(parent: bytes, raw: bytes, block_size: int) -> tuple[list[bytes], bytes]:
+    """Extend a chain at ``parent`` over ``raw`` (tokens from :func:`tokens_le_u32`).
+
+    Returns the digests ``h_i = H(h_{i-1} || block_i)`` of the full blocks in ``raw`` and
+    the bytes of the trailing partial block (for callers that receive tokens piecewise,
+    like the router's KV-event translation).
+    """
+    nbytes = block_size * 4
+    full = (len(raw) // nbytes) * nbytes
     out: list[bytes] = []
     digest = xxhash.xxh3_128_digest
-    for start in range(0, (len(raw) // nbytes) * nbytes, nbytes):
+    prev = parent
+    for start in range(0, full, nbytes):
         prev = digest(prev + raw[start : start + nbytes])
         out.append(prev)
-    return out
+    return out, raw[full:]
 
 
 @dataclass(frozen=True)

@@ -64,19 +64,50 @@ class KVLayout:
         return xxhash.xxh3_64_hexdigest(canon.encode())
 
 
+# The one dtype-size table (connector, SGLang backend and router all size KV through it).
 _ITEMSIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "uint8": 1, "int8": 1,
 }
+# Spellings found in model configs and vLLM's --kv-cache-dtype
+_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+            "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "fp32": "float32"}
 
 
 def _itemsize(dtype: str) -> int:
-    return _ITEMSIZES.get(dtype.removeprefix("torch."), 0)
+    name = dtype.removeprefix("torch.")
+    return _ITEMSIZES.get(_ALIASES.get(name, name), 0)
 
 
 def dtype_name(dtype: object) -> str:
-    """Canonical name of a torch/numpy dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    """Canonical name of a torch/numpy dtype or an alias (``torch.bfloat16``, ``"bf16"``
+    -> ``"bfloat16"``); ``ValueError`` for a dtype KV is never stored in."""
     name = str(dtype).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
     if _itemsize(name) <= 0:
         raise ValueError(f"unsupported KV dtype {dtype!r}")
     return name
+
+
+def dtype_itemsize(dtype: object) -> int:
+    """Bytes per element of ``dtype`` (see :func:`dtype_name`)."""
+    return _ITEMSIZES[dtype_name(dtype)]
+
+
+def stored_block_size(page_size: int, configured: int | None = None) -> int:
+    """Tokens per stored object, the one rule connector and router share.
+
+    ``configured`` (the connector's ``block_size``) must be a multiple of the engine's
+    ``page_size``; ``None`` picks the page when it holds >= 128 tokens (vLLM CPU), else the
+    smallest page multiple >= 256 (GPU pages of 16). A hit recomputes at most the partial
+    last stored block, so a block coarser than the page costs TTFT.
+    """
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if configured is None:
+        return page_size if page_size >= 128 else page_size * -(-256 // page_size)
+    if configured <= 0 or configured % page_size:
+        raise ValueError(f"block_size {configured} must be a positive multiple of the "
+                         f"engine's page size {page_size}")
+    return configured

@@ -25,7 +25,6 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.router import instances as inst_mod
 from kvcentric.router.config import InstanceSpec, RouterConfig
 from kvcentric.router.cost_model import Profile, kv_bytes_per_token
@@ -36,6 +35,7 @@ from kvcentric.router.proxy import Proxy, error_response
 from kvcentric.router.scheduler import Conductor
 from kvcentric.router.store_view import StoreView
 from kvcentric.router.tokenize import PromptTokenizer
+from kvcentric.stored_layout import stored_block_size
 
 log = logging.getLogger("router.app")
 
@@ -97,7 +97,7 @@ class RouterState:
             if c.block_size is None:
                 page = next((i.stats.page_size for i in c.registry if i.stats.page_size), None)
                 if page:  # the connector's own default for this page size
-                    c.set_block_size(ConnectorSettings().stored_block_size(page))
+                    c.set_block_size(stored_block_size(page))
             if c.block_size is not None:
                 for i in c.registry:
                     inst_mod.fit_capacity(i, c.index, c.block_size)

@@ -21,33 +21,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import yaml
 
-from kvcentric.config import StoreConfig
+from kvcentric.config import StoreConfig, check_keys, parse_fields
 
 ROLES = ("prefill", "decode", "both")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
-def _check_keys(section: str, raw: Mapping[str, Any], cls: type) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = set(raw) - known
-    if unknown:
-        raise ValueError(f"unknown keys in {section}: {sorted(unknown)}; known: {sorted(known)}")
-
-
 def _section(cls: type, section: str, raw: Any) -> Any:
-    if raw is None:
-        return cls()
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"{section} must be a mapping, got {type(raw).__name__}")
-    _check_keys(section, raw, cls)
-    return cls(**raw)
+    return cls(**parse_fields(cls, raw, section))
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -99,11 +87,7 @@ class InstanceSpec:
     def from_dict(cls, raw: Any) -> InstanceSpec:
         if not isinstance(raw, Mapping) or "url" not in raw:
             raise ValueError(f"an instance needs at least a url, got {raw!r}")
-        _check_keys("instance", raw, cls)
-        for key in ("url", "role", "model", "name", "kv_events", "compute"):
-            if raw.get(key) is not None and not isinstance(raw[key], str):
-                raise ValueError(f"instance {key} must be a string, got {raw[key]!r}")
-        return cls(**raw)
+        return cls(**parse_fields(cls, raw, "instance"))
 
     @property
     def can_prefill(self) -> bool:
@@ -147,7 +131,7 @@ class KeysConfig:
 
     ``block_size``: tokens per stored block, the connector's ``block_size``. ``None``: the
     connector's own default for the page size the engines report in their ``/metrics``
-    (:meth:`ConnectorSettings.stored_block_size`: 128 on vLLM CPU), found at the first
+    (:func:`kvcentric.stored_layout.stored_block_size`: 128 on vLLM CPU), found at the first
     health check. ``layout_sig``: the engines' layout signature (part of every key).
     ``None`` discovers it once from the keys the engines stored (``list_keys``), see
     :mod:`kvcentric.router.store_view`. ``model_id``: key namespace; ``None`` uses the served model
@@ -262,10 +246,10 @@ class RouterConfig:
         """Parse a YAML mapping (relative paths stay relative to the working directory)."""
         if not isinstance(raw, Mapping):
             raise ValueError("the router config must be a mapping")
-        _check_keys("router config", raw, cls)
         for required in ("model", "tokenizer"):
             if not isinstance(raw.get(required), str) or not raw[required]:
                 raise ValueError(f"{required} is required (a non-empty string)")
+        check_keys(cls, raw, "router config")
         raw = dict(raw)
         for name, cls_ in (("slo", SloConfig), ("listen", ListenConfig), ("keys", KeysConfig),
                            ("cost", CostConfig), ("health", HealthConfig),

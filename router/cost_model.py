@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcentric.stored_layout import dtype_itemsize
+
 KV_FULL = 0.98  # KV usage beyond which the engine preempts: a decode there breaks any TBT SLO
 
 
@@ -135,10 +137,6 @@ def load_s(num_bytes: float, bandwidth_bps: float) -> float:
     return num_bytes / bandwidth_bps if num_bytes > 0 else 0.0
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-             "fp8": 1, "half": 2, "float": 4}
-
-
 def kv_bytes_per_token(model_dir: str | Path, kv_dtype: str | None = None) -> int:
     """KV bytes one token occupies across all layers (K and V), from ``config.json``.
 
@@ -155,7 +153,4 @@ def kv_bytes_per_token(model_dir: str | Path, kv_dtype: str | None = None) -> in
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     dtype = (kv_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
-    size = _ITEMSIZE.get(dtype.removeprefix("torch."))
-    if size is None:
-        raise ValueError(f"unknown KV dtype {dtype!r}")
-    return 2 * layers * kv_heads * head_dim * size
+    return 2 * layers * kv_heads * head_dim * dtype_itemsize(dtype)

@@ -22,12 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
-import xxhash
 import zmq
 import zmq.asyncio
 
-from kvcentric.hashing import hash_seed, root_hash
+from kvcentric.hashing import extend_chain, hash_seed, root_hash, tokens_le_u32
 
 log = logging.getLogger("router.kv_events")
 
@@ -84,17 +82,18 @@ class EventTranslator:
         if state is None:
             self.skipped += 1
             return []
-        raw = np.asarray(tokens, dtype="<u4").tobytes()
+        try:
+            raw = tokens_le_u32(tokens)
+        except ValueError:
+            self.skipped += 1
+            return []
         step = page * 4
         done: list[bytes] = []
         for i, vh in enumerate(hashes):
-            chain, pending, run = state.chain, state.pending + raw[i * step:(i + 1) * step], \
-                state.run + (vh,)
-            completed: list[bytes] = []
-            while len(pending) >= self.block_bytes:
-                chain = xxhash.xxh3_128_digest(chain + pending[:self.block_bytes])
-                pending = pending[self.block_bytes:]
-                completed.append(chain)
+            completed, pending = extend_chain(
+                state.chain, state.pending + raw[i * step:(i + 1) * step], self.block_bytes // 4)
+            chain = completed[-1] if completed else state.chain
+            run = state.run + (vh,)
             if completed:
                 for prev in run[:-1]:
                     if prev in self._pages:

@@ -136,13 +136,9 @@ class StoreView:
         if self._keyspace is not None or now < self._next_discover:
             return self._keyspace
         self._next_discover = now + _RETRY_S
-        list_keys = getattr(store, "list_keys", None)
-        if list_keys is None:
-            log.warning("store backend cannot list keys: set keys.layout_sig in the config")
-            return None
         prefix = f"{KEY_PREFIX}/{self.model_id}/"
         try:
-            keys = list_keys(prefix, 256)
+            keys = store.list_keys(prefix, 256)
         except (StoreUnavailable, OSError, ValueError) as exc:
             log.warning("cannot list store keys: %s", exc)
             return None

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -194,3 +195,44 @@ def test_no_autostart_reports_unavailable(store_cfg: StoreConfig) -> None:
     from kvcentric.store import StoreUnavailable
     with pytest.raises(StoreUnavailable):
         open_store(store_cfg.with_(autostart=False))
+
+
+def test_unstartable_coordinator_is_store_unavailable(tmp_path: Path) -> None:
+    """The error contract: a coordinator that dies and cannot be restarted (its runtime dir
+    replaced by a file) surfaces as ``StoreUnavailable`` or a negative code from every
+    call, fast, never as RuntimeError/TimeoutError/OSError; it recovers once it can start."""
+    from kvcentric.store import StoreUnavailable
+
+    rt = tmp_path / "rt"
+    cfg = StoreConfig(name="gone", capacity_bytes=16 << 20, runtime_dir=rt,
+                      reconnect_interval_s=0.5)
+    store = open_store(cfg)
+    try:
+        assert put(store, ["a"]) == [OK]
+        pid = store.stats()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        assert _wait(lambda: not launcher.pid_alive(pid))
+        rt.rename(tmp_path / "rt.moved")
+        rt.write_text("not a directory")  # mkdir/lock/socket all fail, even for root
+        buf = np.zeros(size_of("a"), np.uint8)
+        t0 = time.monotonic()
+        for _ in range(3):  # the first call tries a restart; later ones fail fast
+            assert store.batch_exists(["a"]) == 0
+            assert put(store, ["b"]) == [ERR_UNAVAILABLE]
+            assert store.batch_get_into(["a"], [buf.ctypes.data], [buf.nbytes]) == \
+                [ERR_UNAVAILABLE]
+            for call in (lambda: store.batch_acquire(["a"]), store.stats,
+                         lambda: store.batch_alloc(["c"], [8]),
+                         lambda: store.list_keys("")):
+                with pytest.raises(StoreUnavailable):
+                    call()
+            assert not store.health_check()
+        assert time.monotonic() - t0 < 5
+        rt.unlink()
+        time.sleep(0.6)  # past reconnect_interval_s: the next call restarts the coordinator
+        assert _wait(lambda: store.health_check())
+        assert put(store, ["b"]) == [OK] and store.stats()["pid"] != pid
+    finally:
+        store.close()
+        if rt.is_dir():
+            launcher.stop(cfg)

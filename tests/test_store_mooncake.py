@@ -261,9 +261,14 @@ def test_client_opened_before_the_master_joins_when_it_starts(mc: MooncakeCluste
         mc.kill_node("late", signal.SIGTERM)
 
 
-def test_cli_master_with_http_metadata_and_node(mc: MooncakeCluster, tmp_path: Path) -> None:
+def test_cli_master_with_http_metadata_and_node(mc: MooncakeCluster, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """``mooncake-master`` (metadata server on) and ``mooncake-node`` as users run them."""
     c = MooncakeCluster(tmp_path, http_metadata=True, ns=mc.ns, port_offset=10)
+    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match="MC_TCP_BIND_ADDRESS=127.0.0.1"):
+        open_store(c.store_config())  # kvcentric never writes os.environ: the user sets it
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     base = [sys.executable, "-m", "kvcentric.store.mooncake.service"]
     master = spawn(c, base + ["mooncake-master", "--port", str(c.rpc_port), "--metrics-port",
                               str(c.metrics_port), "--metadata-port", str(c.metadata_port),

@@ -230,3 +230,42 @@ def test_aborts_leave_no_leases_or_pending_writes(servers: dict[str, VllmServer]
     with open_store(store_x) as st:
         stats = st.stats()
     assert stats["leases"] == 0 and stats["pending"] == 0
+
+
+def test_unstartable_store_recomputes_with_identical_tokens(
+        servers: dict[str, VllmServer], tiny_model: str, runtime_dir: Path,
+        tmp_path: Path) -> None:
+    """The store error contract on a real server: the coordinator is killed and cannot be
+    restarted (its runtime dir is replaced by a file), so every store call fails; requests
+    still complete, by recompute, with the reference tokens and no store hits."""
+    import os
+    import signal
+    import time
+
+    rt = runtime_dir / "gone-rt"
+    cfg = {"name": "vllm-gone", "capacity": "64mb", "runtime_dir": str(rt)}
+    srv = VllmServer(tiny_model, log_path=tmp_path / "gone.log",
+                     kv_transfer=connector_config(cfg))
+    try:
+        start_all(srv)
+        p, q = prompt(300), prompt(301)
+        assert srv.tokens(p) == servers["base"].tokens(p)
+        with open_store(cfg | {"autostart": False}) as st:
+            pid = st.stats()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        while launcher.pid_alive(pid):
+            time.sleep(0.05)
+        rt.rename(runtime_dir / "gone-rt.moved")
+        rt.write_text("not a directory")
+        srv.reset_prefix_cache()
+        before = hits(srv)
+        t0 = time.monotonic()
+        assert srv.tokens(p) == servers["base"].tokens(p)  # was a store hit: now recomputed
+        assert srv.tokens(q) == servers["base"].tokens(q)
+        assert time.monotonic() - t0 < 60
+        assert hits(srv) == before
+        assert "Traceback" not in (tmp_path / "gone.log").read_text()
+    finally:
+        srv.stop()
+        if rt.is_file():
+            rt.unlink()

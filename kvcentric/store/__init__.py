@@ -20,12 +20,13 @@ from kvcentric.store.base import (
     ReadLease,
     StoreUnavailable,
     WriteSlot,
+    checksum,
 )
 
 __all__ = [
     "ERR_CORRUPT", "ERR_EXISTS", "ERR_HAS_LEASE", "ERR_INVALID", "ERR_NO_SPACE",
     "ERR_NOT_FOUND", "ERR_TRANSFER", "ERR_UNAVAILABLE", "OK", "KVStore", "ReadLease",
-    "StoreConfig", "StoreUnavailable", "WriteSlot", "open_store",
+    "StoreConfig", "StoreUnavailable", "WriteSlot", "checksum", "open_store",
 ]
 
 

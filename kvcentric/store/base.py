@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 OK = 0
 ERR_NO_SPACE = -200
 ERR_INVALID = -600
@@ -82,6 +84,19 @@ class ReadLease:
     checksums: list[int | None] = field(default_factory=list)
     handle: Any = None
 
+    def verified(self, i: int, ptr: int | None = None) -> bool:
+        """True when object ``i``'s bytes (at ``ptr``, default ``ptrs[i]``: pass the
+        destination after copying out) match its checksum; False without a checksum."""
+        want = self.checksums[i] if i < len(self.checksums) else None
+        return want is not None and checksum(self.ptrs[i] if ptr is None else ptr,
+                                             self.sizes[i]) == want
+
+
+def checksum(ptr: int, size: int) -> int:
+    """The object checksum every backend and connector uses: xxh3_64 of ``size`` bytes at
+    ``ptr`` (read in place, no copy)."""
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(ptr))
+
 
 class KVStore(ABC):
     """Abstract KV block store. See the module docstring for the contract."""
@@ -113,6 +128,16 @@ class KVStore(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    @abstractmethod
+    def list_keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
+        """Up to ``limit`` committed keys starting with ``prefix`` (administration and
+        layout discovery; not on a hot path)."""
+
+    def lease_valid(self, lease: ReadLease) -> bool:
+        """False when ``lease`` lapsed (e.g. the store reclaimed it after a dropped
+        connection): bytes read through it may be torn. Default: leases never lapse."""
+        return True
 
     def register_buffer(self, ptr: int, size: int) -> int:
         """Register caller memory used with put/get; a no-op where not needed."""

@@ -15,14 +15,12 @@ These functions may raise store exceptions; the backend turns them into misses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvcentric.connector.sglang.pages import PageGeometry
 from kvcentric.store import OK, KVStore
-from kvcentric.store.local.client import checksum
 
 Target = tuple[int, int, torch.Tensor | None]  # (ptr, nbytes, tensor or None)
 
@@ -39,21 +37,15 @@ def load_pages(store: KVStore, geo: PageGeometry, keys: list[str], ptrs: list[in
     lease = store.batch_acquire(keys, [size] * n)
     try:
         for i, (src, got_size) in enumerate(zip(lease.ptrs, lease.sizes)):
-            if got_size != size or (verify and not _verified(lease.checksums, i, src, size)):
+            if got_size != size or (verify and not lease.verified(i)):
                 break
             geo.scatter(src, ptrs[i * seg:(i + 1) * seg])
             ok[i] = True
-        lease_valid = getattr(store, "lease_valid", None)
-        if callable(lease_valid) and not lease_valid(lease):
+        if not store.lease_valid(lease):
             return [False] * n  # the lease lapsed while copying: bytes may be torn
     finally:
         store.release(lease)
     return ok
-
-
-def _verified(sums: Sequence[int | None], i: int, ptr: int, size: int) -> bool:
-    want = sums[i] if i < len(sums) else None
-    return want is not None and checksum(ptr, size) == want
 
 
 def save_pages(store: KVStore, geo: PageGeometry, keys: list[str], ptrs: list[int],

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcentric.config import StoreConfig
+from kvcentric.config import StoreConfig, parse_bool, parse_fields
 
 # Keys kvcentric owns; a typo in one of these surfaces as a ValueError.
 OWN_KEYS = ("store", "model_id", "reopen_interval_s")
@@ -51,12 +51,8 @@ class SGLangSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> SGLangSettings:
         extra = dict(extra or {})
-        store = extra.get("store")
-        if store is not None and not isinstance(store, Mapping):
-            raise ValueError(f"'store' must be an object, got {type(store).__name__}")
-        model_id = extra.get("model_id")
-        if model_id is not None and not isinstance(model_id, str):
-            raise ValueError(f"'model_id' must be a string, got {model_id!r}")
-        return cls(store=StoreConfig.from_dict(store), model_id=model_id,
-                   v1=bool(int(extra.get("interface_v1", 0) or 0)),
-                   reopen_interval_s=float(extra.get("reopen_interval_s", 5.0)))
+        own = {k: extra[k] for k in OWN_KEYS if k in extra}
+        kw = parse_fields(cls, own, "kvcentric SGLang options")
+        kw["store"] = StoreConfig.from_dict(kw.get("store"))
+        kw["v1"] = parse_bool(extra.get("interface_v1", 0) or 0, "interface_v1")
+        return cls(**kw)

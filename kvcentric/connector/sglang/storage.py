@@ -42,6 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvcentric.compat import TESTED_SGLANG, check_engine, missing_attrs
 from kvcentric.connector.sglang.page_io import legacy_target, load_pages, save_pages
 from kvcentric.connector.sglang.pages import PageGeometry, page_geometry
 from kvcentric.connector.sglang.settings import SGLangSettings
@@ -49,6 +50,16 @@ from kvcentric.connector.sglang.stats import SGLangStats
 from kvcentric.store import OK, KVStore, open_store
 
 log = logging.getLogger("kvcentric.connector.sglang")
+
+
+def check_sglang() -> None:
+    """The installed SGLang against :data:`kvcentric.compat.TESTED_SGLANG` and the
+    zero-copy v1 interface this backend implements."""
+    import sglang
+
+    missing = missing_attrs(HiCacheStorage, ("batch_exists", "batch_get_v1", "batch_set_v1",
+                                             "register_mem_pool_host"), "HiCacheStorage")
+    check_engine("SGLang", str(sglang.__version__), TESTED_SGLANG, missing)
 
 
 class KVCentricHiCacheStorage(HiCacheStorage):
@@ -61,6 +72,7 @@ class KVCentricHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig,
                  kwargs: dict[str, Any] | None = None) -> None:
+        check_sglang()
         super().__init__()
         self.settings = SGLangSettings.from_extra_config(storage_config.extra_config)
         model_id = self.settings.model_id or storage_config.model_name
@@ -325,13 +337,8 @@ class KVCentricHiCacheStorage(HiCacheStorage):
         geo, store = ready
         if not geo.writer:
             return True  # the writing rank clears the shared MLA objects
-        list_keys = getattr(store, "list_keys", None)
-        if not callable(list_keys):
-            log.warning("kvcentric: the %s store cannot list keys; clear() is not supported",
-                        self.settings.store.backend)
-            return False
         try:
-            while keys := list_keys(geo.keyspace.prefix, 1000):
+            while keys := store.list_keys(geo.keyspace.prefix, 1000):
                 if not sum(store.remove(k) == OK for k in keys):
                     break  # all leased by readers right now
         except Exception as exc:

@@ -9,7 +9,7 @@ Owns everything that runs inside a vLLM process:
 - ``engine_layout``: keys and object geometry derived from vLLM's configs.
 - ``settings``: ``kv_connector_extra_config`` parsed once; ``metadata``: the per-step
   scheduler → worker message; ``stats``: counters and Prometheus metrics;
-  ``plugin``: the ``vllm.general_plugins`` entry point; ``compat``: vLLM version checks.
+  ``plugin``: the ``vllm.general_plugins`` entry point (version checks: ``kvcentric.compat``).
 
 ``kv_connector_module_path: kvcentric.connector.vllm`` keeps working: the class is resolved
 on first attribute access, so importing a submodule (the router imports ``settings``)

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvcentric.compat import TESTED_VLLM, check_engine, missing_attrs
 from kvcentric.connector.vllm.engine_layout import engine_layout
 from kvcentric.connector.vllm.metadata import KVCentricMetadata
 from kvcentric.connector.vllm.scheduler import KVCentricScheduler
@@ -34,6 +35,24 @@ from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.store import open_store
 
 log = logging.getLogger("kvcentric.connector")
+
+
+# Hooks whose absence would break a promise silently (no recompute after a failed load,
+# no stats); vLLM versions without them are refused at start.
+_HOOKS = ("get_block_ids_with_load_errors", "get_kv_connector_stats", "build_kv_connector_stats",
+          "build_prom_metrics", "bind_connector_metadata", "request_finished",
+          "register_kv_caches", "wait_for_layer_load", "save_kv_layer")
+
+
+def check_vllm() -> None:
+    """The installed vLLM against :data:`kvcentric.compat.TESTED_VLLM` and :data:`_HOOKS`."""
+    import vllm
+    from vllm.config import KVTransferConfig
+
+    missing = missing_attrs(KVConnectorBase_V1, _HOOKS, "KVConnectorBase_V1")
+    if "kv_load_failure_policy" not in getattr(KVTransferConfig, "__dataclass_fields__", {}):
+        missing.append("KVTransferConfig.kv_load_failure_policy")
+    check_engine("vLLM", str(vllm.__version__), TESTED_VLLM, missing)
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
@@ -49,6 +68,7 @@ class KVCentricConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
+        check_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tcfg = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(tcfg.kv_connector_extra_config)

@@ -12,10 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcentric.config import StoreConfig
-
-_KNOWN = {"store", "block_size", "model_id", "load_failure_policy", "save_decode",
-          "load_timeout_s", "async_copy"}
+from kvcentric.config import StoreConfig, parse_fields
+from kvcentric.stored_layout import stored_block_size
 
 
 @dataclass(frozen=True)
@@ -55,21 +53,11 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
-        extra = dict(extra or {})
-        unknown = set(extra) - _KNOWN
-        if unknown:
-            raise ValueError(f"unknown kvcentric connector options {sorted(unknown)}; "
-                             f"known: {sorted(_KNOWN)}")
-        store = StoreConfig.from_dict(extra.pop("store", None))
-        if "block_size" in extra and extra["block_size"] is not None:
-            extra["block_size"] = int(extra["block_size"])
-        return cls(store=store, **extra)
+        kw = parse_fields(cls, extra, "kvcentric connector options")
+        kw["store"] = StoreConfig.from_dict(kw.get("store"))
+        return cls(**kw)
 
     def stored_block_size(self, page_size: int) -> int:
-        """Tokens per stored object for an engine with ``page_size``-token pages."""
-        if self.block_size is None:
-            return page_size if page_size >= 128 else page_size * -(-256 // page_size)
-        if self.block_size % page_size:
-            raise ValueError(f"block_size {self.block_size} must be a multiple of the engine's "
-                             f"page size {page_size}")
-        return self.block_size
+        """Tokens per stored object for an engine with ``page_size``-token pages
+        (:func:`kvcentric.stored_layout.stored_block_size`)."""
+        return stored_block_size(page_size, self.block_size)

@@ -34,7 +34,6 @@ from kvcentric.connector.vllm.mover import SKIP, PagePlan
 from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.connector.vllm.stats import KVCentricStats
 from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
-from kvcentric.store.local.client import checksum
 
 log = logging.getLogger("kvcentric.connector")
 
@@ -133,8 +132,8 @@ class KVCentricWorker:
     def _verified_prefix(self, lease: ReadLease) -> int:
         if not self.settings.store.verify_checksums:
             return len(lease.keys)
-        for i, (ptr, size, want) in enumerate(zip(lease.ptrs, lease.sizes, lease.checksums)):
-            if want is None or checksum(ptr, size) != want:
+        for i in range(len(lease.keys)):
+            if not lease.verified(i):
                 log.warning("checksum mismatch for %s: recomputing", lease.keys[i])
                 return i
         return len(lease.keys)

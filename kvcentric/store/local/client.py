@@ -16,10 +16,9 @@ import ctypes
 import logging
 import mmap
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
-
-import xxhash
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import (
@@ -33,16 +32,12 @@ from kvcentric.store.base import (
     ReadLease,
     StoreUnavailable,
     WriteSlot,
+    checksum,
 )
 from kvcentric.store.local import launcher
 from kvcentric.store.local.rpc import RpcClient
 
 log = logging.getLogger("kvcentric.store")
-
-
-def checksum(ptr: int, size: int) -> int:
-    """xxh3_64 of ``size`` bytes at ``ptr`` (no copy)."""
-    return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(ptr))
 
 
 class _Arena:
@@ -78,18 +73,33 @@ class LocalStore(KVStore):
         self._rpc = RpcClient(cfg.socket_path, cfg.op_timeout_s)
         self._arena: _Arena | None = None
         self._arena_gen = -1
+        self._retry_at = 0.0
         self._connect()
 
     # ---- connection management ----
     def _connect(self) -> None:
-        if self.cfg.autostart:
-            launcher.ensure_running(self.cfg)
-        hello = self._rpc.call("hello")
-        if self._arena is None or self._arena.arena_id != hello["arena_id"]:
-            if self._arena is not None:
-                self._arena.close()
-            self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"],
-                                 self.cfg.prefault)
+        """(Re)connect, starting the coordinator if allowed. Every failure is
+        ``StoreUnavailable``; after one, calls fail fast for ``reconnect_interval_s`` so a
+        coordinator that cannot be (re)started never stalls each engine step."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise StoreUnavailable(f"store {self.cfg.name!r} unavailable; next reconnect "
+                                   f"attempt in {self._retry_at - now:.1f} s")
+        try:
+            if self.cfg.autostart:
+                launcher.ensure_running(self.cfg)
+            hello = self._rpc.call("hello")
+            if self._arena is None or self._arena.arena_id != hello["arena_id"]:
+                if self._arena is not None:
+                    self._arena.close()
+                self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"],
+                                     self.cfg.prefault)
+        except (StoreUnavailable, OSError, ValueError) as exc:
+            self._rpc.close()
+            self._retry_at = time.monotonic() + self.cfg.reconnect_interval_s
+            if isinstance(exc, StoreUnavailable):
+                raise
+            raise StoreUnavailable(f"cannot open store {self.cfg.name!r}: {exc}") from exc
         self._arena_gen = self._rpc.generation
 
     def _call(self, op: str, *args: Any) -> Any:
@@ -226,7 +236,7 @@ class LocalStore(KVStore):
         if not self.cfg.verify_checksums:
             return
         for i, want in enumerate(lease.checksums):
-            if out[i] > 0 and want is not None and checksum(ptrs[i], out[i]) != want:
+            if out[i] > 0 and want is not None and not lease.verified(i, ptrs[i]):
                 log.warning("checksum mismatch for %s: treating as missing", lease.keys[i])
                 out[i] = ERR_CORRUPT
 

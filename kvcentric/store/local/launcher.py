@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvcentric.config import StoreConfig
+from kvcentric.store.base import StoreUnavailable
 
 
 def config_json(cfg: StoreConfig) -> str:
@@ -54,24 +55,30 @@ def start_lock(cfg: StoreConfig) -> Iterator[None]:
 def ensure_running(cfg: StoreConfig) -> None:
     """Make sure a coordinator serves ``cfg``; start a detached one if needed.
 
-    Raises ``TimeoutError`` if a started coordinator does not answer within
+    Raises ``StoreUnavailable`` (the store error contract, docs/architecture.md §4) when
+    none runs and none can be started: the runtime dir cannot be created or locked, the
+    process cannot be spawned, it exits with an error, or it does not answer within
     ``cfg.start_timeout_s``.
     """
     if is_running(cfg):
         return
-    with start_lock(cfg):
-        if is_running(cfg):
-            return
-        log_path = cfg.runtime_dir / f"{cfg.name}.log"
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvcentric.store.local.server",
-                 "--config-json", config_json(cfg), "--detach"],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-            )
-        if proc.wait(timeout=cfg.start_timeout_s) != 0:
-            raise RuntimeError(f"store coordinator failed to start; see {log_path}")
-        _wait_up(cfg, log_path)
+    log_path = cfg.runtime_dir / f"{cfg.name}.log"
+    try:
+        with start_lock(cfg):
+            if is_running(cfg):
+                return
+            with open(log_path, "ab") as logf:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "kvcentric.store.local.server",
+                     "--config-json", config_json(cfg), "--detach"],
+                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                )
+            if proc.wait(timeout=cfg.start_timeout_s) != 0:
+                raise StoreUnavailable(f"store coordinator failed to start; see {log_path}")
+            _wait_up(cfg, log_path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise StoreUnavailable(f"cannot start the store coordinator in {cfg.runtime_dir}: "
+                               f"{exc}") from exc
 
 
 def _wait_up(cfg: StoreConfig, log_path: Path) -> None:
@@ -80,8 +87,8 @@ def _wait_up(cfg: StoreConfig, log_path: Path) -> None:
         if is_running(cfg):
             return
         time.sleep(0.02)
-    raise TimeoutError(f"store coordinator did not start in {cfg.start_timeout_s} s; "
-                       f"see {log_path}")
+    raise StoreUnavailable(f"store coordinator did not start in {cfg.start_timeout_s} s; "
+                           f"see {log_path}")
 
 
 def stop(cfg: StoreConfig, timeout_s: float = 10.0) -> bool:

@@ -28,11 +28,11 @@ import ipaddress
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcentric.config import parse_size
+from kvcentric.config import parse_bool, parse_fields
 
 P2P = "P2PHANDSHAKE"
 DEFAULT_MASTER = "127.0.0.1:50051"
@@ -52,7 +52,7 @@ ENV_VARS = {
     "MOONCAKE_REPLICA_NUM": "replica_num",
 }
 _SIZES = ("global_segment_size", "local_buffer_size", "staging_size")
-_FLOATS = ("no_space_wait_s", "probe_interval_s", "probe_timeout_s")
+_NULLABLE = ("device_name", "tenant_id", "preferred_segment")
 _METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
 # keys of Mooncake's and vLLM's config files that mean nothing to this client
 _EXTRA_KEYS = {"config_path", "use_env", "mode", "enable_offload"}
@@ -143,7 +143,7 @@ class MooncakeSettings:
              ) -> MooncakeSettings:
         """Merge defaults, env (``os.environ`` unless ``env`` is given), file and ``raw``."""
         raw = dict(raw or {})
-        use_env = _as_bool(raw.pop("use_env", True))
+        use_env = parse_bool(raw.pop("use_env", True), "mooncake.use_env")
         env = dict(os.environ if env is None else env) if use_env else {}
         merged: dict[str, Any] = {f: env[k] for k, f in ENV_VARS.items() if env.get(k)}
         path = raw.pop("config_path", None) or env.get("MOONCAKE_CONFIG_PATH")
@@ -154,31 +154,12 @@ class MooncakeSettings:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> MooncakeSettings:
-        raw = dict(raw)
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known - _EXTRA_KEYS
-        if unknown:
-            raise ValueError(f"unknown mooncake config keys {sorted(unknown)}; "
-                             f"known: {sorted(known)}")
-        for key in _EXTRA_KEYS:
-            raw.pop(key, None)  # Mooncake's own files carry these; they mean nothing here
-        for name in _SIZES:
-            if name in raw:
-                raw[name] = parse_size(raw[name])
-        for name in _FLOATS:
-            if name in raw:
-                raw[name] = float(raw[name])
-        if "replica_num" in raw:
-            raw["replica_num"] = int(raw["replica_num"])
-        for name in ("fallback_to_tcp", "ranged_reads"):
-            if name in raw:
-                raw[name] = _as_bool(raw[name])
-        if "protocol" in raw:
-            raw["protocol"] = str(raw["protocol"]).strip().lower()
-        for name in ("device_name", "tenant_id", "preferred_segment"):
-            if raw.get(name) is None:
-                raw.pop(name, None)
-        return cls(**raw)
+        # Mooncake's own files carry _EXTRA_KEYS (they mean nothing here) and null names
+        raw = {k: v for k, v in raw.items() if v is not None or k not in _NULLABLE}
+        kw = parse_fields(cls, raw, "mooncake config", sizes=_SIZES, ignore=_EXTRA_KEYS)
+        if "protocol" in kw:
+            kw["protocol"] = str(kw["protocol"]).strip().lower()
+        return cls(**kw)
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -212,12 +193,6 @@ def engine_env(settings: MooncakeSettings) -> dict[str, str]:
     return {"MC_TCP_BIND_ADDRESS": settings.local_hostname}
 
 
-def apply_engine_env(settings: MooncakeSettings) -> None:
-    """Export :func:`engine_env` before the transfer engine starts (it reads them once)."""
-    for key, value in engine_env(settings).items():
-        os.environ.setdefault(key, value)
-
-
 def _read_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -226,14 +201,3 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"mooncake config file {path} must hold a JSON object")
     return data
-
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"invalid boolean {value!r}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -131,13 +132,15 @@ def node_config(args: argparse.Namespace) -> dict[str, Any]:
 def run_node(args: argparse.Namespace) -> int:
     """Contribute a segment to the pool until SIGTERM/SIGINT."""
     from kvcentric.config import StoreConfig
-    from kvcentric.store.mooncake.config import MooncakeSettings
+    from kvcentric.store.mooncake.config import MooncakeSettings, engine_env
     from kvcentric.store.mooncake.store import MooncakeStore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stop = _stop_event()
     cfg = StoreConfig(backend="mooncake", mooncake=node_config(args))
-    if not MooncakeSettings.load(cfg.mooncake).global_segment_size:
+    settings = MooncakeSettings.load(cfg.mooncake)
+    os.environ.update(engine_env(settings))  # a command's own process: set before the engine
+    if not settings.global_segment_size:
         print("a storage node needs a segment: --segment 4gb (or global_segment_size in "
               "--config, or MOONCAKE_GLOBAL_SEGMENT_SIZE)", file=sys.stderr)
         return 2

@@ -56,7 +56,7 @@ from kvcentric.store.base import (
 )
 from kvcentric.store.mooncake.client import check_installed, chunks, join
 from kvcentric.store.mooncake.codes import MC_NO_SPACE, map_code
-from kvcentric.store.mooncake.config import MooncakeSettings, apply_engine_env
+from kvcentric.store.mooncake.config import MooncakeSettings, engine_env
 from kvcentric.store.mooncake.health import MasterMonitor
 from kvcentric.store.mooncake.http import fetch_keys, fetch_metrics
 from kvcentric.store.mooncake.rdma import resolve_transport
@@ -77,7 +77,12 @@ class MooncakeStore(KVStore):
         self.settings = s = MooncakeSettings.load(cfg.mooncake)
         self.protocol, self.devices = resolve_transport(s.protocol, s.device_name,
                                                         s.fallback_to_tcp)
-        apply_engine_env(s)
+        missing = engine_env(s)
+        if missing:
+            raise ValueError(
+                "Mooncake's transfer engine would bind its listener to a non-loopback "
+                f"address; set {' '.join(f'{k}={v}' for k, v in missing.items())} in the "
+                "environment before opening the store (kvcentric never writes os.environ)")
         check_installed()
         self._replicate: Any = None
         self._client: Any = None

@@ -1,0 +1,130 @@
+"""Packaging: one ``kvcentric`` namespace, and extras that never touch a user's GPU stack.
+
+- The wheel holds ``kvcentric/kernels`` and ``kvcentric/router`` and nothing named
+  ``kernels`` or ``router`` at the top level (both names are taken on PyPI).
+- ``pip install --dry-run --report`` in a fresh venv: ``kvcentric`` and
+  ``kvcentric[vllm,router]`` pull neither ``torch`` nor any ``vllm*`` distribution
+  (users bring their own vLLM build); ``[mooncake]`` is the CUDA-capable wheel.
+- No module imports the top-level ``kernels``/``router`` packages, and outside the
+  repository they are not importable from the installed package.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import kvcentric.compat
+from kvcentric.compat import check_engine, missing_attrs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("venv")
+    venv.EnvBuilder(with_pip=True).create(d)
+    return d / "bin" / "python"
+
+
+def _resolve(python: Path, spec: str, tmp: Path) -> dict[str, str]:
+    """What pip would install for ``spec`` into an empty venv: {name: version}."""
+    report = tmp / "report.json"
+    subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--quiet",
+                    "--ignore-installed", "--report", str(report), spec],
+                   cwd=ROOT, check=True, timeout=600, capture_output=True)
+    items = json.loads(report.read_text())["install"]
+    return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in items}
+
+
+@pytest.mark.parametrize("extras", ["", "[vllm,router]"])
+def test_extras_pull_no_torch_and_no_vllm(fresh_venv: Path, tmp_path: Path, extras: str) -> None:
+    got = _resolve(fresh_venv, f".{extras}", tmp_path)
+    assert "kvcentric" in got
+    assert "torch" not in got, got
+    assert not [n for n in got if n.startswith("vllm")], got
+    if extras:
+        assert "fastapi" in got and "transformers" in got  # the router's own deps do come
+
+
+def test_mooncake_extra_is_the_cuda_capable_wheel() -> None:
+    from importlib.metadata import requires
+
+    reqs = requires("kvcentric") or []
+    mooncake = [r for r in reqs if "extra == \"mooncake\"" in r]
+    cpu = [r for r in reqs if "extra == \"mooncake-cpu\"" in r]
+    assert mooncake and all(r.startswith("mooncake-transfer-engine>=") for r in mooncake)
+    assert cpu and all(r.startswith("mooncake-transfer-engine-non-cuda") for r in cpu)
+    assert not [r for r in reqs if r.startswith(("vllm", "torch"))], reqs
+
+
+def test_wheel_installs_one_namespace(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                    "--wheel-dir", str(tmp_path), str(ROOT)], check=True, timeout=600,
+                   capture_output=True)
+    (whl,) = tmp_path.glob("kvcentric-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert tops == {"kvcentric"}, tops
+    for mod in ("kvcentric/kernels/dispatch.py", "kvcentric/router/app.py",
+                "kvcentric/connector/vllm/connector.py", "kvcentric/store/mooncake/store.py"):
+        assert mod in names
+    entry = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("entry_points.txt")))
+    assert b"kvcentric.connector.vllm.plugin:register" in entry
+    assert b"kvcentric-router = kvcentric.router.cli:main" in entry
+
+
+def test_installed_namespace_outside_the_repository(tmp_path: Path) -> None:
+    code = ("import importlib.util, kvcentric.kernels, kvcentric.router, kvcentric.connector.vllm;"
+            "print(importlib.util.find_spec('kernels'), importlib.util.find_spec('router'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, check=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    assert out.split() == ["None", "None"]  # nothing named kernels/router from our install
+
+
+def test_no_module_imports_the_top_level_packages() -> None:
+    bad = []
+    for folder in ("kvcentric", "kernels", "router", "tests", "benchmarks", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom)
+                         and node.level == 0 else [])
+                bad += [f"{path}: {n}" for n in names if n.split(".")[0] in ("kernels", "router")]
+    assert not bad
+
+
+def test_user_facing_names_keep_working() -> None:
+    import kvcentric.connector.sglang as sg
+    import kvcentric.connector.vllm as vl
+
+    assert vl.__all__ == ["KVCentricConnector"] and sg.__all__ == ["KVCentricHiCacheStorage"]
+    with pytest.raises(AttributeError):
+        vl.NoSuchThing  # noqa: B018
+    code = ("import kvcentric.connector.vllm.settings, sys; assert 'vllm' not in sys.modules; "
+            "from kvcentric.connector.vllm import KVCentricConnector; "
+            "from kvcentric.connector.sglang import KVCentricHiCacheStorage; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_engine_version_check(caplog: pytest.LogCaptureFixture) -> None:
+    class Base:
+        def hook(self) -> None: ...
+
+    assert missing_attrs(Base, ("hook", "gone"), "Base") == ["Base.gone"]
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.1\.0 lacks Base\.gone, which kvcentric "
+                                           r"needs; use a tested version \(0\.32\.0\)"):
+        check_engine("vLLM", "0.1.0", kvcentric.compat.TESTED_VLLM, ["Base.gone"])
+    check_engine("vLLM", "0.32.0+cpu", kvcentric.compat.TESTED_VLLM, [])
+    assert not caplog.records
+    check_engine("vLLM", "0.99.0", kvcentric.compat.TESTED_VLLM, [])
+    assert "vLLM 0.99.0 is untested" in caplog.text
