@@ -17,7 +17,10 @@ rotating order; per request, TTFT is the median over repeats:
 - ``kvcentric``: our connector with the ``mooncake`` backend, also a pure client of a
   master and node set up the same way; loads stream layer by layer (``ranged_reads``);
 - ``kvcentric_whole_get`` (``--arms`` only): the same with ``ranged_reads`` off (one whole
-  ``batch_get_into`` per step before the forward pass), to show what streaming buys.
+  ``batch_get_into`` per step before the forward pass), to show what streaming buys;
+- ``lmcache`` (``--arms``; needs ``python benchmarks/lmcache_peer.py setup``): LMCache
+  0.5.6's ``LMCacheMPConnector`` against a fresh ``lmcache server`` (its own memory, 256-token
+  chunks), from its own venv with the same vLLM and torch.
 
 Workload: ``users`` conversations share a system prompt; each has its own document and
 ``turns`` turns (a new message, then a greedy answer that joins the history). Turns are
@@ -53,12 +56,15 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_store_mooncake import MASTER, start_cluster, start_node  # noqa: E402
 
+from benchmarks import lmcache_peer  # noqa: E402
+from benchmarks.lmcache_peer import LMCacheServer  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
 from kvcentric.testing.netns import NetNamespace  # noqa: E402
 from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-ARMS = ("no_connector", "mooncake_store_connector", "kvcentric", "kvcentric_whole_get")
+ARMS = ("no_connector", "mooncake_store_connector", "kvcentric", "kvcentric_whole_get",
+        "lmcache")
 DEFAULT_ARMS = ARMS[:3]
 PAGE = 128  # vLLM CPU block size; both connectors store 128-token blocks
 # float32: a stored block then holds exactly the bytes a recompute would produce, so every
@@ -181,14 +187,19 @@ def mooncake_json(path: Path) -> Path:
     return path
 
 
-def make_server(arm: str, model: str, w: Workload, env: dict[str, str], logs: Path
-                ) -> VllmServer:
+def make_server(arm: str, model: str, w: Workload, env: dict[str, str], logs: Path,
+                lmc: LMCacheServer | None = None) -> VllmServer:
     args = ("--num-gpu-blocks-override", str(w.engine_blocks), "--block-size", str(PAGE))
     common: dict[str, Any] = {"model": model, "name": "bench", "dtype": DTYPE,
                               "max_model_len": w.max_len, "args": args,
                               "log_path": logs / f"connectors-{arm}.log"}
     if arm == "no_connector":
         return VllmServer(**common, env=env)
+    if arm == "lmcache":
+        exe = lmcache_peer.python()
+        assert lmc is not None and exe is not None
+        return VllmServer(**common, env=env | lmcache_peer.ENV,
+                          kv_transfer=lmc.transfer_config(), python=str(exe))
     if arm == "mooncake_store_connector":
         cfg = mooncake_json(logs / "connectors-mooncake.json")
         return VllmServer(**common, env=env | {"MOONCAKE_CONFIG_PATH": str(cfg)},
@@ -204,17 +215,28 @@ def make_server(arm: str, model: str, w: Workload, env: dict[str, str], logs: Pa
 
 def run_arm(arm: Arm, ns: NetNamespace, model: str, w: Workload, env: dict[str, str],
             logs: Path, bar: tqdm) -> None:
-    """One repeat of ``arm``: a fresh master and node, its server, the workload."""
-    cluster = Cluster(ns, logs, "2gb")
-    server = make_server(arm.name, model, w, env, logs)
+    """One repeat of ``arm``: a fresh store (Mooncake master and node, or an lmcache
+    server), its server, the workload."""
+    cluster = Cluster(ns, logs, "2gb") if "connector" in arm.name or "kvcentric" in arm.name \
+        else None
+    lmc = None
+    server: VllmServer | None = None
     try:
+        if arm.name == "lmcache":
+            lmc = LMCacheServer(size_gb=2, log_path=logs / "connectors-lmcache-server.log")
+            lmc.start()
+        server = make_server(arm.name, model, w, env, logs, lmc)
         server.start().wait_ready(900)
         arm.runs.append(serve(server, w, bar))
     except Exception as exc:  # an arm that cannot run is reported, never faked
-        arm.fail(exc, server.log_path)
+        arm.fail(exc, server.log_path if server else logs / "connectors-lmcache-server.log")
     finally:
-        server.stop()
-        cluster.stop()
+        if server is not None:
+            server.stop()
+        if lmc is not None:
+            lmc.stop()
+        if cluster is not None:
+            cluster.stop()
 
 
 class Cluster:
@@ -263,7 +285,8 @@ def summarise(arms: dict[str, dict[str, Any]], users: int) -> dict[str, Any]:
     for a, b in (("mooncake_store_connector", "no_connector"), ("kvcentric", "no_connector"),
                  ("kvcentric", "mooncake_store_connector"),
                  ("kvcentric_whole_get", "mooncake_store_connector"),
-                 ("kvcentric", "kvcentric_whole_get")):
+                 ("kvcentric", "kvcentric_whole_get"), ("lmcache", "no_connector"),
+                 ("kvcentric", "lmcache")):
         if a in ok and b in ok:
             out.update(_ratios(out, ok, a, b, users))
     return out

@@ -1,6 +1,7 @@
 """TTFT: recompute vs store hit vs the engine's own prefix-cache hit, and TTFT vs hit ratio.
 
-    python benchmarks/bench_ttft.py [--quick] [--out FILE.json]
+    python benchmarks/bench_ttft.py [--quick] [--lengths 1024,4096,8192] [--no-lmcache]
+                                    [--out FILE.json]
 
 Two vLLM CPU servers with the ``bench`` model, started in this run, both pinned to the
 same worker thread count (``VLLM_CPU_NUM_OF_RESERVED_CPU``; on 2 cores vLLM otherwise
@@ -9,8 +10,14 @@ gives a connector-enabled worker 2 threads and a plain one 1):
 - ``plain``: no connector. Miss = a never-seen prompt; engine hit = the same prompt again.
 - ``kvc``: kvcentric connector on a local store. Store hit = a prompt this server stored,
   after ``/reset_prefix_cache`` (so only the store can supply it: the server is as fresh
-  as a new instance for that prompt). Hit-ratio sweep: a prefix of r x L tokens is stored,
-  then a prompt of L tokens starting with it is timed.
+  as a new instance for that prompt). An exact repeat loads every full block and the
+  prompt's tail: vLLM computes one token. Hit-ratio sweep: a prefix of r x L tokens is
+  stored, then a prompt of L tokens starting with it is timed.
+- ``lmcache`` (when ``.peers/lmcache`` exists: ``python benchmarks/lmcache_peer.py setup``):
+  LMCache 0.5.6's ``LMCacheMPConnector`` against an ``lmcache server``, same vLLM, same
+  torch, same thread pinning, measured like ``kvc`` (its hit also loads the partial last
+  chunk). ``tokens_identical`` says whether every arm's hit produced the token its own
+  miss produced.
 
 TTFT is the latency of a ``max_tokens=1`` completion (prefill + first token), median of
 ``--reps`` fresh prompts. Everything is compared in ratios within this run.
@@ -32,6 +39,8 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import lmcache_peer  # noqa: E402
+from benchmarks.lmcache_peer import LMCacheServer  # noqa: E402
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
@@ -51,30 +60,38 @@ class Prompts:
         return [self.rnd.randrange(4, 8000) for _ in range(n)]
 
 
-def ttft(server: VllmServer, prompt: list[int]) -> float:
+def ttft(server: VllmServer, prompt: list[int]) -> tuple[float, list[int]]:
+    """Seconds to the first (only) token, and the token."""
     t0 = time.perf_counter()
-    server.complete(prompt, max_tokens=1, timeout_s=900)
-    return time.perf_counter() - t0
+    out = server.complete(prompt, max_tokens=1, timeout_s=900)
+    return time.perf_counter() - t0, list(out["choices"][0]["token_ids"])
 
 
-def measure_lengths(plain: VllmServer, kvc: VllmServer, lengths: list[int], reps: int,
-                    gen: Prompts, bar: tqdm) -> list[dict[str, Any]]:
+def measure_lengths(plain: VllmServer, arms: dict[str, VllmServer], lengths: list[int],
+                    reps: int, gen: Prompts, bar: tqdm) -> list[dict[str, Any]]:
+    """Per length: miss and engine hit on ``plain``; per connector arm, its miss (which
+    stores the prompt) and its store hit after the engine's cache is reset."""
     rows = []
     for n in lengths:
-        miss, engine, store, kvc_miss = [], [], [], []
+        got: dict[str, list[float]] = {"miss": [], "engine_hit": []}
+        same = True
         for _ in range(reps):
             p = gen.new(n)
-            miss.append(ttft(plain, p))
-            engine.append(ttft(plain, p))
+            got["miss"].append(ttft(plain, p)[0])
+            got["engine_hit"].append(ttft(plain, p)[0])
             q = gen.new(n)
-            kvc_miss.append(ttft(kvc, q))  # stores q
-            kvc.reset_prefix_cache()
-            store.append(ttft(kvc, q))
+            for name, srv in arms.items():
+                t_miss, tok_miss = ttft(srv, q)
+                srv.reset_prefix_cache()
+                t_hit, tok_hit = ttft(srv, q)
+                got.setdefault(f"{name}_miss", []).append(t_miss)
+                got.setdefault(f"{name}_hit", []).append(t_hit)
+                same &= tok_hit == tok_miss
             bar.update(1)
-        med = statistics.median
-        rows.append({"prompt_len": n, "miss_ms": 1e3 * med(miss),
-                     "engine_hit_ms": 1e3 * med(engine), "store_hit_ms": 1e3 * med(store),
-                     "kvc_miss_ms": 1e3 * med(kvc_miss)})
+        row: dict[str, Any] = {"prompt_len": n, "tokens_identical": same}
+        row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in got.items()}
+        row["store_hit_ms"] = row["kvc_hit_ms"]  # the name earlier results use
+        rows.append(row)
     return rows
 
 
@@ -84,12 +101,12 @@ def measure_ratios(plain: VllmServer, kvc: VllmServer, n: int, reps: int, gen: P
     for r in RATIOS:
         base, ours = [], []
         for _ in range(reps):
-            base.append(ttft(plain, gen.new(n)))
+            base.append(ttft(plain, gen.new(n))[0])
             prefix = gen.new(int(r * n))
             if prefix:
                 kvc.complete(prefix, max_tokens=1, timeout_s=900)  # store the prefix
                 kvc.reset_prefix_cache()
-            ours.append(ttft(kvc, prefix + gen.new(n - len(prefix))))
+            ours.append(ttft(kvc, prefix + gen.new(n - len(prefix)))[0])
             bar.update(1)
         rows.append({"hit_ratio": r, "prompt_len": n,
                      "no_connector_ms": 1e3 * statistics.median(base),
@@ -98,20 +115,29 @@ def measure_ratios(plain: VllmServer, kvc: VllmServer, n: int, reps: int, gen: P
 
 
 def start_servers(model: str, store: dict[str, Any], max_len: int, threads_env: dict[str, str],
-                  logs: Path) -> tuple[VllmServer, VllmServer]:
+                  logs: Path, lmc: LMCacheServer | None) -> dict[str, VllmServer]:
     common = {"model": model, "name": "bench", "dtype": "bfloat16", "max_model_len": max_len,
               "env": threads_env}
-    plain = VllmServer(**common, log_path=logs / "plain.log")  # type: ignore[arg-type]
-    kvc = VllmServer(**common, log_path=logs / "kvc.log",  # type: ignore[arg-type]
-                     kv_transfer=connector_config(store))
-    for s in (plain, kvc):
+    servers = {
+        "plain": VllmServer(**common, log_path=logs / "plain.log"),  # type: ignore[arg-type]
+        "kvc": VllmServer(**common, log_path=logs / "kvc.log",  # type: ignore[arg-type]
+                          kv_transfer=connector_config(store)),
+    }
+    if lmc is not None:
+        exe = lmcache_peer.python()
+        assert exe is not None
+        servers["lmcache"] = VllmServer(
+            **{**common, "env": {**threads_env, **lmcache_peer.ENV}},  # type: ignore[arg-type]
+            log_path=logs / "lmcache.log", kv_transfer=lmc.transfer_config(),
+            python=str(exe))
+    for s in servers.values():
         s.start()
-    for s in (plain, kvc):
+    for s in servers.values():
         s.wait_ready(600)
     gen = Prompts(99)
-    for s in (plain, kvc):  # warm-up: first requests pay one-off costs
+    for s in servers.values():  # warm-up: first requests pay one-off costs
         s.complete(gen.new(512), max_tokens=2, timeout_s=600)
-    return plain, kvc
+    return servers
 
 
 def summarize(lengths: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,6 +148,9 @@ def summarize(lengths: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> di
         "hit_over_miss_at_max_len": top["store_hit_ms"] / top["miss_ms"],
         "engine_hit_over_miss_at_max_len": top["engine_hit_ms"] / top["miss_ms"],
         "store_hit_over_engine_hit_at_max_len": top["store_hit_ms"] / top["engine_hit_ms"],
+        "tokens_identical": all(r["tokens_identical"] for r in lengths),
+        **({"store_hit_over_lmcache_hit_at_max_len": top["kvc_hit_ms"] / top["lmcache_hit_ms"]}
+           if "lmcache_hit_ms" in top else {}),
         "zero_hit_overhead": zero["kvcentric_ms"] / zero["no_connector_ms"] - 1,
         "ttft_by_hit_ratio": {f"{r['hit_ratio']:.1f}": r["kvcentric_ms"] / r["no_connector_ms"]
                               for r in ratios},
@@ -137,8 +166,10 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     ls = [r["prompt_len"] for r in res["lengths"]]
     for key, label in (("miss_ms", "miss (recompute)"), ("store_hit_ms", "kvcentric store hit"),
+                       ("lmcache_hit_ms", "LMCache hit"),
                        ("engine_hit_ms", "vLLM prefix-cache hit")):
-        a1.plot(ls, [r[key] for r in res["lengths"]], marker="o", label=label)
+        if key in res["lengths"][0]:
+            a1.plot(ls, [r[key] for r in res["lengths"]], marker="o", label=label)
     a1.set(xlabel="prompt tokens", ylabel="TTFT (ms)", yscale="log", title="TTFT by prompt length")
     a1.legend()
     rs = [100 * r["hit_ratio"] for r in res["ratios"]]
@@ -154,10 +185,14 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def print_table(res: dict[str, Any]) -> None:
     print(f"\nTTFT (ms, median of {res['reps']}), worker threads: {res['worker_threads']}")
-    print(f"{'tokens':>7} {'miss':>9} {'store hit':>10} {'engine hit':>11} {'hit/miss':>9}")
+    lmc = "lmcache_hit_ms" in res["lengths"][0]
+    print(f"{'tokens':>7} {'miss':>9} {'store hit':>10} " + (f"{'LMCache hit':>12} " if lmc
+          else "") + f"{'engine hit':>11} {'hit/miss':>9} {'hit/engine':>11} {'same':>5}")
     for r in res["lengths"]:
         print(f"{r['prompt_len']:>7} {r['miss_ms']:9.0f} {r['store_hit_ms']:10.0f} "
-              f"{r['engine_hit_ms']:11.0f} {r['store_hit_ms'] / r['miss_ms']:9.3f}")
+              + (f"{r['lmcache_hit_ms']:12.0f} " if lmc else "")
+              + f"{r['engine_hit_ms']:11.0f} {r['store_hit_ms'] / r['miss_ms']:9.3f} "
+              f"{r['store_hit_ms'] / r['engine_hit_ms']:11.3f} {str(r['tokens_identical']):>5}")
     print(f"\n{'hit ratio':>9} {'no conn':>9} {'kvcentric':>10} {'ratio':>7}")
     for r in res["ratios"]:
         print(f"{r['hit_ratio']:9.1f} {r['no_connector_ms']:9.0f} {r['kvcentric_ms']:10.0f} "
@@ -170,8 +205,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--reps", type=int)
+    ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")])
+    ap.add_argument("--no-lmcache", action="store_true",
+                    help="skip the LMCache arm even when its venv exists")
     args = ap.parse_args()
-    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
+    lengths = args.lengths or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192])
     ratio_len = 2048 if args.quick else 4096
     reps = args.reps or (2 if args.quick else 3)
     reserved = "1" if (os.cpu_count() or 1) <= 2 else "0"
@@ -180,15 +218,23 @@ def main() -> None:
     store = {"name": f"ttft-{uuid.uuid4().hex[:6]}", "capacity": "3gb"}
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    plain, kvc = start_servers(model, store, max(lengths) + 512, threads_env, logs)
+    lmc = None
+    if not args.no_lmcache and lmcache_peer.python() is not None:
+        lmc = LMCacheServer(size_gb=3, log_path=logs / "lmcache-server.log").start()
+    servers: dict[str, VllmServer] = {}
     try:
+        servers = start_servers(model, store, max(lengths) + 512, threads_env, logs, lmc)
+        plain, kvc = servers["plain"], servers["kvc"]
+        arms = {k: v for k, v in servers.items() if k != "plain"}
         gen = Prompts(1)
         with tqdm(total=reps * (len(lengths) + len(RATIOS)), desc="ttft") as bar:
-            rows = measure_lengths(plain, kvc, lengths, reps, gen, bar)
+            rows = measure_lengths(plain, arms, lengths, reps, gen, bar)
             ratios = measure_ratios(plain, kvc, ratio_len, reps, gen, bar)
     finally:
-        plain.stop()
-        kvc.stop()
+        for srv in servers.values():
+            srv.stop()
+        if lmc is not None:
+            lmc.stop()
         launcher.stop(StoreConfig.from_dict(store))
     res = {"benchmark": "ttft", "quick": args.quick, "reps": reps, "model": "bench (bf16)",
            "worker_threads": f"cores - {reserved} reserved", "lengths": rows, "ratios": ratios,

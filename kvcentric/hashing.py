@@ -1,11 +1,14 @@
 """Chained block hashes and store keys: the one spec every kvcentric process shares.
 
-ARCHITECTURE.md §3:
+docs/architecture.md §3:
 
 - Tokens are cut into blocks of ``block_size`` tokens; only full blocks are hashed.
 - ``h_0 = H(seed)``, ``h_i = H(h_{i-1} || tokens_i as little-endian u32)``, ``H`` = xxh3_128.
 - ``seed`` = UTF-8 of ``model_id | cache_salt`` (the salt is empty by default).
 - key = ``kvc/v1/{model_id}/{layout_sig}/{tp_rank}of{tp_size}/{h_i hex}``.
+- A partial last block (a *tail*, ``count`` < ``block_size`` tokens) is keyed
+  ``.../t{count}-{tail_hash hex}`` with :func:`tail_hash` over its parent chain hash and its
+  exact tokens.
 
 Hashes depend only on the inputs, never on Python's hash seed, the process or the machine,
 so the connector, the router and the benchmarks agree on every block.
@@ -91,6 +94,40 @@ def extend_chain(parent: bytes, raw: bytes, block_size: int) -> tuple[list[bytes
     return out, raw[full:]
 
 
+_TAIL_TAG = b"kvc-tail"
+
+
+def tail_hash(parent: bytes, tail_tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Digest of a partial last block: ``H(parent || "kvc-tail" || count as LE u32 ||
+    tokens as LE u32)``, where ``parent`` is the chain hash of the full blocks before it
+    (``h_0`` when there are none). The tag and the count keep it apart from every full
+    block and from every other tail, even of the same tokens."""
+    raw = tokens_le_u32(tail_tokens)
+    count = (len(raw) // 4).to_bytes(4, "little")
+    return xxhash.xxh3_128_digest(parent + _TAIL_TAG + count + raw)
+
+
+@dataclass(frozen=True)
+class TailRef:
+    """A prompt's partial last block: its :func:`tail_hash` and token count."""
+
+    digest: bytes
+    count: int
+
+
+def prompt_tail(token_ids: Sequence[int] | np.ndarray, block_size: int, seed: bytes,
+                hashes: Sequence[bytes]) -> TailRef | None:
+    """The tail of ``token_ids`` after its full blocks (whose chain is ``hashes``), or
+    ``None`` when it holds under 2 tokens: a hit must leave vLLM one token to compute, so
+    a 1-token tail can never be loaded."""
+    full = len(token_ids) // block_size
+    count = len(token_ids) - full * block_size
+    if count < 2:
+        return None
+    parent = hashes[full - 1] if full else root_hash(seed)
+    return TailRef(tail_hash(parent, token_ids[full * block_size:]), count)
+
+
 @dataclass(frozen=True)
 class KeySpace:
     """Builds store keys for one (model, KV layout, TP rank).
@@ -122,3 +159,12 @@ class KeySpace:
         """Object keys of a chain of block hashes, in order."""
         p = self.prefix
         return [p + h.hex() for h in hashes]
+
+    def tail_key(self, tail: TailRef) -> str:
+        """The key of a tail object: ``{prefix}t{count}-{digest hex}``, never equal to a
+        block key (32 hex chars)."""
+        return f"{self.prefix}t{tail.count}-{tail.digest.hex()}"
+
+    def key_of(self, item: bytes | TailRef) -> str:
+        """The key of a block hash or of a tail."""
+        return self.tail_key(item) if isinstance(item, TailRef) else self.key(item)

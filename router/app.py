@@ -194,11 +194,12 @@ def _openai_routes(app: FastAPI, state: RouterState) -> None:
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         hashes = state.conductor.hashes(tokens, salt)
+        tail = state.conductor.tail(tokens, hashes, salt)
         headers = {k: v for k, v in request.headers.items() if k.lower() in
                    ("authorization", "content-type", "accept", "x-request-id")}
         assert state.proxy is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        return await state.proxy.handle(path, body, hashes, len(tokens), headers)
+        return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

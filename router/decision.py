@@ -90,24 +90,36 @@ class Rejection:
     message: str
 
 
+def hit_tokens(local: int, global_run: int, global_tail: bool, n_tokens: int,
+               block_size: int) -> int:
+    """Prompt tokens an engine holding ``local`` blocks finds cached or in the store (a
+    stored tail after all blocks makes it ``n_tokens - 1``: the engine computes one)."""
+    stored = n_tokens - 1 if global_tail else global_run * block_size
+    return min(max(local * block_size, stored), n_tokens - 1)
+
+
 def prefill_cost(p: Instance, local: int, global_run: int, n_tokens: int,
-                 params: CostParams, now: float) -> PrefillCost:
-    """Algorithm 1's ``TTFT_p`` for one candidate."""
-    hit = max(local, global_run)
-    load_blocks = max(0, global_run - local)
-    t_load = load_s(load_blocks * params.bytes_per_block, params.bandwidth_bps)
-    t_pre = params.profile.prefill_s(n_tokens, hit * params.block_size) * p.correction
+                 params: CostParams, now: float, global_tail: bool = False) -> PrefillCost:
+    """Algorithm 1's ``TTFT_p`` for one candidate: load what the store holds beyond ``p``'s
+    own blocks (a tail is one more object), compute the rest."""
+    hit = hit_tokens(local, global_run, global_tail, n_tokens, params.block_size)
+    load_objects = max(0, global_run + int(global_tail) - local)
+    t_load = load_s(load_objects * params.bytes_per_block, params.bandwidth_bps)
+    t_pre = params.profile.prefill_s(n_tokens, hit) * p.correction
     return PrefillCost(p.name, local, p.queue_s(now), t_load, t_pre)
 
 
 def decode_cost(d: Instance, local: int, full_blocks: int, n_tokens: int,
                 params: CostParams) -> DecodeCost:
     """Time for ``d`` to load the prompt's KV and take its first step, and its TBT with
-    this request added to its batch."""
-    t_load = load_s(max(0, full_blocks - local) * params.bytes_per_block, params.bandwidth_bps)
-    tail = params.profile.prefill_s(n_tokens, full_blocks * params.block_size)
+    this request added to its batch. The prefill instance stores every full block and the
+    tail, so ``d`` loads all but the last token and computes that one."""
+    tail = n_tokens - full_blocks * params.block_size >= 2
+    t_load = load_s(max(0, full_blocks + int(tail) - local) * params.bytes_per_block,
+                    params.bandwidth_bps)
+    first_step = params.profile.prefill_s(n_tokens, n_tokens - 1)
     tbt = params.profile.tbt_s(d.batch() + 1, d.stats.kv_usage)
-    return DecodeCost(d.name, local, t_load + tail, tbt)
+    return DecodeCost(d.name, local, t_load + first_step, tbt)
 
 
 def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: int,
@@ -126,8 +138,9 @@ def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: in
 
 def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[int, int],
            global_run: int, n_tokens: int, params: CostParams, slo: SloConfig,
-           now: float) -> Decision | Rejection:
-    """Algorithm 1 over the healthy candidates; ``runs`` maps slot -> local leading run."""
+           now: float, global_tail: bool = False) -> Decision | Rejection:
+    """Algorithm 1 over the healthy candidates; ``runs`` maps slot -> local leading run;
+    ``global_tail``: the store holds the prompt's tail after its ``global_run`` blocks."""
     if not prefill:
         return Rejection("no_instance", 1, math.inf, math.inf, "no healthy prefill instance")
     tbt_slo = slo.tbt_ms / 1000.0
@@ -137,7 +150,8 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     best_key: tuple[float, int, float] | None = None
     min_tbt = math.inf
     for p in prefill:
-        pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now)
+        pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
+                          global_tail)
         costs.append(pc)
         if p.spec.role == "both":
             tbt = params.profile.tbt_s(p.batch() + 1, p.stats.kv_usage)
@@ -169,9 +183,9 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         return Rejection("ttft", max(1, math.ceil(excess)), ttft, tbt,
                          f"predicted TTFT {ttft * 1000:.0f} ms exceeds the SLO "
                          f"{slo.ttft_ms:.0f} ms")
-    hit = max(pc.local_blocks, global_run)
+    hit = hit_tokens(pc.local_blocks, global_run, global_tail, n_tokens, params.block_size)
     replicated = pc.local_blocks < global_run and any(
         runs.get(o.slot, 0) > pc.local_blocks for o in prefill if o is not p)
-    return Decision(p, d, ttft, tbt, pc.prefill_s, min(hit * params.block_size, n_tokens - 1),
+    return Decision(p, d, ttft, tbt, pc.prefill_s, hit,
                     pc.local_blocks, max(0, global_run - pc.local_blocks), replicated,
                     tuple(costs), over_slo=ttft > slo_s)

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvcentric.hashing import TailRef
 from kvcentric.router.decision import Decision, Rejection
 from kvcentric.router.instances import Instance
 from kvcentric.router.metrics import RouterMetrics
@@ -82,7 +83,8 @@ class Proxy:
         self.fail_after = conductor.cfg.health.unhealthy_after
 
     async def handle(self, path: str, body: dict[str, Any], hashes: Sequence[bytes],
-                     n_tokens: int, headers: dict[str, str]) -> Response:
+                     n_tokens: int, headers: dict[str, str],
+                     tail: TailRef | None = None) -> Response:
         """Decide, dispatch, retry on failure; returns the client's response."""
         rid = uuid.uuid4().hex
         t_arrival = time.perf_counter()
@@ -91,7 +93,7 @@ class Proxy:
         last = "no attempt"
         for attempt in range(self.retries + 1):
             t0 = time.perf_counter()
-            decision = await self.c.decide(hashes, n_tokens, exclude)
+            decision = await self.c.decide(hashes, n_tokens, exclude, tail)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
             if isinstance(decision, Rejection):
                 if attempt:

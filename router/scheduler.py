@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
-from kvcentric.hashing import block_hashes, hash_seed
+from kvcentric.hashing import TailRef, block_hashes, hash_seed, prompt_tail
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile
 from kvcentric.router.decision import CostParams, Decision, Rejection, choose
@@ -73,14 +73,28 @@ class Conductor:
         empty while the block size is unknown."""
         if self.block_size is None:
             return []
+        return block_hashes(tokens, self.block_size, self._seed(salt))
+
+    def _seed(self, salt: str | None) -> bytes:
         seed = self._seeds.get(salt)
         if seed is None:
             seed = self._seeds[salt] = hash_seed(self.cfg.model_id, salt)
-        return block_hashes(tokens, self.block_size, seed)
+        return seed
+
+    def tail(self, tokens: np.ndarray | Sequence[int], hashes: Sequence[bytes],
+             salt: str | None = None) -> TailRef | None:
+        """The prompt's partial last block (stored by an engine at the end of its prefill,
+        loadable so that only the last token is computed); None while the block size is
+        unknown or when it holds under 2 tokens."""
+        if self.block_size is None:
+            return None
+        return prompt_tail(tokens, self.block_size, self._seed(salt), hashes)
 
     def decide_local(self, hashes: Sequence[bytes], n_tokens: int, global_run: int,
-                     exclude: Collection[str] = ()) -> Decision | Rejection:
-        """Algorithm 1 given the global run (no I/O)."""
+                     exclude: Collection[str] = (), global_tail: bool = False
+                     ) -> Decision | Rejection:
+        """Algorithm 1 given the global run (no I/O); ``global_tail``: the store also holds
+        the prompt's tail after all of its blocks."""
         model = self.cfg.model
         pre = [i for i in self.registry.candidates(model, prefill=True) if i.name not in exclude]
         dec = [i for i in self.registry.candidates(model, prefill=False)
@@ -92,16 +106,23 @@ class Conductor:
             mask |= 1 << i.slot
         runs = self.index.match(hashes, mask)
         now = self.clock()
-        result = choose(pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now)
+        result = choose(pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
+                        global_tail)
         if log.isEnabledFor(logging.DEBUG):
             self._log(result, n_tokens, len(hashes), global_run)
         return result
 
     async def decide(self, hashes: Sequence[bytes], n_tokens: int,
-                     exclude: Collection[str] = ()) -> Decision | Rejection:
-        """Algorithm 1 with the store asked (through its TTL cache) for the global run."""
-        global_run = await self.store.leading_run(hashes) if self.store.enabled else 0
-        return self.decide_local(hashes, n_tokens, global_run, exclude)
+                     exclude: Collection[str] = (), tail: TailRef | None = None
+                     ) -> Decision | Rejection:
+        """Algorithm 1 with the store asked (through its TTL cache) for the global run of
+        the prompt's blocks and, after them, its tail (one lookup)."""
+        if not self.store.enabled:
+            return self.decide_local(hashes, n_tokens, 0, exclude)
+        items: list[bytes | TailRef] = [*hashes, *([tail] if tail is not None else [])]
+        run = await self.store.leading_run(items)
+        return self.decide_local(hashes, n_tokens, min(run, len(hashes)), exclude,
+                                 run > len(hashes))
 
     def _log(self, result: Decision | Rejection, n: int, blocks: int, global_run: int) -> None:
         if isinstance(result, Rejection):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvcentric.config import StoreConfig
-from kvcentric.hashing import KEY_PREFIX, KeySpace
+from kvcentric.hashing import KEY_PREFIX, KeySpace, TailRef
 from kvcentric.store import KVStore, StoreUnavailable, open_store
 
 log = logging.getLogger("router.store_view")
@@ -47,8 +47,8 @@ class StoreView:
         self.wait_s = wait_s
         self._clock = clock
         self._keyspace = KeySpace(model_id, layout_sig, 0, tp_size) if layout_sig else None
-        self._present: dict[bytes, float] = {}
-        self._absent: dict[bytes, float] = {}
+        self._present: dict[bytes | TailRef, float] = {}
+        self._absent: dict[bytes | TailRef, float] = {}
         self._store: KVStore | None = None
         self._next_try = 0.0
         self._next_discover = 0.0
@@ -65,7 +65,8 @@ class StoreView:
         return self._keyspace.layout_sig if self._keyspace else None
 
     # ---- the cache (event-loop side, never blocks) ----
-    def cached_run(self, hashes: Sequence[bytes], now: float | None = None) -> tuple[int, bool]:
+    def cached_run(self, hashes: Sequence[bytes | TailRef], now: float | None = None
+                   ) -> tuple[int, bool]:
         """``(run, final)``: blocks known present, and whether that is the whole answer
         (all present, or the next one known absent) so no store call is needed."""
         if self.cfg is None:
@@ -82,7 +83,8 @@ class StoreView:
             return i, True
         return i, self._absent.get(hashes[i], 0.0) >= now
 
-    def record(self, hashes: Sequence[bytes], start: int, run: int, now: float) -> None:
+    def record(self, hashes: Sequence[bytes | TailRef], start: int, run: int,
+               now: float) -> None:
         """Remember that ``hashes[start:start+run]`` are present and the next is not."""
         exp = now + self.ttl_s
         for h in hashes[start:start + run]:
@@ -102,7 +104,7 @@ class StoreView:
         self._absent = {h: e for h, e in self._absent.items() if e >= now}
 
     # ---- store calls (worker thread) ----
-    def query(self, hashes: Sequence[bytes], start: int = 0) -> int:
+    def query(self, hashes: Sequence[bytes | TailRef], start: int = 0) -> int:
         """Blocking: ask the store for the leading run of ``hashes[start:]``; returns the
         total run (``start`` plus what the store holds). Never raises."""
         now = self._clock()
@@ -112,7 +114,7 @@ class StoreView:
             return start
         self.queries += 1
         try:
-            run = store.batch_exists(ks.keys(hashes[start:]))
+            run = store.batch_exists([ks.key_of(h) for h in hashes[start:]])
         except (StoreUnavailable, OSError, ValueError) as exc:
             self.errors += 1
             log.warning("store batch_exists failed: %s", exc)
@@ -154,8 +156,9 @@ class StoreView:
         return self._keyspace
 
     # ---- async front ----
-    async def leading_run(self, hashes: Sequence[bytes]) -> int:
-        """Blocks of ``hashes`` present in the store (cache first, then one store call)."""
+    async def leading_run(self, hashes: Sequence[bytes | TailRef]) -> int:
+        """Leading items of ``hashes`` (block hashes, then possibly the prompt's tail)
+        present in the store (cache first, then one store call)."""
         run, final = self.cached_run(hashes)
         if final:
             return run

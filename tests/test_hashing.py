@@ -92,3 +92,30 @@ def test_deterministic_across_processes_and_hash_seeds() -> None:
         outs.append(subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True,
                                    capture_output=True, text=True).stdout)
     assert outs[0] == outs[1] and outs[0].count("kvc/v1/model-x/abcd/0of1/") == 19
+
+
+def test_tails_never_collide_with_blocks_or_other_prefixes() -> None:
+    from kvcentric.hashing import KeySpace, TailRef, prompt_tail, root_hash, tail_hash
+
+    seed = hash_seed("m")
+    toks = list(range(10, 10 + 2 * 16 + 5))  # two blocks of 16 and a 5-token tail
+    hashes = block_hashes(toks, 16, seed)
+    tail = prompt_tail(toks, 16, seed, hashes)
+    assert tail == TailRef(tail_hash(hashes[-1], toks[32:]), 5)
+    ks = KeySpace("m", "0123456789abcdef")
+    assert ks.tail_key(tail) == ks.prefix + f"t5-{tail.digest.hex()}"
+    assert ks.key_of(tail) != ks.key_of(tail.digest) and ks.key_of(hashes[0]) == ks.key(hashes[0])
+    # one token more or less, another token, another parent chain, another salt: other keys
+    others = [prompt_tail(toks[:-1], 16, seed, hashes), prompt_tail(toks + [1], 16, seed, hashes),
+              prompt_tail(toks[:-1] + [7], 16, seed, hashes),
+              prompt_tail([1] + toks[1:], 16, seed, block_hashes([1] + toks[1:], 16, seed)),
+              prompt_tail(toks, 16, hash_seed("m", "s"), block_hashes(toks, 16,
+                                                                      hash_seed("m", "s")))]
+    assert len({ks.tail_key(t) for t in others if t is not None} | {ks.tail_key(tail)}) == 6
+    # a tail of 0 or 1 tokens is never worth a key; a prompt under one block has one
+    assert prompt_tail(toks[:32], 16, seed, hashes) is None
+    assert prompt_tail(toks[:33], 16, seed, hashes) is None
+    short = prompt_tail(toks[:7], 16, seed, [])
+    assert short == TailRef(tail_hash(root_hash(seed), toks[:7]), 7)
+    # the tail tag keeps a tail apart from a block of the same tokens
+    assert tail_hash(hashes[0], toks[16:32]) != hashes[1]

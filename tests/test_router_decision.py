@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvcentric.router.config import InstanceSpec, SloConfig
-from kvcentric.router.cost_model import Profile
+from kvcentric.router.cost_model import Profile, load_s
 from kvcentric.router.decision import CostParams, Decision, Rejection, choose
 from kvcentric.router.instances import Instance, Registry
 from kvcentric.router.prefix_index import PrefixIndex
@@ -146,9 +146,25 @@ def test_disaggregated_pair_counts_the_decode_side_load() -> None:
     assert isinstance(res, Decision) and res.disaggregated
     assert res.prefill is p2 and res.decode is d2
     own = {c.name: c for c in res.candidates}["p2"]
-    # d2 holds the prompt already: only its tail is computed, plus one decode step
-    tail = PROFILE.prefill_s(N, 32 * BS)
-    assert res.ttft_s == pytest.approx(own.ttft_s + tail + PROFILE.tbt_s(1))
+    # d2 holds the prompt's blocks already: it loads the tail object p2 stored, computes
+    # the last token, plus one decode step
+    tail_load = load_s(PARAMS.bytes_per_block, PARAMS.bandwidth_bps)
+    first_step = PROFILE.prefill_s(N, N - 1)
+    assert res.ttft_s == pytest.approx(own.ttft_s + tail_load + first_step + PROFILE.tbt_s(1))
+    assert res.hit_tokens == 32 * BS  # p2's own blocks; p2 computes the tail
+
+
+def test_a_stored_tail_is_a_hit_of_all_but_the_last_token() -> None:
+    a, b = inst("a", 0), inst("b", 1)
+    with_tail = choose([a, b], [a, b], {}, 32, N, PARAMS, SLO, now=0.0, global_tail=True)
+    without = choose([a, b], [a, b], {}, 32, N, PARAMS, SLO, now=0.0)
+    assert isinstance(with_tail, Decision) and isinstance(without, Decision)
+    assert with_tail.hit_tokens == N - 1 and without.hit_tokens == 32 * BS
+    # one more object loaded, the tail's 9 tokens no longer prefilled
+    pa = {c.name: c for c in with_tail.candidates}["a"]
+    assert pa.load_s == pytest.approx(load_s(33 * PARAMS.bytes_per_block, PARAMS.bandwidth_bps))
+    assert pa.prefill_s == pytest.approx(PROFILE.prefill_s(N, N - 1))
+    assert with_tail.ttft_s == pytest.approx(pa.load_s + pa.prefill_s)
 
 
 def test_no_instances_and_no_decoder() -> None:

@@ -84,9 +84,10 @@ def test_reuse_across_processes(servers: dict[str, VllmServer]) -> None:
     before = hits(servers["b"])
     assert servers["b"].tokens(p) == want
     m = servers["b"].metrics()
-    full_blocks = (len(p) - 1) // STORED_BLOCK
-    assert m["vllm:external_prefix_cache_hits_total"] - before == full_blocks * STORED_BLOCK
-    assert m["vllm:kvcentric_loaded_blocks_total"] >= full_blocks
+    # every full block and the tail a stored: all but the last token are loaded
+    assert m["vllm:external_prefix_cache_hits_total"] - before == len(p) - 1
+    assert m["vllm:kvcentric_loaded_blocks_total"] >= len(p) // STORED_BLOCK + 1
+    assert m["vllm:kvcentric_tail_hits_total"] >= 1
 
 
 def _corrupt(store_cfg: dict[str, Any], p: list[int]) -> int:
@@ -117,7 +118,7 @@ def test_corruption_is_used_then_caught_by_checksums(
     servers["b"].reset_prefix_cache()
     before = hits(servers["b"])
     assert servers["b"].tokens(p) != want
-    assert hits(servers["b"]) - before == (len(p) - 1) // STORED_BLOCK * STORED_BLOCK
+    assert hits(servers["b"]) - before == len(p) - 1
     # a reader that verifies checksums detects it, reports it and recomputes
     checker = VllmServer(tiny_model, log_path=tmp_path / "checker.log",
                          kv_transfer=connector_config(store_x | {"verify_checksums": True},
@@ -140,9 +141,14 @@ def test_prefill_decode_disaggregation(servers: dict[str, VllmServer], store_x: 
                       kv_transfer=connector_config(store_x, role="kv_consumer"))
     try:
         start_all(prod, cons)
-        prod.tokens(p, max_tokens=1)  # prefill only: its KV goes to the store
+        prod.tokens(p, max_tokens=1)  # prefill only: its KV, tail included, goes to the store
+        assert prod.metrics()["vllm:kvcentric_saved_tails_total"] == 1
         assert cons.tokens(p, max_tokens=24) == want
-        assert hits(cons) == (len(p) - 1) // STORED_BLOCK * STORED_BLOCK
+        m = cons.metrics()
+        # the decode instance loads all but the last prompt token and computes that one
+        assert m["vllm:external_prefix_cache_hits_total"] == len(p) - 1
+        assert m["vllm:prompt_tokens_total"] - m["vllm:external_prefix_cache_hits_total"] \
+            - m.get("vllm:prefix_cache_hits_total", 0.0) == 1
         assert prod.metrics()["vllm:kvcentric_loaded_blocks_total"] == 0  # producers never load
     finally:
         prod.stop()
@@ -269,3 +275,25 @@ def test_unstartable_store_recomputes_with_identical_tokens(
         srv.stop()
         if rt.is_file():
             rt.unlink()
+
+
+def test_tails_load_only_into_the_exact_prompt(servers: dict[str, VllmServer]) -> None:
+    """Two prompts share every full block and differ in one tail token: the second never
+    loads the first one's tail (a wrong token would follow), only the shared blocks; a
+    prompt that ends on a block boundary loads its last block in part."""
+    a, b, base = servers["a"], servers["b"], servers["base"]
+    p = prompt(400)  # 8 full blocks + a 76-token tail
+    q = p[:-2] + [p[-2] + 1, p[-1]]  # same blocks, one tail token differs
+    assert a.tokens(p) == base.tokens(p)
+    before = hits(b)
+    assert b.tokens(q) == base.tokens(q)
+    assert hits(b) - before == len(p) // STORED_BLOCK * STORED_BLOCK  # blocks, no tail
+    b.reset_prefix_cache()
+    before = hits(b)
+    assert b.tokens(p) == base.tokens(p)  # the exact prompt: blocks and tail
+    assert hits(b) - before == len(p) - 1
+    r = prompt(401, 8 * STORED_BLOCK)  # no tail: the last block is loaded but one token
+    assert a.tokens(r) == base.tokens(r)
+    before = hits(b)
+    assert b.tokens(r) == base.tokens(r)
+    assert hits(b) - before == len(r) - 1

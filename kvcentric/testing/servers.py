@@ -55,7 +55,8 @@ class VllmServer:
     """One vLLM OpenAI server process.
 
     ``kv_transfer`` is the connector config (None: no connector); ``env`` adds to the
-    environment (e.g. thread pinning); ``args`` are extra server flags.
+    environment (e.g. thread pinning); ``args`` are extra server flags; ``python`` is the
+    interpreter whose vLLM runs (a peer's own venv in comparisons).
     """
 
     model: str
@@ -68,13 +69,14 @@ class VllmServer:
     log_path: Path | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    python: str = sys.executable
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmServer:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model, "--served-model-name", self.name,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--enforce-eager",

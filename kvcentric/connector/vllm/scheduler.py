@@ -5,13 +5,17 @@ Runs in vLLM's engine-core process. Per request it keeps the ``Request`` (tokens
 request's block table and how many stored blocks are already saved).
 
 - Lookup (``get_num_new_matched_tokens``): one batched ``batch_exists`` over the stored
-  blocks beyond the engine's own prefix-cache hit; loads are synchronous and layer-wise
+  blocks beyond the engine's own prefix-cache hit, followed by the key of the prompt's
+  *tail* (its partial last block), so an exact repeat hits up to ``num_tokens - 1``: vLLM
+  computes one token (docs/architecture.md §2.3). Loads are synchronous and layer-wise
   inside the same step, so the answer is ``(tokens, False)``. It is side-effect free
   apart from an overwritable note of the last answer (vLLM may ask again).
-- Loads (``update_state_after_alloc``): the matched blocks' engine pages.
+- Loads (``update_state_after_alloc``): the engine pages of the matched blocks and tail,
+  up to the page holding the hit's last token (a last block may be loaded in part).
 - Saves (``build_connector_meta``): every stored block that becomes full in this step,
   including blocks completed over several chunked-prefill steps, and (``save_decode``)
-  blocks of generated tokens.
+  blocks of generated tokens; a tail at the end of the prefill and (``save_decode``) at
+  the step that produces the request's last token (``max_tokens``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
 from kvcentric.connector.vllm.mover import SKIP
 from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.connector.vllm.stats import KVCentricStats
-from kvcentric.hashing import block_hashes, hash_seed
+from kvcentric.hashing import block_hashes, hash_seed, prompt_tail
 from kvcentric.store import KVStore, StoreUnavailable
 
 log = logging.getLogger("kvcentric.connector")
@@ -36,13 +40,15 @@ log = logging.getLogger("kvcentric.connector")
 class _Lookup:
     num_computed: int  # engine's own hit, tokens
     first_block: int  # first stored block to load
-    num_blocks: int
+    num_blocks: int  # full stored blocks present from first_block on
+    tail_key: str | None = None  # a tail object present after them
 
 
 @dataclass
 class _Tracker:
     block_ids: list[int]
     saved_blocks: int = 0
+    tail_end: int = 0  # tokens covered by the last tail saved (0: none yet)
 
 
 @dataclass
@@ -85,6 +91,14 @@ class KVCentricScheduler:
                                           parent=st.hashes[-1] if st.hashes else None))
         return st.hashes[:num_blocks]
 
+    def _tail(self, st: _ReqState, end: int) -> tuple[str, int] | None:
+        """Key and token count of the tail of the request's first ``end`` tokens
+        (:func:`kvcentric.hashing.prompt_tail`)."""
+        s = self.layout.stored_block_size
+        seed = hash_seed(self.layout.keyspace.model_id, st.request.cache_salt)
+        tail = prompt_tail(st.request.all_token_ids[:end], s, seed, self._hashes(st, end // s))
+        return None if tail is None else (self.layout.keyspace.tail_key(tail), tail.count)
+
     # ---- lookup and loads ----
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -92,43 +106,61 @@ class KVCentricScheduler:
         self._lookups.pop(request.request_id, None)
         if not self.loads_enabled:
             return 0, False
-        s = self.layout.stored_block_size
-        # never the whole prompt: vLLM must compute at least the last token
-        max_blocks = (request.num_tokens - 1) // s
-        first = num_computed_tokens // s
-        if max_blocks <= first:
-            return 0, False
+        s, n = self.layout.stored_block_size, request.num_tokens
+        full, first = n // s, num_computed_tokens // s
         st = self._state(request)
-        keys = self.layout.keyspace.keys(self._hashes(st, max_blocks)[first:])
+        tail = self._tail(st, n)
+        keys = self.layout.keyspace.keys(self._hashes(st, full)[first:])
+        if tail is not None:
+            keys.append(tail[0])  # after the blocks: present only if they all are
+        if not keys:
+            return 0, False
         t0 = time.perf_counter()
         try:
             run = self.store.batch_exists(keys)
         except StoreUnavailable:
             run = 0
         self.stats.add(lookups=1, lookup_seconds=time.perf_counter() - t0)
-        if run == 0:
+        blocks = min(run, full - first)
+        tail_key, tail_tokens = tail if tail is not None and run == len(keys) else (None, 0)
+        # never the whole prompt: vLLM must compute at least the last token
+        end = min((first + blocks) * s + tail_tokens, n - 1)
+        if end <= num_computed_tokens:
             return 0, False
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, first, run)
-        return (first + run) * s - num_computed_tokens, False
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, first, blocks,
+                                                    tail_key)
+        return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Plan the load of the last lookup's blocks into the just-allocated pages."""
+        """Plan the load of the last lookup's objects into the just-allocated pages: every
+        page holding a token of ``[num_computed, num_computed + num_external_tokens)``."""
         lk = self._lookups.pop(request.request_id, None)
         if num_external_tokens <= 0 or lk is None:
             return
-        s, k, page = self.layout.stored_block_size, self.layout.pages_per_object, \
-            self.layout.page_size
-        n = (lk.num_computed + num_external_tokens) // s - lk.first_block
-        page_table = blocks.get_block_ids()[0]
-        first_page = lk.num_computed // page  # pages before it are the engine's own hit
-        page_ids = []
-        for b in range(lk.first_block, lk.first_block + n):
-            page_ids.append([p_id if b * k + j >= first_page else SKIP
-                             for j, p_id in enumerate(page_table[b * k:(b + 1) * k])])
+        s, page = self.layout.stored_block_size, self.layout.page_size
+        end = lk.num_computed + num_external_tokens
+        num_objects = -(-end // s) - lk.first_block
         st = self._state(request)
-        keys = self.layout.keyspace.keys(self._hashes(st, lk.first_block + n)[lk.first_block:])
-        self._pending_loads.append(TransferSpec(request.request_id, keys, page_ids))
-        self.stats.add(hit_tokens=num_external_tokens)
+        last = lk.first_block + min(num_objects, lk.num_blocks)
+        keys = self.layout.keyspace.keys(self._hashes(st, last)[lk.first_block:])
+        if num_objects > lk.num_blocks:
+            assert lk.tail_key is not None and num_objects == lk.num_blocks + 1
+            keys.append(lk.tail_key)
+        pages = self._pages(blocks.get_block_ids()[0], lk.first_block, len(keys),
+                            lk.num_computed // page, -(-end // page))
+        self._pending_loads.append(TransferSpec(request.request_id, keys, pages))
+        self.stats.add(hit_tokens=num_external_tokens,
+                       tail_hits=int(len(keys) > 0 and keys[-1] == lk.tail_key))
+
+    def _pages(self, page_table: list[int], first_object: int, num_objects: int,
+               first_page: int, end_page: int) -> list[list[int]]:
+        """Per object from ``first_object`` on, its ``k`` engine pages; pages outside
+        ``[first_page, end_page)`` (the engine's own hit, or past the tokens moved) are
+        ``SKIP``."""
+        k = self.layout.pages_per_object
+        return [[page_table[i] if first_page <= i < min(end_page, len(page_table)) else SKIP
+                 for i in range(b * k, (b + 1) * k)]
+                for b in range(first_object, first_object + num_objects)]
 
     # ---- saves ----
     def build_connector_meta(self, so: Any) -> KVCentricMetadata:
@@ -168,15 +200,43 @@ class KVCentricScheduler:
             computed_after, st.request.num_prompt_tokens)
         s, k = self.layout.stored_block_size, self.layout.pages_per_object
         full = min(limit // s, len(tr.block_ids) // k)
-        if full <= tr.saved_blocks:
+        if full > tr.saved_blocks:
+            keys = self.layout.keyspace.keys(self._hashes(st, full))
+            first = tr.saved_blocks
+            meta.saves.append(TransferSpec(
+                st.request.request_id, keys[first:],
+                [tr.block_ids[b * k:(b + 1) * k] for b in range(first, full)],
+                [keys[b - 1] if b else None for b in range(first, full)]))
+            tr.saved_blocks = full
+        self._plan_tail(st, computed_after, meta)
+
+    def _plan_tail(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
+        """Save the tail when this step ends the prefill, and (``save_decode``) when it
+        produces the request's last token; one tail per request end."""
+        req, tr = st.request, st.tracker
+        assert tr is not None
+        end = 0
+        if (self.settings.save_decode and computed_after >= req.num_prompt_tokens
+                and req.num_output_tokens + 1 >= req.max_tokens):
+            end = computed_after
+        elif computed_after >= req.num_prompt_tokens:
+            end = req.num_prompt_tokens
+        tail = self._tail(st, end) if end > tr.tail_end else None
+        if tail is None:
             return
-        keys = self.layout.keyspace.keys(self._hashes(st, full))
-        first = tr.saved_blocks
+        s, page = self.layout.stored_block_size, self.layout.page_size
+        block = end // s
+        if -(-end // page) > len(tr.block_ids):
+            return  # its pages are not all allocated (cannot happen after a real step)
+        parents: list[str | None] = [None]
+        if block:
+            parents = [self.layout.keyspace.key(self._hashes(st, block)[-1])]
         meta.saves.append(TransferSpec(
-            st.request.request_id, keys[first:],
-            [tr.block_ids[b * k:(b + 1) * k] for b in range(first, full)],
-            [keys[b - 1] if b else None for b in range(first, full)]))
-        tr.saved_blocks = full
+            req.request_id, [tail[0]],
+            self._pages(tr.block_ids, block, 1, block * s // page, -(-end // page)),
+            parents))
+        tr.tail_end = end
+        self.stats.add(saved_tails=1)
 
     def register_request(self, request: Any) -> None:
         """Remember a new request (its tokens are needed to key its saves)."""

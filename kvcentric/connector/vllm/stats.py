@@ -16,6 +16,9 @@ FIELDS = {
     "lookups": "Prefix lookups in the store",
     "lookup_seconds": "Time the scheduler spent in store lookups (blocks scheduling)",
     "hit_tokens": "Prompt tokens found in the store (scheduler side)",
+    "tail_hits": "Hits that load a tail object (the prompt's partial last block)",
+    "saved_tails": "Tail objects planned for saving (prefill end; last token with "
+                   "save_decode)",
     "loaded_blocks": "Stored blocks loaded into the engine",
     "loaded_bytes": "Bytes loaded from the store",
     "load_seconds": "Time spent in layer loads: ranged fetches and copies (worker; "

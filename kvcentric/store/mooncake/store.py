@@ -15,16 +15,9 @@ whole; :meth:`batch_acquire` gets objects into the arena and hands out pointers 
 :meth:`release`. :meth:`batch_put_from_multi` / :meth:`batch_get_into_multi` gather and
 scatter objects over several buffers (e.g. KV cache pages) without a staging copy.
 
-The wheel's put-session/range API (``batch_put_session_start`` +
-``batch_put_from_multi_buffer_ranges`` + ``..._end``) could stream each layer as it is
-packed; measured here over tcp (``benchmarks/bench_store_mooncake.py``) a session put is
-0.25-0.4x of one ``batch_put_from`` in process, and one range per layer 0.15-0.2x in
-process and 0.6-0.9x across processes, so commits use ``batch_put_from``. Reads are the
-other way round: a reader needs layer 0 first, so :meth:`batch_acquire_streamed` opens a
-get session and :meth:`fetch_range` gets one layer's range of every object per call
-(``ranged_reads``): over tcp across processes the first of 8 layers of 10 x 2 MiB lands
-in ~4 ms where a whole ``batch_get_into`` takes ~16 ms (all 8 ranges: ~29 ms, hidden
-under the forward pass).
+Writes commit with one ``batch_put_from``; reads may stream layer by layer through a get
+session (``ranged_reads``): :meth:`batch_acquire_streamed` + :meth:`fetch_range`. Why, with
+the measurements: docs/architecture.md §4.3.
 
 Errors map onto the ``KVStore`` codes (:mod:`kvcentric.store.mooncake.codes`). While the
 master is unreachable calls answer ``ERR_UNAVAILABLE`` (or raise ``StoreUnavailable``) in
@@ -39,7 +32,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvcentric.config import StoreConfig
@@ -60,6 +52,7 @@ from kvcentric.store.mooncake.config import MooncakeSettings, engine_env
 from kvcentric.store.mooncake.health import MasterMonitor
 from kvcentric.store.mooncake.http import fetch_keys, fetch_metrics
 from kvcentric.store.mooncake.rdma import resolve_transport
+from kvcentric.store.mooncake.reads import LeaseReads
 from kvcentric.store.mooncake.staging import StagingArena
 
 log = logging.getLogger("kvcentric.store")
@@ -92,6 +85,7 @@ class MooncakeStore(KVStore):
                                         "get_bytes", "rejected_puts", "skipped_puts"), 0)
         self._registered: dict[int, int] = {}
         self._staging: StagingArena | None = None
+        self._reads = LeaseReads(self)
         host, port = s.master_host_port
         self.monitor = MasterMonitor(host, port, self._probe, s.probe_interval_s,
                                      s.probe_timeout_s)
@@ -324,7 +318,7 @@ class MooncakeStore(KVStore):
         ``sizes`` bounds each object and is required. Raises ``StoreUnavailable``."""
         if sizes is None or len(sizes) != len(keys):
             raise ValueError("the mooncake backend needs one size bound per key")
-        return self._lease(keys, sizes, session=False)
+        return self._reads.lease(keys, sizes, session=False)
 
     def batch_acquire_streamed(self, keys: Sequence[str], sizes: Sequence[int]) -> ReadLease:
         """With ``ranged_reads``: open a get session (the master resolves every replica
@@ -332,59 +326,13 @@ class MooncakeStore(KVStore):
         every object per call. Raises ``StoreUnavailable``."""
         if len(sizes) != len(keys):
             raise ValueError("the mooncake backend needs one size per key")
-        return self._lease(keys, sizes, session=self.settings.ranged_reads)
-
-    def _lease(self, keys: Sequence[str], sizes: Sequence[int], session: bool) -> ReadLease:
-        """Reserve staging for ``keys`` (a leading prefix when it fills up), then get them
-        whole, or (``session``) only open a get session; lease the leading run present."""
-        if not keys:
-            return ReadLease([], [], [], [], None)
-        ptrs = self.staging.alloc_run(list(sizes))
-        keys, sizes = list(keys[:len(ptrs)]), list(sizes[:len(ptrs)])
-        if session:
-            codes = self._get(keys, lambda c: c.batch_get_session_start(keys))
-            n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
-            self._end_session(keys[n:])
-        else:
-            codes = self.batch_get_into(keys, ptrs, sizes)
-            n = next((i for i, c in enumerate(codes) if c <= 0), len(codes))
-        self.staging.free(ptrs[n:])
-        if n == 0 and ERR_UNAVAILABLE in codes:
-            raise StoreUnavailable("mooncake master unreachable")
-        got = sizes[:n] if session else codes[:n]  # a session has moved no bytes yet
-        return ReadLease(keys[:n], ptrs[:n], got, [None] * n, _Held(self, ptrs[:n], session))
+        return self._reads.lease(keys, sizes, session=self.settings.ranged_reads)
 
     def fetch_range(self, lease: ReadLease, offset: int, size: int) -> None:
-        held = lease.handle
-        if not isinstance(held, _Held) or held.owner is not self or not held.session:
-            return
-        for c in chunks([[p] for p in held.ptrs]):
-            got = self.client.batch_get_into_multi_buffer_ranges(
-                lease.keys[c], [[p + offset] for p in held.ptrs[c]],
-                [[size]] * len(held.ptrs[c]), [[offset]] * len(held.ptrs[c]))
-            bad = [int(g) for g in got if int(g) != size]
-            if bad:
-                self._mapped([g for g in bad if g < 0])
-                raise StoreUnavailable(f"ranged get of {len(bad)} objects failed: {bad[:3]}")
-            self._count(get_bytes=size * len(got))
+        self._reads.fetch_range(lease, offset, size)
 
     def release(self, lease: ReadLease) -> None:
-        held, lease.handle = lease.handle, None
-        if not isinstance(held, _Held) or held.owner is not self:
-            return
-        if self._staging is not None:
-            self._staging.free(held.ptrs)
-        if held.session:
-            self._end_session(lease.keys)
-
-    def _end_session(self, keys: list[str]) -> None:
-        """Drop a get session's cached replicas (best effort: the master may be away)."""
-        if self._client is None or self._closed or not keys:
-            return
-        try:
-            self._client.batch_get_session_end(keys)
-        except Exception as exc:  # never let cleanup fail a request
-            log.debug("batch_get_session_end failed: %s", exc)
+        self._reads.release(lease)
 
     # ---- registration ----
     def register_buffer(self, ptr: int, size: int) -> int:
@@ -450,15 +398,6 @@ class MooncakeStore(KVStore):
             self._staging.close()
             self._staging = None
         client.close()
-
-
-@dataclass
-class _Held:
-    """A lease's staging extents (and, for a streamed lease, its open get session)."""
-
-    owner: MooncakeStore
-    ptrs: list[int]
-    session: bool = False
 
 
 def _check_lengths(keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[Any]) -> None:

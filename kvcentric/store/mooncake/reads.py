@@ -1,0 +1,93 @@
+"""In-place reads of a :class:`~kvcentric.store.mooncake.store.MooncakeStore`.
+
+A lease reserves extents of the store's registered staging arena and either gets every
+object whole into them (``batch_get_into``), or only opens a get session (the master
+resolves the replicas once) so that :meth:`LeaseReads.fetch_range` can later get one byte
+range of every object per call: the vLLM worker fetches layer ``l`` just before layer
+``l`` runs (docs/architecture.md §4.3). The staging extents and the session belong to the
+lease until :meth:`LeaseReads.release`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcentric.store.base import ERR_UNAVAILABLE, OK, ReadLease, StoreUnavailable
+from kvcentric.store.mooncake.client import chunks
+
+if TYPE_CHECKING:
+    from kvcentric.store.mooncake.store import MooncakeStore
+
+log = logging.getLogger("kvcentric.store")
+
+
+@dataclass
+class _Held:
+    """A lease's staging extents (and, for a streamed lease, its open get session)."""
+
+    owner: LeaseReads
+    ptrs: list[int]
+    session: bool = False
+
+
+class LeaseReads:
+    """The read leases of one store (its staging arena, client and counters)."""
+
+    def __init__(self, store: MooncakeStore) -> None:
+        self.store = store
+
+    def lease(self, keys: Sequence[str], sizes: Sequence[int], session: bool) -> ReadLease:
+        """Reserve staging for ``keys`` (a leading prefix when it fills up), then get them
+        whole, or (``session``) only open a get session; lease the leading run present."""
+        if not keys:
+            return ReadLease([], [], [], [], None)
+        ptrs = self.store.staging.alloc_run(list(sizes))
+        keys, sizes = list(keys[:len(ptrs)]), list(sizes[:len(ptrs)])
+        if session:
+            codes = self.store._get(keys, lambda c: c.batch_get_session_start(keys))
+            n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
+            self.end_session(keys[n:])
+        else:
+            codes = self.store.batch_get_into(keys, ptrs, sizes)
+            n = next((i for i, c in enumerate(codes) if c <= 0), len(codes))
+        self.store.staging.free(ptrs[n:])
+        if n == 0 and ERR_UNAVAILABLE in codes:
+            raise StoreUnavailable("mooncake master unreachable")
+        got = sizes[:n] if session else codes[:n]  # a session has moved no bytes yet
+        return ReadLease(keys[:n], ptrs[:n], got, [None] * n, _Held(self, ptrs[:n], session))
+
+    def fetch_range(self, lease: ReadLease, offset: int, size: int) -> None:
+        """Get ``[offset, offset + size)`` of every object of a streamed lease."""
+        held = lease.handle
+        if not isinstance(held, _Held) or held.owner is not self or not held.session:
+            return
+        for c in chunks([[p] for p in held.ptrs]):
+            got = self.store.client.batch_get_into_multi_buffer_ranges(
+                lease.keys[c], [[p + offset] for p in held.ptrs[c]],
+                [[size]] * len(held.ptrs[c]), [[offset]] * len(held.ptrs[c]))
+            bad = [int(g) for g in got if int(g) != size]
+            if bad:
+                self.store._mapped([g for g in bad if g < 0])
+                raise StoreUnavailable(f"ranged get of {len(bad)} objects failed: {bad[:3]}")
+            self.store._count(get_bytes=size * len(got))
+
+    def release(self, lease: ReadLease) -> None:
+        held, lease.handle = lease.handle, None
+        if not isinstance(held, _Held) or held.owner is not self:
+            return
+        if self.store._staging is not None:
+            self.store._staging.free(held.ptrs)
+        if held.session:
+            self.end_session(lease.keys)
+
+    def end_session(self, keys: list[str]) -> None:
+        """Drop a get session's cached replicas (best effort: the master may be away)."""
+        if self.store._client is None or self.store._closed or not keys:
+            return
+        try:
+            self.store._client.batch_get_session_end(keys)
+        except Exception as exc:  # never let cleanup fail a request
+            log.debug("batch_get_session_end failed: %s", exc)
