@@ -4,8 +4,10 @@ Every parser in kvcentric (store, connectors, Mooncake, router) goes through
 :func:`parse_fields`: unknown keys are a ``ValueError`` naming the key and the known ones,
 and values are coerced to the field's declared type once (``"false"`` is false, not a
 truthy string). The config layer (this module, ``kvcentric.store.mooncake.config`` for
-Mooncake's own ``MOONCAKE_*``/``MC_*`` variables) is the only reader of environment
-variables; nothing writes ``os.environ``.
+Mooncake's own ``MOONCAKE_*``/``MC_*`` variables) is the library's only reader of
+environment variables, and no library code writes ``os.environ`` (only the
+``kvcentric store mooncake-node`` command sets Mooncake's bind address for its own
+process; test helpers build environments for the processes they start).
 """
 
 from __future__ import annotations

@@ -228,6 +228,11 @@ def test_unstartable_coordinator_is_store_unavailable(tmp_path: Path) -> None:
                     call()
             assert not store.health_check()
         assert time.monotonic() - t0 < 5
+        with pytest.raises(StoreUnavailable):
+            open_store(cfg)  # a tool that needs the store says so
+        late = open_store(cfg, required=False)  # an engine starts without it
+        assert late.batch_exists(["a"]) == 0 and put(late, ["c"]) == [ERR_UNAVAILABLE]
+        late.close()
         rt.unlink()
         time.sleep(0.6)  # past reconnect_interval_s: the next call restarts the coordinator
         assert _wait(lambda: store.health_check())

@@ -271,6 +271,14 @@ def test_unstartable_store_recomputes_with_identical_tokens(
         assert time.monotonic() - t0 < 60
         assert hits(srv) == before
         assert "Traceback" not in (tmp_path / "gone.log").read_text()
+        # an engine started while the store cannot be started serves by recompute too
+        late = VllmServer(tiny_model, log_path=tmp_path / "late.log",
+                          kv_transfer=connector_config(cfg))
+        try:
+            start_all(late)
+            assert late.tokens(q) == servers["base"].tokens(q) and hits(late) == 0
+        finally:
+            late.stop()
     finally:
         srv.stop()
         if rt.is_file():

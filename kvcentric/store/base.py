@@ -1,4 +1,4 @@
-"""The ``KVStore`` interface every backend implements (ARCHITECTURE.md §4).
+"""The ``KVStore`` interface every backend implements (docs/architecture.md §4).
 
 Contract, common to all backends:
 

@@ -1,4 +1,4 @@
-"""kvcentric as SGLang's HiCache L3 storage backend; see docs/architecture.md §2.
+"""kvcentric as SGLang's HiCache L3 storage backend; see docs/architecture.md §5.
 
 - ``storage``: ``KVCentricHiCacheStorage``, the ``HiCacheStorage`` SGLang constructs.
 - ``pages``: page geometry and keys of SGLang's host pool; ``page_io``: moving pages

@@ -79,7 +79,7 @@ class KVCentricConnector(KVConnectorBase_V1):
         self.layout = engine_layout(vllm_config, kv_cache_config,
                                     self.settings.stored_block_size(page), model_id,
                                     _tp_rank(role))
-        store = open_store(self.settings.store)
+        store = open_store(self.settings.store, required=False)  # a cache never stops vLLM
         self._scheduler: KVCentricScheduler | None = None
         self._worker: KVCentricWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

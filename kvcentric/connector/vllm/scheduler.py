@@ -56,6 +56,7 @@ class _ReqState:
     request: Any
     hashes: list[bytes] = field(default_factory=list)
     tracker: _Tracker | None = None
+    loaded: _Tracker | None = None  # what this step loads from the store (not re-saved)
 
 
 class KVCentricScheduler:
@@ -149,6 +150,9 @@ class KVCentricScheduler:
         pages = self._pages(blocks.get_block_ids()[0], lk.first_block, len(keys),
                             lk.num_computed // page, -(-end // page))
         self._pending_loads.append(TransferSpec(request.request_id, keys, pages))
+        if lk.first_block == 0:  # the store holds these: saving them again costs a reserve
+            st.loaded = _Tracker([], saved_blocks=min(num_objects, lk.num_blocks),
+                                 tail_end=end + 1 if num_objects > lk.num_blocks else 0)
         self.stats.add(hit_tokens=num_external_tokens,
                        tail_hits=int(len(keys) > 0 and keys[-1] == lk.tail_key))
 
@@ -176,7 +180,9 @@ class KVCentricScheduler:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
-            st.tracker = _Tracker(list(new.block_ids[0]))
+            done = st.loaded or _Tracker([])
+            st.tracker = _Tracker(list(new.block_ids[0]), done.saved_blocks, done.tail_end)
+            st.loaded = None
             self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
                             meta)
         cached = so.scheduled_cached_reqs

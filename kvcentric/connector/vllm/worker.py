@@ -11,8 +11,9 @@ Runs in each vLLM worker process. Per step (vLLM's call order):
 3. ``save_layer(l, kv)`` after layer ``l``'s attention: on the first layer, reserves
    in-place write slots for all objects completed in this step (one store call); then
    queues the pack of layer ``l``'s pages into them, overlapping the next layers.
-4. ``finish_step()`` at the step's end: waits for the copies, commits the written objects
-   (they become visible all at once, never torn), releases the read leases.
+4. ``finish_step()`` at the step's end: waits for the copies, reports the pages of any
+   lease that lapsed meanwhile (bytes possibly torn) as load errors, commits the written
+   objects (they become visible all at once, never torn), releases the read leases.
 
 Failures never produce wrong tokens: an object that is missing, corrupt (checksums on),
 or whose copy failed is reported through :meth:`take_load_errors` with every page after
@@ -224,6 +225,15 @@ class KVCentricWorker:
             except Exception:  # a layer never waited for failed: report it all the same
                 if not self._load_failed:
                     self._fail_loads()
+        for lease, plan in self._load_plans:
+            if not self._load_failed and not self.store.lease_valid(lease):
+                # the store reclaimed the lease (its connection dropped) while we copied:
+                # the bytes may be torn, so vLLM recomputes these pages and drops this
+                # step's tokens for them
+                log.warning("a read lease lapsed during the load; recomputing %d blocks",
+                            plan.num_objects)
+                self._load_errors.update(plan.page_ids())
+                self.stats.add(load_errors=plan.num_objects)
         for lease in self._leases:
             self.store.release(lease)
         self._leases, self._load_plans, self._load_futs = [], [], []

@@ -68,13 +68,19 @@ class _Arena:
 class LocalStore(KVStore):
     """Client of a local store; starts the coordinator on first use when ``autostart``."""
 
-    def __init__(self, cfg: StoreConfig) -> None:
+    def __init__(self, cfg: StoreConfig, required: bool = True) -> None:
         self.cfg = cfg
         self._rpc = RpcClient(cfg.socket_path, cfg.op_timeout_s)
         self._arena: _Arena | None = None
         self._arena_gen = -1
         self._retry_at = 0.0
-        self._connect()
+        try:
+            self._connect()
+        except StoreUnavailable as exc:
+            if required:
+                raise
+            log.warning("store %r unavailable (%s); serving by recompute until it is back",
+                        cfg.name, exc)
 
     # ---- connection management ----
     def _connect(self) -> None:
