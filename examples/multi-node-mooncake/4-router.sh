@@ -7,4 +7,4 @@ cfg="$(mktemp --suffix=.yaml)"
 sed -e "s|@MODEL@|$MODEL|; s|@ROUTER_HOST@|$ROUTER_HOST|; s|@ROUTER_PORT@|$ROUTER_PORT|" \
     -e "s|@ENGINE1@|http://$ENGINE1_HOST:$ENGINE1_PORT|; s|@ENGINE2@|http://$ENGINE2_HOST:$ENGINE2_PORT|" \
     -e "s|@MASTER@|$MASTER_HOST:$MASTER_PORT|; s|@METADATA@|$METADATA|" router.yaml.in > "$cfg"
-exec $PY -m router.cli serve --config "$cfg" "$@"
+exec $PY -m kvcentric.router.cli serve --config "$cfg" "$@"
