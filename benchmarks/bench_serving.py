@@ -8,16 +8,21 @@ hit-ratio and Mooncake-trace workloads, with ``vllm bench serve``'s metrics.
 Several ``--base-url`` values are served round-robin per request (``--routing session``
 keeps a user on one URL). Prompts are token-exact: built from the model's own tokenizer
 (``--tokenizer``), sent as text that round-trips (or as token ids, ``--prompt-format ids``)
-and, for ``--endpoint chat``, counted with the model's chat template. The servers'
-prefix-cache counters are scraped from ``/metrics`` (``--metrics-url``, default the base
-URLs) before and after the run. Prints a summary table; ``--out`` writes the config, the
-summary and every request.
+and, for ``--endpoint chat``, counted with the model's chat template. A tokenizer without
+such text (e.g. a word-level one) gets token-id prompts on ``/v1/completions``
+(``--prompt-format auto``, the default, says so); chat then cannot be token-exact and is
+refused with the reason. The servers' prefix-cache counters are scraped from ``/metrics``
+(``--metrics-url``, default the base URLs) before and after the run, and each one's
+running/waiting requests and KV usage every ``--sample-interval`` seconds during it
+(per-instance busy fraction). Prints summary tables; ``--out`` writes the config, the
+summary, every request and the samples, plus a box plot of each instance's load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -29,10 +34,17 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serving import scrape  # noqa: E402
+from benchmarks import results_writer  # noqa: E402
+from benchmarks.serving import scrape, utilisation  # noqa: E402
 from benchmarks.serving.client import ENDPOINTS, Api  # noqa: E402
 from benchmarks.serving.metrics import format_table, summarize  # noqa: E402
-from benchmarks.serving.runner import FORMATS, ROUTINGS, RunConfig, Runner  # noqa: E402
+from benchmarks.serving.runner import (  # noqa: E402
+    FORMATS,
+    ROUTINGS,
+    RunConfig,
+    Runner,
+    prompt_kind,
+)
 from benchmarks.serving.tokens import TokenSource  # noqa: E402
 from benchmarks.serving.workloads import WORKLOADS, Workload, WorkloadSpec, build  # noqa: E402
 
@@ -72,7 +84,9 @@ def add_client_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="served model name (default: the first of /v1/models)")
     g.add_argument("--tokenizer", required=True, help="model folder with the tokenizer")
     g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
-    g.add_argument("--prompt-format", choices=FORMATS, default="text")
+    g.add_argument("--prompt-format", choices=FORMATS, default="auto",
+                   help="completions prompts as text or token ids (auto: text where the "
+                        "tokenizer makes token-exact text, else ids)")
     g.add_argument("--routing", choices=ROUTINGS, default="round-robin")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--request-timeout", type=float, default=600.0)
@@ -83,6 +97,8 @@ def add_client_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into bodies")
     g.add_argument("--metrics-url", nargs="+", action="extend", dest="metrics_urls",
                    help="servers whose /metrics to scrape (default: the base URLs)")
+    g.add_argument("--sample-interval", type=float, default=0.5, metavar="S",
+                   help="seconds between /metrics samples of each instance's load (0: off)")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
     g.add_argument("--slo-tpot-ms", type=float, default=None)
     g.add_argument("--label", default=None)
@@ -111,30 +127,43 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 def benchmark(src: TokenSource, workload: Workload, cfg: RunConfig,
               slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
               metrics_urls: list[str] | None = None, label: str | None = None,
-              progress: bool = True) -> dict[str, Any]:
-    """Run ``workload`` once and return the result document (what ``--out`` holds)."""
+              progress: bool = True, sample_interval_s: float = 0.5) -> dict[str, Any]:
+    """Run ``workload`` once and return the result document (what ``--out`` holds).
+
+    ``sample_interval_s`` > 0 samples each metrics URL's load during the run.
+    """
     urls = list(metrics_urls or cfg.base_urls)
+    kind = prompt_kind(src, cfg.api.endpoint, cfg.prompt_format)
+    if cfg.prompt_format == "auto" and kind == "ids":
+        print(f"note: {src.text_problem}; sending token-id prompts on /v1/completions")
+    sampler = utilisation.Sampler(urls, sample_interval_s) if sample_interval_s > 0 else None
     with tqdm(total=workload.num_requests, desc=label or workload.name,
               disable=not progress) as bar:
         runner = Runner(src, cfg, bar)
         before = scrape.scrape(urls)
-        res = asyncio.run(runner.run(workload))
+        with sampler or contextlib.nullcontext():
+            res = asyncio.run(runner.run(workload))
         after = scrape.scrape(urls)
     server = scrape.delta(before, after)
     summary = summarize(res.records, res.duration_s, slo_ttft_ms, slo_tpot_ms,
                         server["hit_tokens"])
     summary["aborted_turns"] = res.aborted_turns
+    samples = (sampler.window(res.t_origin, res.t_origin + res.duration_s)
+               if sampler is not None else {})
     return {
         "benchmark": "serving", "label": label or workload.name,
         "config": {"base_urls": list(cfg.base_urls), "api": asdict(cfg.api),
-                   "prompt_format": cfg.prompt_format, "routing": cfg.routing,
-                   "max_concurrency": cfg.max_concurrency, "slo_ttft_ms": slo_ttft_ms,
-                   "slo_tpot_ms": slo_tpot_ms, "tokenizer": src.path,
-                   "metrics_urls": urls},
+                   "prompt_format": kind, "prompt_format_requested": cfg.prompt_format,
+                   "routing": cfg.routing, "max_concurrency": cfg.max_concurrency,
+                   "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+                   "tokenizer": src.path, "text_problem": src.text_problem,
+                   "metrics_urls": urls, "sample_interval_s": sample_interval_s},
         "workload": {"name": workload.name, "sessions": len(workload.sessions),
                      "requests": workload.num_requests, **workload.info},
-        "summary": summary, "server_metrics": server, "warmup_errors": res.warmup_errors,
-        "requests": [asdict(r) for r in res.records],
+        "summary": summary, "server_metrics": server,
+        "utilisation": utilisation.summarise(samples, sample_interval_s) if samples else None,
+        "warmup_errors": res.warmup_errors,
+        "requests": [asdict(r) for r in res.records], "utilisation_samples": samples,
     }
 
 
@@ -148,17 +177,26 @@ def main(argv: list[str] | None = None) -> int:
         spec = workload_spec(args)
         cfg = run_config(args)
         src = TokenSource(args.tokenizer)
+        prompt_kind(src, cfg.api.endpoint, cfg.prompt_format)
         workload = build(spec, src)
     except (ValueError, OSError, httpx.HTTPError) as e:
         ap.error(str(e))
     result = benchmark(src, workload, cfg, args.slo_ttft_ms, args.slo_tpot_ms,
-                       args.metrics_urls, args.label, not args.disable_tqdm)
+                       args.metrics_urls, args.label, not args.disable_tqdm,
+                       args.sample_interval)
     result["config"]["workload"] = asdict(spec)
-    print(format_table(result["summary"]))
+    table = format_table(result["summary"])
+    if result["utilisation"]:
+        table += "\n" + utilisation.format_table(result["utilisation"])
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        figs = [results_writer.Figure(
+            "utilisation", "Per-instance load (running + waiting requests) and KV usage",
+            lambda p: utilisation.boxes([result], p, result["label"]))] \
+            if result["utilisation"] else []
+        results_writer.write(args.out, result, table, figs,
+                             results_writer.command_line(__file__, argv))
+    else:
+        print(table)
     return 0 if result["summary"]["completed"] else 1
 
 

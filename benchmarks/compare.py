@@ -6,7 +6,8 @@
 
 Each writes ``benchmarks/results/compare_<name>{_quick}.json`` (every arm's full result),
 ``.md`` (table and ratios over the baseline arm) and ``_ttft_cdf.png`` /
-``_throughput.png``. Instances: vLLM CPU with the ``bench`` model, worker threads pinned
+``_throughput.png`` / ``_utilisation.png`` (each instance's load per arm, sampled from
+``/metrics``). Instances: vLLM CPU with the ``bench`` model, worker threads pinned
 alike in every arm (``VLLM_CPU_NUM_OF_RESERVED_CPU``), each engine's own KV cache
 holding a fraction of the active users' histories (``--engine-cache-tokens``, default
 8192 tokens) as a GPU's HBM does in production (``0`` keeps vLLM's CPU default of 1 GiB,
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import results_writer  # noqa: E402
 from benchmarks.bench_serving import benchmark  # noqa: E402
 from benchmarks.serving import report  # noqa: E402
 from benchmarks.serving.client import Api  # noqa: E402
@@ -160,7 +162,8 @@ def reuse(args: argparse.Namespace) -> dict[str, Any]:
     return report.write(RESULTS, "compare_reuse" + ("_quick" if q else "") + args.tag,
                         "Reuse: vLLM prefix cache alone vs kvcentric store (multi-turn)",
                         results, "vllm-prefix-cache",
-                        {"workload": asdict(spec), "fleet": asdict(fspec)}, notes)
+                        {"workload": asdict(spec), "fleet": asdict(fspec)}, notes,
+                        args.cmdline)
 
 
 # ----------------------------------------------------------- routers over shared instances
@@ -237,7 +240,8 @@ def routing(args: argparse.Namespace) -> dict[str, Any]:
     return report.write(RESULTS, "compare_routing" + ("_quick" if q else "") + args.tag,
                         "Routing: round-robin vs sglang-router vs kvcentric router",
                         results, "round-robin",
-                        {"workload": asdict(spec), "fleet": asdict(fspec)}, notes)
+                        {"workload": asdict(spec), "fleet": asdict(fspec)}, notes,
+                        args.cmdline)
 
 
 # ------------------------------------------------------------------------------- trace
@@ -275,7 +279,8 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     return report.write(RESULTS, "compare_trace" + ("_quick" if q else "") + args.tag,
                         "Trace replay (conversation, scaled): sglang-router vs kvcentric",
                         results, "sglang-cache_aware",
-                        {"workload": asdict(spec), "fleet": asdict(fspec)}, notes)
+                        {"workload": asdict(spec), "fleet": asdict(fspec)}, notes,
+                        args.cmdline)
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
@@ -292,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (add_args, run) in COMMANDS.items():
         add_args(sub.add_parser(name, help=(run.__doc__ or name).split("\n")[0]))
     args = ap.parse_args(argv)
+    args.cmdline = results_writer.command_line(__file__, argv)
     COMMANDS[args.command][1](args)
     return 0
 

@@ -27,8 +27,31 @@ from .metrics import RequestRecord
 from .tokens import TokenSource
 from .workloads import Session, Workload
 
-FORMATS = ("text", "ids")
+FORMATS = ("auto", "text", "ids")
 ROUTINGS = ("round-robin", "session")
+
+
+def prompt_kind(src: TokenSource, endpoint: str, prompt_format: str) -> str:
+    """How prompts go on the wire: ``"text"``, ``"ids"`` (completions) or ``"chat"``.
+
+    ``"auto"`` is text where the tokenizer makes token-exact text, else token ids.
+    Raises ``ValueError`` saying why when the tokenizer cannot serve the request.
+    """
+    if endpoint == "chat":
+        if not src.text_exact:
+            raise ValueError(
+                "--endpoint chat needs a text tokenizer: chat messages are text that the "
+                "server tokenises itself, and bench_serving writes token-exact text only "
+                "from word tokens (a space followed by letters) that survive decode -> "
+                f"encode. Here: {src.text_problem}. Use --endpoint completions, which "
+                "sends token-id prompts (exact with any tokenizer).")
+        return "chat"
+    if prompt_format == "auto":
+        return "text" if src.text_exact else "ids"
+    if prompt_format == "text" and not src.text_exact:
+        raise ValueError(f"--prompt-format text is not token-exact with this tokenizer "
+                         f"({src.text_problem}); use --prompt-format ids or auto")
+    return prompt_format
 
 
 @dataclass(frozen=True)
@@ -37,7 +60,7 @@ class RunConfig:
 
     base_urls: tuple[str, ...]
     api: Api
-    prompt_format: str = "text"
+    prompt_format: str = "auto"
     routing: str = "round-robin"
     max_concurrency: int | None = None
     timeout_s: float = 600.0
@@ -58,6 +81,7 @@ class RunConfig:
 class RunResult:
     records: list[RequestRecord]
     duration_s: float
+    t_origin: float = 0.0  # time.perf_counter() at the timed run's start
     aborted_turns: int = 0
     warmup_errors: list[str] = field(default_factory=list)
 
@@ -97,7 +121,7 @@ class Conversation:
 class Runner:
     def __init__(self, src: TokenSource, cfg: RunConfig, bar: Any = None) -> None:
         self.src, self.cfg, self.bar = src, cfg, bar
-        self.kind = "chat" if cfg.api.endpoint == "chat" else cfg.prompt_format
+        self.kind = prompt_kind(src, cfg.api.endpoint, cfg.prompt_format)
         self._rr = itertools.cycle(range(len(cfg.base_urls)))
         self.records: list[RequestRecord] = []
         self.aborted = 0
@@ -121,7 +145,7 @@ class Runner:
                                    for s in workload.sessions))
             duration = time.perf_counter() - self.t_origin
         self.records.sort(key=lambda r: r.start_s)
-        return RunResult(self.records, duration, self.aborted, warm_errors)
+        return RunResult(self.records, duration, self.t_origin, self.aborted, warm_errors)
 
     def _first(self, s: Session) -> tuple[Conversation, Any, int]:
         conv = Conversation(self.src, self.kind, s.system)

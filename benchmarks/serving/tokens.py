@@ -4,6 +4,12 @@ A *word* token is one whose text is a space followed by ASCII letters (``" wolf"
 that encodes back to itself. Any sequence of word tokens decodes to text that the same
 tokenizer encodes back to exactly that sequence (each word is its own pre-token), so a
 prompt sent as text is token-exact: the server sees the ids we built, after its BOS.
+
+Not every tokenizer has word tokens (a word-level one has no leading spaces: ``"a" +
+"b"`` is one unknown word, not two tokens). Then :attr:`TokenSource.text_exact` is False,
+:attr:`TokenSource.text_problem` says why, and prompts are drawn from every non-special
+token: they are exact only as token ids (``/v1/completions`` accepts those from any
+tokenizer), never as text.
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 TAG_DIGITS = 3  # leading tokens of a tagged block that spell its tag in base len(words)
+MIN_WORDS = 64  # fewer distinct tokens than this cannot make varied prompts
 _PROBE_LEN = 512
 
 
 class TokenSource:
-    """The tokenizer at ``path`` (``transformers.AutoTokenizer``) plus its word tokens.
+    """The tokenizer at ``path`` (``transformers.AutoTokenizer``) plus the tokens prompts
+    are drawn from: its word tokens when they make token-exact text (``text_exact``),
+    else every non-special token (token-id prompts only).
 
-    Raises ``ValueError`` when the tokenizer has too few round-tripping word tokens.
+    Raises ``ValueError`` when the tokenizer has fewer than :data:`MIN_WORDS` usable tokens.
     """
 
     def __init__(self, path: str) -> None:
@@ -27,8 +36,18 @@ class TokenSource:
 
         self.path = path
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.words = self._find_words()
-        self._check_round_trip()
+        self.text_problem: str | None = None
+        try:
+            self.words = self._find_words()
+            self._check_round_trip()
+        except ValueError as e:
+            self.text_problem = str(e)
+            self.words = self._plain_ids()
+
+    @property
+    def text_exact(self) -> bool:
+        """Whether prompts can be sent as text that the server tokenises back exactly."""
+        return self.text_problem is None
 
     def _find_words(self) -> list[int]:
         n = len(self.tok)
@@ -40,9 +59,9 @@ class TokenSource:
             if (text.startswith(" ") or str(piece)[:1] in ("Ġ", "▁")) and body.isascii() \
                     and body.isalpha() and len(body) >= 1:
                 out.append(i)
-        if len(out) < 64:
-            raise ValueError(f"tokenizer {self.path} has only {len(out)} word tokens "
-                             "(space + letters); need at least 64 for synthetic prompts")
+        if len(out) < MIN_WORDS:
+            raise ValueError(f"tokenizer {self.path} has {len(out)} word tokens (a space "
+                             f"followed by letters); text prompts need at least {MIN_WORDS}")
         return out
 
     def _check_round_trip(self) -> None:
@@ -52,10 +71,20 @@ class TokenSource:
             # Keep only words that survive as singletons, then re-check the sequence.
             self.words = [w for w in self.words
                           if self.encode(self.text([w]), special=False) == [w]]
-            probe = [rnd.choice(self.words) for _ in range(_PROBE_LEN)]
-            if self.encode(self.text(probe), special=False) != probe:
-                raise ValueError(f"tokenizer {self.path}: word tokens do not round-trip "
-                                 "through decode/encode; token-exact text prompts impossible")
+            probe = [rnd.choice(self.words) for _ in range(_PROBE_LEN)] if self.words else [0]
+            if len(self.words) < MIN_WORDS \
+                    or self.encode(self.text(probe), special=False) != probe:
+                raise ValueError(f"tokenizer {self.path}: its word tokens do not survive "
+                                 "decode -> encode, so no text is token-exact")
+
+    def _plain_ids(self) -> list[int]:
+        """Every token but the special ones (for token-id prompts)."""
+        special = set(self.tok.all_special_ids)
+        out = [i for i in range(len(self.tok)) if i not in special]
+        if len(out) < MIN_WORDS:
+            raise ValueError(f"tokenizer {self.path} has only {len(out)} non-special tokens; "
+                             f"synthetic prompts need at least {MIN_WORDS}")
+        return out
 
     # ---- text <-> ids ----
     def text(self, ids: Sequence[int]) -> str:
@@ -77,7 +106,7 @@ class TokenSource:
 
     # ---- synthesis ----
     def random_ids(self, rnd: random.Random, n: int) -> list[int]:
-        """``n`` random word tokens drawn with ``rnd``."""
+        """``n`` random tokens (word tokens where ``text_exact``) drawn with ``rnd``."""
         return [rnd.choice(self.words) for _ in range(n)]
 
     def tagged_block(self, tag: int, n: int, seed: int = 0) -> list[int]:

@@ -21,6 +21,9 @@ Contracts:
   that changing a past block of tokens changes most later argmaxes (so corrupted
   KV shows in outputs), while float32 noise stays ~1e4x below the typical top-1
   gap.  Greedy decoding yields varied tokens, not a fixed point.
+* ``tokenizer`` is ``"bpe"`` (byte-level BPE; every text encodes) or ``"word"``
+  (``tokenizers``' ``WordLevel`` over whitespace/punctuation pre-tokens, as some
+  real models ship: no token carries a leading space, unknown words are ``<unk>``).
 * Specials (``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3) and tokens that are
   not printable ASCII have zero ``lm_head`` rows: their logit is exactly 0 while
   the others spread with std ``logit_std``, so the model practically never
@@ -30,7 +33,7 @@ Contracts:
   file ``kvcentric_model.json``), and safe under concurrent callers (``flock`` on
   ``<out_dir>.lock``; the model is written to a temp dir and renamed into place).
 
-CLI: ``python -m kvcentric.testing.models --size tiny|bench --out DIR [--force]``.
+CLI: ``python -m kvcentric.testing.models --size tiny|tiny-word|bench --out DIR [--force]``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import random
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +105,7 @@ class ModelSpec:
     rms_norm_eps: float = 1e-5
     dtype: str = "float32"
     seed: int = 1234
+    tokenizer: str = "bpe"  # or "word" (see the module docstring)
 
 
 SPECS: dict[str, ModelSpec] = {
@@ -116,6 +120,7 @@ SPECS: dict[str, ModelSpec] = {
         max_position_embeddings=32768, init_gain=2.0, logit_std=4.0,
     ),
 }
+SPECS["tiny-word"] = replace(SPECS["tiny"], name="tiny-word", tokenizer="word")
 
 
 def default_model_dir(size: str, base: str | Path | None = None) -> Path:
@@ -132,7 +137,10 @@ def get_spec(size: str) -> ModelSpec:
 
 
 def _marker(spec: ModelSpec) -> dict[str, Any]:
-    return {"spec_version": SPEC_VERSION, "spec": asdict(spec), "files": list(MODEL_FILES)}
+    d = asdict(spec)
+    if d["tokenizer"] == "bpe":  # BPE models' markers predate the field: keep them valid
+        del d["tokenizer"]
+    return {"spec_version": SPEC_VERSION, "spec": d, "files": list(MODEL_FILES)}
 
 
 def is_complete(out_dir: str | Path, spec: ModelSpec) -> bool:
@@ -339,20 +347,30 @@ def _corpus(seed: int, n_lines: int = 6000) -> Iterator[str]:
 
 
 def make_tokenizer(spec: ModelSpec) -> Any:
-    """Train a byte-level BPE ``tokenizers.Tokenizer`` with exactly ``spec.vocab_size`` ids.
+    """Train a ``tokenizers.Tokenizer`` (``spec.tokenizer``) with ``spec.vocab_size`` ids.
 
-    Any UTF-8 text encodes (byte fallback, no ``<unk>``); encodings get ``<s>``
-    prepended.  Raises ``RuntimeError`` if training falls short of the vocab size.
+    BPE: any UTF-8 text encodes (byte fallback, no ``<unk>``).  Word: the corpus's most
+    frequent words and punctuation marks, anything else is ``<unk>``.  Encodings get
+    ``<s>`` prepended.  Raises ``RuntimeError`` if training falls short of the vocab size.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab_size, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
+    trainer: Any
+    if spec.tokenizer == "word":
+        tok = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS[UNK_ID]))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(vocab_size=spec.vocab_size, show_progress=False,
+                                            special_tokens=list(SPECIAL_TOKENS))
+    elif spec.tokenizer == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=spec.vocab_size, special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+    else:
+        raise ValueError(f"unknown tokenizer kind {spec.tokenizer!r}: 'bpe' or 'word'")
     tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
     if tok.get_vocab_size() != spec.vocab_size:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, want {spec.vocab_size}")

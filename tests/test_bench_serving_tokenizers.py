@@ -1,0 +1,128 @@
+"""bench_serving with a tokenizer that has no "space + letters" tokens (a word-level one):
+token-id prompts on /v1/completions, a clear refusal for chat, and a whole run against a
+real vLLM CPU server serving such a model, with each instance's load sampled."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_serving
+from benchmarks.serving.runner import prompt_kind
+from benchmarks.serving.tokens import TokenSource
+from benchmarks.serving.workloads import WorkloadSpec, build
+from kvcentric.testing import models
+from kvcentric.testing.models import build_model
+from kvcentric.testing.servers import VllmServer
+
+VLLM_BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def word_model() -> str:
+    return str(build_model("tiny-word", Path.cwd() / ".models" / "tiny-word"))
+
+
+@pytest.fixture(scope="module")
+def word_src(word_model: str) -> TokenSource:
+    return TokenSource(word_model)
+
+
+def test_word_level_tokenizer_gets_token_id_prompts(word_src: TokenSource) -> None:
+    marker = json.loads((Path(word_src.path) / models.MARKER_FILE).read_text())
+    assert marker["spec"]["tokenizer"] == "word"
+    assert "tokenizer" not in models._marker(models.SPECS["tiny"])["spec"]  # BPE builds stay valid
+    tok = word_src.tok
+    assert type(tok.backend_tokenizer.model).__name__ == "WordLevel"
+    assert not word_src.text_exact and "0 word tokens" in (word_src.text_problem or "")
+    special = set(tok.all_special_ids)
+    assert len(word_src.words) == len(tok) - len(special) and not special & set(word_src.words)
+    # why text cannot work: two words' texts glue into one unknown word
+    a, b = word_src.words[100], word_src.words[200]
+    assert word_src.encode(word_src.text([a]) + word_src.text([b]), special=False) != [a, b]
+    assert prompt_kind(word_src, "completions", "auto") == "ids"
+    with pytest.raises(ValueError, match="not token-exact"):
+        prompt_kind(word_src, "completions", "text")
+    with pytest.raises(ValueError, match="needs a text tokenizer.*--endpoint completions"):
+        prompt_kind(word_src, "chat", "auto")
+    wl = build(WorkloadSpec(workload="hit-ratio", input_len=64, num_prompts=2), word_src)
+    assert all(set(s.turns[0].user) <= set(word_src.words) for s in wl.sessions)
+
+
+def test_a_bpe_tokenizer_still_sends_text(word_model: str) -> None:
+    src = TokenSource(str(build_model("tiny", Path.cwd() / ".models" / "tiny")))
+    assert src.text_exact and src.text_problem is None
+    assert prompt_kind(src, "completions", "auto") == "text"
+    assert prompt_kind(src, "chat", "ids") == "chat"
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--endpoint", "chat"], "--endpoint chat needs a text tokenizer"),
+    (["--prompt-format", "text"], "--prompt-format text is not token-exact"),
+])
+def test_cli_explains_what_the_tokenizer_cannot_do(word_model: str, flags: list[str],
+                                                    needle: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_serving.main(["--base-url", "http://127.0.0.1:9", "--model", "m",
+                            "--tokenizer", word_model, *flags])
+    assert exc.value.code == 2  # argparse's usage error, not a traceback
+    err = capsys.readouterr().err
+    assert needle in err and "0 word tokens" in err
+
+
+@pytest.fixture(scope="module")
+def word_server(word_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("bench-word") / "vllm.log"
+    srv = VllmServer(word_model, "tiny-word", log_path=log,
+                     args=["--enable-prompt-tokens-details"])
+    try:
+        srv.start().wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.vllm
+def test_multi_turn_run_against_vllm_serving_a_word_level_model(
+        word_server: VllmServer, word_model: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "word.json"
+    rc = bench_serving.main(["--base-url", word_server.url, "--tokenizer", word_model,
+                             "--workload", "multi-turn", "--num-users", "3", "--turns-mean", "3",
+                             "--shared-system-prompt-len", "256", "--user-context-len", "128",
+                             "--turn-input-len", "32", "--output-len", "8", "--seed", "21",
+                             "--sample-interval", "0.1", "--out", str(out), "--disable-tqdm"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "sending token-id prompts on /v1/completions" in printed
+    assert "Instance utilisation" in printed
+    doc = json.loads(out.read_text())
+    assert doc["config"]["prompt_format"] == "ids"
+    assert doc["config"]["prompt_format_requested"] == "auto"
+    s = doc["summary"]
+    assert (s["completed"], s["failed"], s["aborted_turns"]) == (9, 0, 0)
+    recs = doc["requests"]
+    for r in recs:
+        assert r["success"] and r["prompt_len"] == r["server_prompt_tokens"]
+        assert r["output_tokens"] == 8
+    for user in {r["sid"] for r in recs}:
+        lens = [r["prompt_len"] for r in sorted(recs, key=lambda r: r["turn"])
+                if r["sid"] == user]
+        # BOS + system + context + turn; each answer re-encodes to exactly its 8 tokens
+        assert lens[0] == 1 + 256 + 128 + 32
+        assert [b - a for a, b in zip(lens, lens[1:])] == [8 + 32] * 2
+    # turns 2 and 3 hit at least the previous prompt's full blocks in vLLM's prefix cache
+    assert s["hit_tokens"] >= 3 * 2 * (lens[0] // VLLM_BLOCK) * VLLM_BLOCK
+    util = doc["utilisation"]["per_instance"][word_server.url]
+    assert util["answered"] >= 3 and 0 < util["busy_fraction"] <= 1
+    assert util["running_mean"] > 0 and 0 < util["kv_usage_max"] <= 1
+    samples = doc["utilisation_samples"][word_server.url]
+    assert len(samples["t_s"]) == util["samples"] and samples["t_s"] == sorted(samples["t_s"])
+    assert doc["figures"] == [{"file": "word_utilisation.png", "title": doc["figures"][0]["title"]}]
+    assert (tmp_path / "word_utilisation.png").read_bytes()[:4] == b"\x89PNG"
+    assert doc["meta"]["command"].startswith("python benchmarks/bench_serving.py --base-url")
+    assert doc["meta"]["machine"]["cpus"] >= 1
