@@ -49,28 +49,53 @@ def _gib(n: float) -> str:
 
 
 # ---- engines installed here ----
+_PROBE = """
+import importlib, json, sys
+from pathlib import Path
+module, probe = sys.argv[1], sys.argv[2]
+try:
+    mod = importlib.import_module(module)
+except ImportError:
+    print(json.dumps({"installed": False})); sys.exit(0)
+out = {"installed": True, "version": str(getattr(mod, "__version__", "unknown")),
+       "path": str(Path(getattr(mod, "__file__", "") or "?").parent), "error": None}
+try:
+    pmod, func = probe.split(":")
+    getattr(importlib.import_module(pmod), func)()
+except RuntimeError as exc:
+    out["error"], out["missing_hook"] = str(exc), True
+except Exception as exc:
+    out["error"], out["missing_hook"] = f"{type(exc).__name__}: {exc}", False
+print(json.dumps(out))
+"""
+
+
 def _engine_version(check: str, name: str, module: str, tested: tuple[str, ...],
                     probe: str) -> Finding:
-    """Import engine ``module``, run kvcentric's start-up API check ``probe``
-    (``module:function``) and compare the version with ``tested``."""
-    import importlib
+    """Import engine ``module`` and run kvcentric's start-up API check ``probe``
+    (``module:function``) in a child process (importing an engine changes process-wide
+    state: SGLang's imports do), then compare the version with ``tested``."""
+    import json
+    import subprocess
+    import sys
 
     try:
-        mod = importlib.import_module(module)
-    except ImportError:
+        run = subprocess.run([sys.executable, "-c", _PROBE, module, probe],
+                             capture_output=True, text=True, timeout=300)
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        return Finding(check, FAIL, f"could not inspect {name}: {exc}",
+                       f"run python -c 'import {module}' to see why")
+    if not got["installed"]:
         return Finding(check, SKIP, f"{name} is not installed here")
-    version = str(getattr(mod, "__version__", "unknown"))
-    where = str(Path(getattr(mod, "__file__", "") or "?").parent)
+    version, where = got["version"], got["path"]
     details = {"version": version, "path": where, "tested": list(tested)}
     fix = f"install {name} {' or '.join(tested)} (the versions kvcentric is tested with)"
-    try:
-        pmod, func = probe.split(":")
-        getattr(importlib.import_module(pmod), func)()
-    except RuntimeError as exc:  # a hook kvcentric needs is missing
-        return Finding(check, FAIL, str(exc), fix, details)
-    except Exception as exc:  # noqa: BLE001 - an engine too old or broken to import at all
+    if got["error"] and got["missing_hook"]:  # a hook kvcentric needs is missing
+        return Finding(check, FAIL, got["error"], fix, details)
+    if got["error"]:  # an engine too old or broken to import at all
         return Finding(check, FAIL, f"{name} {version} at {where} lacks the API kvcentric "
-                       f"plugs into ({type(exc).__name__}: {exc})", fix, details)
+                       f"plugs into ({got['error']})", fix, details)
     if version.split("+", 1)[0] not in tested:
         return Finding(check, WARN, f"{name} {version} has every hook kvcentric needs but "
                        f"is untested (tested: {', '.join(tested)})", fix, details)

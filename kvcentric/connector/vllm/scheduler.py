@@ -150,11 +150,11 @@ class KVCentricScheduler:
         pages = self._pages(blocks.get_block_ids()[0], lk.first_block, len(keys),
                             lk.num_computed // page, -(-end // page))
         self._pending_loads.append(TransferSpec(request.request_id, keys, pages))
+        tail_loaded = num_objects > lk.num_blocks
         if lk.first_block == 0:  # the store holds these: saving them again costs a reserve
             st.loaded = _Tracker([], saved_blocks=min(num_objects, lk.num_blocks),
-                                 tail_end=end + 1 if num_objects > lk.num_blocks else 0)
-        self.stats.add(hit_tokens=num_external_tokens,
-                       tail_hits=int(len(keys) > 0 and keys[-1] == lk.tail_key))
+                                 tail_end=request.num_tokens if tail_loaded else 0)
+        self.stats.add(hit_tokens=num_external_tokens, tail_hits=int(tail_loaded))
 
     def _pages(self, page_table: list[int], first_object: int, num_objects: int,
                first_page: int, end_page: int) -> list[list[int]]:
