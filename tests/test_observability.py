@@ -271,7 +271,7 @@ def stack(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         launcher.stop(StoreConfig.from_dict(store))
 
 
-def _settled(s: Stack, timeout: float = 60) -> None:
+def _settled(s: Stack, timeout: float = 90) -> None:
     """Until Prometheus holds the traffic: the rejection, the store hits, the rules."""
     checks = ["kvc_router_rejections_total", "vllm:kvcentric_hit_tokens_total > 0",
               "kvc_router_instance_healthy == 1", "kvcentric:store_used_ratio",
@@ -279,6 +279,10 @@ def _settled(s: Stack, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not all(s.query(c) for c in checks):
         assert time.monotonic() < deadline, [c for c in checks if not s.query(c)]
+        # a rate needs the counter to move between two scrapes: the fixture's traffic may
+        # all have landed before the router's first scrape, so keep a trickle going
+        httpx.post(s.router + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": [7] * 16, "max_tokens": 1})
         time.sleep(1)
 
 
