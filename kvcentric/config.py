@@ -183,6 +183,10 @@ class StoreConfig:
             next attempt.
         prefault: map (and so allocate) the whole local arena when a client opens it, so no
             copy on the hot path pays page faults; costs ``capacity_bytes`` of RAM up front.
+        shared_index: local clients answer ``batch_exists`` from the coordinator's
+            shared-memory index instead of a round trip (docs/architecture.md §4.4).
+        lease_ttl_s: a read lease older than this is reclaimed by the local coordinator, so
+            a hung but connected client cannot pin objects forever (0 = never).
         mooncake: backend-specific settings (see ``kvcentric.store.mooncake``).
     """
 
@@ -197,6 +201,8 @@ class StoreConfig:
     op_timeout_s: float = 10.0
     start_timeout_s: float = 20.0
     reconnect_interval_s: float = 1.0
+    shared_index: bool = True
+    lease_ttl_s: float = 300.0
     mooncake: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -207,7 +213,7 @@ class StoreConfig:
         if self.capacity_bytes <= 0 and self.backend == "local":
             raise ValueError("capacity_bytes must be positive")
         for name in ("idle_timeout_s", "op_timeout_s", "start_timeout_s",
-                     "reconnect_interval_s"):
+                     "reconnect_interval_s", "lease_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.op_timeout_s == 0 or self.start_timeout_s == 0:
@@ -233,6 +239,10 @@ class StoreConfig:
     @property
     def arena_path(self) -> Path:
         return self.runtime_dir / f"{self.name}.arena"
+
+    @property
+    def index_path(self) -> Path:
+        return self.runtime_dir / f"{self.name}.index"
 
     @property
     def lock_path(self) -> Path:

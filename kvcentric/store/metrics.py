@@ -23,6 +23,10 @@ _METRICS = {
     "get_bytes": ("get_bytes_total", "Bytes read", True),
     "evictions": ("evictions_total", "Objects evicted", True),
     "rejected_puts": ("rejected_puts_total", "Puts refused for lack of space", True),
+    "expired_leases": ("expired_leases_total",
+                       "Read leases reclaimed after lease_ttl_s (a hung client)", True),
+    "shared_index": ("shared_index_enabled",
+                     "1 while clients answer lookups from the shared-memory index", False),
 }
 
 

@@ -18,6 +18,7 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcentric.config import StoreConfig
@@ -36,6 +37,7 @@ from kvcentric.store.base import (
 )
 from kvcentric.store.local import launcher
 from kvcentric.store.local.rpc import RpcClient
+from kvcentric.store.local.shared_index import SharedIndexReader
 
 log = logging.getLogger("kvcentric.store")
 
@@ -74,6 +76,8 @@ class LocalStore(KVStore):
         self._arena: _Arena | None = None
         self._arena_gen = -1
         self._retry_at = 0.0
+        self._index: SharedIndexReader | None = None
+        self._lease_ttl_s = 0.0
         try:
             self._connect()
         except StoreUnavailable as exc:
@@ -100,6 +104,8 @@ class LocalStore(KVStore):
                     self._arena.close()
                 self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"],
                                      self.cfg.prefault)
+            self._open_index(hello.get("index"))
+            self._lease_ttl_s = float(hello.get("lease_ttl_s") or 0.0)
         except (StoreUnavailable, OSError, ValueError) as exc:
             self._rpc.close()
             self._retry_at = time.monotonic() + self.cfg.reconnect_interval_s
@@ -107,6 +113,18 @@ class LocalStore(KVStore):
                 raise
             raise StoreUnavailable(f"cannot open store {self.cfg.name!r}: {exc}") from exc
         self._arena_gen = self._rpc.generation
+
+    def _open_index(self, path: str | None) -> None:
+        """Map the coordinator's shared lookup index (a new one after every reconnect:
+        a restarted coordinator writes a new file)."""
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        if path and self.cfg.shared_index:
+            try:
+                self._index = SharedIndexReader(Path(path))
+            except (OSError, ValueError) as exc:
+                log.warning("shared lookup index unusable (%s); lookups use the socket", exc)
 
     def _call(self, op: str, *args: Any) -> Any:
         """One round trip; reconnects (and restarts the coordinator) after a failure."""
@@ -132,6 +150,11 @@ class LocalStore(KVStore):
     def batch_exists(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
+        index = self._index
+        if index is not None and self._arena_gen == self._rpc.generation and self._rpc.peer_alive():
+            n = index.leading_run(keys)
+            if n is not None:
+                return n
         try:
             return int(self._call("exists", list(keys)))
         except StoreUnavailable:
@@ -197,23 +220,31 @@ class LocalStore(KVStore):
             return ReadLease([], [], [], [], None)
         arena = self.arena
         gen = self._rpc.generation
+        asked = time.monotonic()
         lease_id, entries = self._call("acquire", list(keys))
+        # the coordinator reclaims the lease lease_ttl_s after it granted it, which is
+        # after we asked: treating it as lapsed from asked + ttl is always on the safe side
+        deadline = asked + self._lease_ttl_s if self._lease_ttl_s > 0 else float("inf")
         n = len(entries)
         return ReadLease(list(keys[:n]), [arena.base + off for off, _, _ in entries],
                          [size for _, size, _ in entries], [c for _, _, c in entries],
-                         (lease_id, gen))
+                         (lease_id, gen, deadline))
 
     def release(self, lease: ReadLease) -> None:
         if lease.handle is None:
             return
-        lease_id, gen = lease.handle
+        lease_id, gen, _ = lease.handle
         lease.handle = None
         if lease_id and gen == self._rpc.generation:
             self._rpc.send("release", lease_id)
 
     def lease_valid(self, lease: ReadLease) -> bool:
-        """False when the connection dropped since ``lease`` was taken (it was reclaimed)."""
-        return lease.handle is not None and lease.handle[1] == self._rpc.generation
+        """False when the connection dropped since ``lease`` was taken, or its TTL ran out
+        (either way the coordinator reclaimed it and its bytes may have been reused)."""
+        if lease.handle is None:
+            return False
+        _, gen, deadline = lease.handle
+        return gen == self._rpc.generation and time.monotonic() < deadline
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
                        sizes: Sequence[int]) -> list[int]:
@@ -262,6 +293,9 @@ class LocalStore(KVStore):
 
     def close(self) -> None:
         self._rpc.close()
+        if self._index is not None:
+            self._index.close()
+            self._index = None
         if self._arena is not None:
             self._arena.close()
             self._arena = None

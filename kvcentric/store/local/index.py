@@ -8,11 +8,17 @@ parent when committed; a parent with resident children is not evictable, because
 useless without its ancestors, and a prefix lookup touches a parent before its children,
 so a parent is never younger than its children. When a parent's last child is evicted, the
 parent becomes a leaf at the cold end of the LRU. Objects under a read lease are skipped.
+
+A child committed before its parent (two requests racing on one prefix) is an orphan
+until the parent commits; then it is linked. Each entry knows its depth and whether its
+whole ancestry is committed, which the shared lookup index publishes
+(:mod:`kvcentric.store.local.shared_index`).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ from kvcentric.store.base import (
     OK,
 )
 from kvcentric.store.local.allocator import ExtentAllocator
+from kvcentric.store.local.shared_index import SharedIndexWriter
 
 PENDING, COMMITTED = 0, 1
 
@@ -39,10 +46,16 @@ class Entry:
     parent: str | None
     state: int = PENDING
     readers: int = 0
-    children: int = 0
     checksum: int | None = None
     removed: bool = False  # dropped from the index while leased; freed at last release
     parent_entry: Entry | None = None  # linked at commit; identity guards against key reuse
+    kids: list[Entry] = field(default_factory=list)  # committed children linked to this one
+    depth: int = 0  # linked ancestors
+    complete: bool = False  # every ancestor back to a parentless root is committed
+
+    @property
+    def children(self) -> int:
+        return len(self.kids)
 
 
 @dataclass
@@ -55,21 +68,25 @@ class Counters:
     get_bytes: int = 0
     evictions: int = 0
     rejected_puts: int = 0
-    lookups: int = 0
+    lookups: int = 0  # answered by the coordinator; shared-index lookups are not counted
+    expired_leases: int = 0
 
 
 @dataclass
 class Lease:
     entries: list[Entry] = field(default_factory=list)
     owner: int = 0
+    since: float = 0.0  # time.monotonic() when granted (the clock every process shares)
 
 
 class ObjectIndex:
     """All metadata of one arena. ``owner`` ids identify client connections."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, shared: SharedIndexWriter | None = None) -> None:
         self.alloc = ExtentAllocator(capacity)
+        self.shared = shared
         self.entries: dict[str, Entry] = {}
+        self._orphans: dict[str, list[Entry]] = {}  # parent key -> committed, unlinked children
         self._leaves: OrderedDict[str, Entry] = OrderedDict()  # evictable candidates, LRU first
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -98,13 +115,39 @@ class ObjectIndex:
         e.state, e.checksum = COMMITTED, checksum
         parent = self.entries.get(e.parent) if e.parent else None
         if parent is not None and parent.state == COMMITTED:
-            parent.children += 1
-            self._leaves.pop(parent.key, None)
-            e.parent_entry = parent
+            self._link(parent, e)
+        else:
+            e.complete = e.parent is None
+            if e.parent is not None:
+                self._orphans.setdefault(e.parent, []).append(e)
         self._leaves[key] = e
+        self._publish(e)
+        for orphan in self._orphans.pop(key, []):
+            self._link(e, orphan)
+            self._update_subtree(orphan)
         self.counters.puts += 1
         self.counters.put_bytes += e.size
         return OK
+
+    def _link(self, parent: Entry, child: Entry) -> None:
+        parent.kids.append(child)
+        self._leaves.pop(parent.key, None)
+        child.parent_entry = parent
+        child.depth, child.complete = parent.depth + 1, parent.complete
+
+    def _update_subtree(self, root: Entry) -> None:
+        """Recompute depth/completeness below ``root`` (already set) and republish."""
+        stack = [root]
+        while stack:
+            e = stack.pop()
+            self._publish(e)
+            for kid in e.kids:
+                kid.depth, kid.complete = e.depth + 1, e.complete
+                stack.append(kid)
+
+    def _publish(self, e: Entry) -> None:
+        if self.shared is not None:
+            self.shared.put(e.key, e.depth, e.complete, e.parent)
 
     def abort(self, key: str, owner: int) -> None:
         e = self.entries.get(key)
@@ -142,8 +185,19 @@ class ObjectIndex:
         if not got:
             return 0, got
         lease_id = next(self._lease_ids)
-        self._leases[lease_id] = Lease(got, owner)
+        self._leases[lease_id] = Lease(got, owner, time.monotonic())
         return lease_id, got
+
+    def expire_leases(self, granted_before: float) -> int:
+        """Release every lease granted before ``granted_before``; returns how many. A late
+        release by the holder is ignored; the client library treats its lease as lapsed
+        from the same deadline (``lease_ttl_s`` after it asked)."""
+        old = [(lid, lease.owner) for lid, lease in self._leases.items()
+               if lease.since < granted_before]
+        for lid, owner in old:
+            self.release(lid, owner)
+        self.counters.expired_leases += len(old)
+        return len(old)
 
     def release(self, lease_id: int, owner: int) -> None:
         lease = self._leases.get(lease_id)
@@ -168,12 +222,23 @@ class ObjectIndex:
     def _drop(self, e: Entry) -> None:
         del self.entries[e.key]
         self._leaves.pop(e.key, None)
+        if self.shared is not None:
+            self.shared.delete(e.key)
         parent = e.parent_entry
         if parent is not None and self.entries.get(parent.key) is parent:
-            parent.children -= 1
-            if parent.children == 0:
+            parent.kids.remove(e)
+            if not parent.kids:
                 self._leaves[parent.key] = parent
                 self._leaves.move_to_end(parent.key, last=False)
+        elif e.parent is not None and e in self._orphans.get(e.parent, ()):
+            self._orphans[e.parent].remove(e)
+            if not self._orphans[e.parent]:
+                del self._orphans[e.parent]
+        for kid in e.kids:  # an inner object removed: its subtree waits for it again
+            kid.parent_entry, kid.depth, kid.complete = None, 0, False
+            self._update_subtree(kid)
+            self._orphans.setdefault(e.key, []).append(kid)
+        e.kids = []
         if e.readers:
             e.removed = True  # freed when the last reader releases
         else:

@@ -24,7 +24,8 @@ from kvcentric.store.base import StoreUnavailable
 def config_json(cfg: StoreConfig) -> str:
     """Serialise what the coordinator needs of ``cfg``."""
     return json.dumps({"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-                       "runtime_dir": str(cfg.runtime_dir), "idle_timeout_s": cfg.idle_timeout_s})
+                       "runtime_dir": str(cfg.runtime_dir), "idle_timeout_s": cfg.idle_timeout_s,
+                       "lease_ttl_s": cfg.lease_ttl_s})
 
 
 def is_running(cfg: StoreConfig) -> bool:

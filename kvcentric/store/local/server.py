@@ -1,9 +1,14 @@
 """The local store's coordinator: owns the arena file and all metadata; moves no data.
 
 One coordinator per (runtime_dir, name). Clients map the arena themselves and copy bytes
-directly; the coordinator only hands out offsets, leases and commits over a Unix socket.
+directly; the coordinator only hands out offsets, leases and commits over a Unix socket
+(msgpack frames, :mod:`kvcentric.store.local.wire`) and publishes the committed set in a
+shared-memory lookup index (:mod:`kvcentric.store.local.shared_index`).
 It reclaims a client's leases and pending writes when that client's connection closes,
-which is how a crashed (SIGKILLed) engine's state is cleaned up.
+which is how a crashed (SIGKILLed) engine's state is cleaned up, and leases older than
+``lease_ttl_s``, so a hung client cannot pin objects forever. A client that sends bytes
+that are not a valid frame is disconnected (and so reclaimed); the loop never blocks on
+one client's socket.
 
 Run: ``python -m kvcentric.store.local.server --config-json '{...}'`` (normally started by
 :func:`kvcentric.store.local.launcher.ensure_running` or ``kvcentric store serve``).
@@ -12,24 +17,37 @@ Run: ``python -m kvcentric.store.local.server --config-json '{...}'`` (normally 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
-import pickle
 import secrets
 import selectors
 import socket
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 from kvcentric.config import StoreConfig
+from kvcentric.store.local import wire
 from kvcentric.store.local.index import ObjectIndex
+from kvcentric.store.local.shared_index import SharedIndexWriter, slots_for
 from kvcentric.store.metrics import log_line
 
 log = logging.getLogger("kvcentric.store")
 STATS_LOG_INTERVAL_S = 30.0
+LEASE_SWEEP_INTERVAL_S = 1.0
+MAX_UNSENT = 64 << 20  # a client that stops reading its replies is dropped beyond this
 ONE_WAY = frozenset({"release"})  # requests that get no reply
+READ_ONLY = frozenset({"exists", "hello", "stats", "keys", "release"})  # no index writes
+
+
+class _Client:
+    """One connected client: its socket and the bytes of its unfinished frame."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.frames = wire.FrameBuffer()
+        self.unsent = bytearray()  # replies the socket did not take yet
 
 
 class Coordinator:
@@ -40,7 +58,8 @@ class Coordinator:
         self.index = ObjectIndex(cfg.capacity_bytes)
         self.arena_id = secrets.token_hex(8)
         self._sel = selectors.DefaultSelector()
-        self._conns: dict[int, Connection] = {}
+        self._conns: dict[int, _Client] = {}
+        self._shared: SharedIndexWriter | None = None
         self._running = True
         self._idle_since = time.monotonic()
 
@@ -66,19 +85,28 @@ class Coordinator:
     def serve(self) -> None:
         """Create the arena, accept clients and answer them until stopped."""
         self._create_arena()
+        self._shared = SharedIndexWriter(self.cfg.index_path, slots_for(self.cfg.capacity_bytes))
+        self.index.shared = self._shared
         lsock = self._listen()
         self._sel.register(lsock, selectors.EVENT_READ, None)
         log.info("kvcentric local store %r up: %s, capacity %d B, pid %d", self.cfg.name,
                  self.cfg.arena_path, self.cfg.capacity_bytes, os.getpid())
-        last_log = time.monotonic()
+        last_log = last_sweep = time.monotonic()
         try:
             while self._running:
-                for skey, _ in self._sel.select(timeout=1.0):
+                for skey, events in self._sel.select(timeout=LEASE_SWEEP_INTERVAL_S):
                     if skey.data is None:
                         self._accept(lsock)
-                    else:
+                        continue
+                    if events & selectors.EVENT_WRITE and not self._flush(skey.data):
+                        continue
+                    if events & selectors.EVENT_READ:
                         self._handle(skey.data)
                 now = time.monotonic()
+                self._shared.beat()
+                if self.cfg.lease_ttl_s > 0 and now - last_sweep >= LEASE_SWEEP_INTERVAL_S:
+                    self._expire_leases(now)
+                    last_sweep = now
                 if now - last_log >= STATS_LOG_INTERVAL_S:
                     log.info("%s", log_line(self.index.stats()))
                     last_log = now
@@ -99,47 +127,100 @@ class Coordinator:
             sock, _ = lsock.accept()
         except BlockingIOError:
             return
-        sock.setblocking(True)
-        conn = Connection(sock.detach())
-        self._conns[conn.fileno()] = conn
-        self._sel.register(conn.fileno(), selectors.EVENT_READ, conn)
+        sock.setblocking(False)
+        client = _Client(sock)
+        self._conns[sock.fileno()] = client
+        self._sel.register(sock.fileno(), selectors.EVENT_READ, client)
 
-    def _handle(self, conn: Connection) -> None:
-        owner = conn.fileno()
+    def _handle(self, client: _Client) -> None:
+        """Read what ``client`` sent and answer every complete request in it."""
+        owner = client.sock.fileno()
         try:
-            request = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
+            data = client.sock.recv(1 << 20)
+            if not data:
+                raise EOFError
+            requests = [wire.request_of(wire.decode(p)) for p in client.frames.feed(data)]
+        except BlockingIOError:
+            return
+        except (EOFError, OSError, wire.ProtocolError) as exc:
+            if not isinstance(exc, EOFError):
+                log.warning("dropping client %d: %s", owner, exc)
             self._drop(owner)
             return
+        for op, args in requests:
+            try:
+                with self._write_section(op):
+                    reply: Any = self._dispatch(owner, op, args)
+            except Exception as exc:  # a bad request must not kill the coordinator
+                log.warning("bad request %r: %s: %s", op[:32], type(exc).__name__, exc)
+                reply = ["error", f"{type(exc).__name__}: {exc}"]
+            if op in ONE_WAY:
+                continue
+            if not self._reply(client, reply):
+                return
+
+    def _write_section(self, op: str) -> Any:
+        if self._shared is None or op in READ_ONLY:
+            return contextlib.nullcontext()
+        return self._shared.write()
+
+    def _reply(self, client: _Client, reply: Any) -> bool:
+        """Queue ``reply`` and send what the socket takes now; never blocks the loop."""
         try:
-            reply: Any = self._dispatch(owner, request)
-        except Exception as exc:  # a bad request must not kill the coordinator
-            log.exception("bad request %r", request[:1])
-            reply = ("error", f"{type(exc).__name__}: {exc}")
-        if request[0] in ONE_WAY:
-            return
+            client.unsent += wire.encode(reply)
+        except ValueError as exc:
+            client.unsent += wire.encode(["error", str(exc)])
+        return self._flush(client)
+
+    def _flush(self, client: _Client) -> bool:
+        """Send queued bytes; False if the client was dropped."""
+        owner = client.sock.fileno()
         try:
-            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError:
+            while client.unsent:
+                sent = client.sock.send(client.unsent)
+                del client.unsent[:sent]
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            log.warning("dropping client %d: cannot send reply: %s", owner, exc)
             self._drop(owner)
+            return False
+        if len(client.unsent) > MAX_UNSENT:
+            log.warning("dropping client %d: %d B of replies unread", owner, len(client.unsent))
+            self._drop(owner)
+            return False
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.unsent else 0)
+        if self._sel.get_key(owner).events != want:
+            self._sel.modify(owner, want, client)
+        return True
 
     def _drop(self, owner: int) -> None:
-        conn = self._conns.pop(owner, None)
-        if conn is None:
+        client = self._conns.pop(owner, None)
+        if client is None:
             return
         self._sel.unregister(owner)
-        conn.close()
-        leases, pending = self.index.drop_owner(owner)
+        client.sock.close()
+        with self._write_section("drop"):
+            leases, pending = self.index.drop_owner(owner)
         if leases or pending:
             log.info("client gone: reclaimed %d leases, %d pending writes", leases, pending)
 
-    def _dispatch(self, owner: int, req: tuple[Any, ...]) -> Any:
-        op, args = req[0], req[1:]
+    def _expire_leases(self, now: float) -> None:
+        with self._write_section("expire"):
+            expired = self.index.expire_leases(now - self.cfg.lease_ttl_s)
+        if expired:
+            log.warning("reclaimed %d read leases older than %.0f s", expired,
+                        self.cfg.lease_ttl_s)
+
+    def _dispatch(self, owner: int, op: str, raw_args: list[Any]) -> Any:
+        args = wire.checked_args(op, raw_args)
         idx = self.index
         if op == "exists":
             return idx.leading_run(args[0])
         if op == "reserve":
             keys, sizes, parents = args
+            if not len(keys) == len(sizes) == len(parents):
+                raise ValueError("reserve: keys, sizes and parents differ in length")
             return [idx.reserve(k, s, p, owner) for k, s, p in zip(keys, sizes, parents)]
         if op == "commit":
             return [idx.commit(k, owner, c) for k, c in zip(*args)]
@@ -149,7 +230,7 @@ class Coordinator:
             return None
         if op == "acquire":
             lease_id, entries = idx.acquire(args[0], owner)
-            return lease_id, [(e.offset, e.size, e.checksum) for e in entries]
+            return [lease_id, [[e.offset, e.size, e.checksum] for e in entries]]
         if op == "release":
             idx.release(args[0], owner)
             return None
@@ -160,21 +241,29 @@ class Coordinator:
         if op == "clear":
             return idx.clear()
         if op == "stats":
-            return {**idx.stats(), "pid": os.getpid(), "clients": len(self._conns)}
+            shared = self._shared
+            return {**idx.stats(), "pid": os.getpid(), "clients": len(self._conns),
+                    "shared_index": int(bool(shared and shared.enabled))}
         if op == "hello":
+            shared = self._shared
             return {"arena": str(self.cfg.arena_path), "capacity": idx.alloc.capacity,
-                    "arena_id": self.arena_id, "pid": os.getpid()}
+                    "arena_id": self.arena_id, "pid": os.getpid(),
+                    "index": str(self.cfg.index_path) if shared and shared.enabled else None,
+                    "lease_ttl_s": self.cfg.lease_ttl_s}
         if op == "shutdown":
             self._running = False
             return None
-        raise ValueError(f"unknown op {op!r}")
+        raise AssertionError(f"op {op!r} has a signature but no handler")
 
     def _cleanup(self, lsock: socket.socket) -> None:
         for owner in list(self._conns):
             self._drop(owner)
         self._sel.close()
         lsock.close()
-        for path in (self.cfg.socket_path, self.cfg.arena_path):
+        if self._shared is not None:
+            self._shared.disable("coordinator stopped")
+            self._shared.close()
+        for path in (self.cfg.socket_path, self.cfg.arena_path, self.cfg.index_path):
             try:
                 os.unlink(path)
             except FileNotFoundError:
