@@ -2,7 +2,7 @@
 the last two on Mooncake Stores set up the same way, in one run.
 
     python benchmarks/bench_connectors.py [--quick] [--repeats N] [--arms A,B,...]
-                                          [--out FILE.json]
+                                          [--profile-calls] [--out FILE.json]
 
 One vLLM CPU server per arm (``bench`` model, float32, the same worker threads and the
 same small KV cache in every arm) serves the same conversations. Arms run one at a time,
@@ -33,6 +33,9 @@ the engine's prefix cache and from the connector (``hit_tokens`` = both). Genera
 are compared with the ``no_connector`` arm's. An arm that cannot run is reported failed,
 with the reason, never with made-up numbers.
 
+``--profile-calls`` times every Mooncake store call both connectors make, at the same
+boundary (``benchmarks/mooncake_timing``), and reports calls and milliseconds per request.
+
 Everything Mooncake runs in a private network namespace (its listeners bind all
 interfaces); the vLLM servers run inside it too.
 """
@@ -43,6 +46,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -151,15 +155,47 @@ class Arm:
                 "outputs_same_every_repeat": all(run["outputs"] == self.runs[0]["outputs"]
                                                  for run in self.runs),
                 "connector_counters_all_repeats": totals,
+                "mooncake_calls_per_request": self.calls_per_request(),
                 "outputs": self.runs[0]["outputs"]}
 
+    def calls_per_request(self) -> dict[str, dict[str, float]]:
+        """Mooncake store calls (``--profile-calls``), per served request, over repeats."""
+        n = sum(len(run["ttft_s"]) for run in self.runs)
+        out: dict[str, dict[str, float]] = {}
+        for run in self.runs:
+            for name, (calls, secs) in run.get("mooncake_calls", {}).items():
+                slot = out.setdefault(name, {"calls": 0.0, "ms": 0.0})
+                slot["calls"] += calls / n
+                slot["ms"] += 1e3 * secs / n
+        return out
 
-def serve(server: VllmServer, w: Workload, bar: tqdm) -> dict[str, Any]:
+
+TIMING_SHIM = Path(__file__).parent / "mooncake_timing"
+
+
+def call_totals(timing_dir: Path | None) -> dict[str, list[float]]:
+    """Sum of the timing shim's per-process files: {method: [calls, seconds]}. Waits for
+    the shim's once-a-second flush, so the snapshot includes every call made before it."""
+    if timing_dir is None:
+        return {}
+    time.sleep(1.3)
+    out: dict[str, list[float]] = {}
+    for f in timing_dir.glob("*.json"):
+        for name, (calls, secs) in json.loads(f.read_text()).items():
+            slot = out.setdefault(name, [0, 0.0])
+            slot[0] += calls
+            slot[1] += secs
+    return out
+
+
+def serve(server: VllmServer, w: Workload, bar: tqdm,
+          timing_dir: Path | None = None) -> dict[str, Any]:
     """The conversations on one server, round-robin over users, one request at a time."""
     system, docs, msgs = w.prompts()
     history = [system + d for d in docs]
     server.complete(random.Random(1).sample(range(4, 8000), 256), max_tokens=2)  # one-offs
     before = counters(server)
+    calls_before = call_totals(timing_dir)
     ttfts: list[float] = []
     outputs: list[list[int]] = []
     busy = 0.0
@@ -174,8 +210,11 @@ def serve(server: VllmServer, w: Workload, bar: tqdm) -> dict[str, Any]:
             history[u] = prompt + toks
             bar.update()
     after = counters(server)
+    calls = {k: [c - calls_before.get(k, [0, 0.0])[0], t - calls_before.get(k, [0, 0.0])[1]]
+             for k, (c, t) in call_totals(timing_dir).items()}
     return {"ttft_s": ttfts, "outputs": outputs, "busy_s": busy,
-            "counters": {k: after[k] - before.get(k, 0.0) for k in after}}
+            "counters": {k: after[k] - before.get(k, 0.0) for k in after},
+            "mooncake_calls": {k: v for k, v in calls.items() if v[0]}}
 
 
 def mooncake_json(path: Path) -> Path:
@@ -188,11 +227,15 @@ def mooncake_json(path: Path) -> Path:
 
 
 def make_server(arm: str, model: str, w: Workload, env: dict[str, str], logs: Path,
-                lmc: LMCacheServer | None = None) -> VllmServer:
+                lmc: LMCacheServer | None = None, timing_dir: Path | None = None) -> VllmServer:
     args = ("--num-gpu-blocks-override", str(w.engine_blocks), "--block-size", str(PAGE))
     common: dict[str, Any] = {"model": model, "name": "bench", "dtype": DTYPE,
                               "max_model_len": w.max_len, "args": args,
                               "log_path": logs / f"connectors-{arm}.log"}
+    if timing_dir is not None:
+        path = os.pathsep.join(p for p in (str(TIMING_SHIM), os.environ.get("PYTHONPATH"))
+                               if p)
+        env = env | {"PYTHONPATH": path, "KVC_MOONCAKE_TIMING": str(timing_dir)}
     if arm == "no_connector":
         return VllmServer(**common, env=env)
     if arm == "lmcache":
@@ -214,20 +257,24 @@ def make_server(arm: str, model: str, w: Workload, env: dict[str, str], logs: Pa
 
 
 def run_arm(arm: Arm, ns: NetNamespace, model: str, w: Workload, env: dict[str, str],
-            logs: Path, bar: tqdm) -> None:
+            logs: Path, bar: tqdm, profile: bool = False) -> None:
     """One repeat of ``arm``: a fresh store (Mooncake master and node, or an lmcache
     server), its server, the workload."""
     cluster = Cluster(ns, logs, "2gb") if "connector" in arm.name or "kvcentric" in arm.name \
         else None
     lmc = None
     server: VllmServer | None = None
+    timing = None
+    if profile and cluster is not None:
+        timing = logs / f"connectors-timing-{arm.name}-{len(arm.runs)}"
+        timing.mkdir(parents=True, exist_ok=True)
     try:
         if arm.name == "lmcache":
             lmc = LMCacheServer(size_gb=2, log_path=logs / "connectors-lmcache-server.log")
             lmc.start()
-        server = make_server(arm.name, model, w, env, logs, lmc)
+        server = make_server(arm.name, model, w, env, logs, lmc, timing)
         server.start().wait_ready(900)
-        arm.runs.append(serve(server, w, bar))
+        arm.runs.append(serve(server, w, bar, timing))
     except Exception as exc:  # an arm that cannot run is reported, never faked
         arm.fail(exc, server.log_path if server else logs / "connectors-lmcache-server.log")
     finally:
@@ -354,6 +401,12 @@ def print_table(res: dict[str, Any]) -> None:
     for k, v in s.items():
         if k.startswith("ttft_") and "_vs_" in k and isinstance(v, float):
             print(f"{k}: {v:.3f}")
+    for a in ARMS:
+        calls = res["arms"].get(a, {}).get("mooncake_calls_per_request")
+        if calls:
+            print(f"\nMooncake store calls per request, {a}:")
+            for name, c in sorted(calls.items(), key=lambda kv: -kv[1]["ms"]):
+                print(f"  {name:>36} {c['calls']:8.1f} calls {c['ms']:9.1f} ms")
 
 
 def main() -> None:
@@ -363,6 +416,9 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                     help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--repeats", type=int, default=2, help="runs of every arm (default 2)")
+    ap.add_argument("--profile-calls", action="store_true",
+                    help="time every Mooncake store call in both connectors' processes "
+                    "(benchmarks/mooncake_timing)")
     ap.add_argument("--summarise", type=Path, help="recompute summary, table and PNG of a "
                     "result JSON (no servers run)")
     args = ap.parse_args()
@@ -376,8 +432,8 @@ def main() -> None:
     w = QUICK if args.quick else FULL
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for old in logs.glob("connectors-*"):
-        old.unlink()  # servers append to their logs: start this run's clean
+    for old in logs.glob("connectors-*"):  # servers append to their logs: start clean
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
     reserved = "1" if (os.cpu_count() or 1) <= 2 else "0"
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": reserved, "VLLM_HOST_IP": "127.0.0.1"}
@@ -391,7 +447,7 @@ def main() -> None:
             for arm in live[r % len(live):] + live[:r % len(live)]:  # rotate the order
                 if arm.status == "ok":
                     bar.set_postfix_str(f"{arm.name} (repeat {r + 1})")
-                    run_arm(arm, ns, model, w, env, logs, bar)
+                    run_arm(arm, ns, model, w, env, logs, bar, args.profile_calls)
     arms: dict[str, dict[str, Any]] = {a: {"status": "not run"} for a in ARMS}
     arms |= {a.name: a.result() for a in live}
     res = {"benchmark": "connectors", "quick": args.quick, "model": f"bench ({DTYPE})",

@@ -4,7 +4,9 @@ Contract, common to all backends:
 
 - Keys are strings from :class:`kvcentric.hashing.KeySpace`; values are opaque byte ranges.
 - ``batch_exists(keys)`` returns the length of the *leading run* of present keys (prefix
-  semantics): keys after the first missing one are not counted.
+  semantics): keys after the first missing one are not counted. It is a hint: ``keys``
+  are a chain (each key's ``parent`` at put time is the key before it), and the local
+  store's shared-memory lookups may overcount a list that is not one; reads are exact.
 - ``batch_put_from(keys, ptrs, sizes)`` copies each ``sizes[i]`` bytes at address ``ptrs[i]``
   into the store and returns one code per key: ``0`` stored (or already present), negative
   on failure (``ERR_NO_SPACE`` when the capacity bound cannot be met).
