@@ -17,6 +17,7 @@ side in :mod:`kvcentric.connector.vllm.worker`; this class only routes vLLM's ca
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -72,6 +73,8 @@ class KVCentricConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tcfg = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(tcfg.kv_connector_extra_config)
+        if tcfg.kv_role == "kv_producer":
+            self.settings = replace(self.settings, async_commit=False)
         if kv_cache_config is None:
             raise ValueError("KVCentricConnector needs vLLM's kv_cache_config")
         model_id = self.settings.model_id or str(vllm_config.model_config.served_model_name)

@@ -25,7 +25,12 @@ class TransferSpec:
 
 @dataclass
 class KVCentricMetadata(KVConnectorMetadata):
-    """One step's loads (before/while layers run) and saves (as layers finish)."""
+    """One step's loads (before/while layers run) and saves (as layers finish).
+
+    ``commit_now``: a request with saves in this step may finish with it, so the worker
+    commits before the step returns instead of in the background.
+    """
 
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
+    commit_now: bool = False

@@ -202,6 +202,17 @@ class KVCentricScheduler:
     def _plan_save(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
         tr = st.tracker
         assert tr is not None
+        planned = len(meta.saves)
+        self._plan_blocks(st, computed_after, meta)
+        self._plan_tail(st, computed_after, meta)
+        req = st.request
+        if (len(meta.saves) > planned and computed_after >= req.num_prompt_tokens
+                and req.num_output_tokens + 1 >= req.max_tokens):
+            meta.commit_now = True  # its response may complete with this step
+
+    def _plan_blocks(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
+        tr = st.tracker
+        assert tr is not None
         limit = computed_after if self.settings.save_decode else min(
             computed_after, st.request.num_prompt_tokens)
         s, k = self.layout.stored_block_size, self.layout.pages_per_object
@@ -214,7 +225,6 @@ class KVCentricScheduler:
                 [tr.block_ids[b * k:(b + 1) * k] for b in range(first, full)],
                 [keys[b - 1] if b else None for b in range(first, full)]))
             tr.saved_blocks = full
-        self._plan_tail(st, computed_after, meta)
 
     def _plan_tail(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
         """Save the tail when this step ends the prefill, and (``save_decode``) when it

@@ -33,6 +33,12 @@ class ConnectorSettings:
         save_decode: also store full blocks of generated tokens (multi-turn reuse).
         load_timeout_s: bound on waiting for one step's loads; late layers are recomputed.
         async_copy: copy pages on a background thread so copies overlap layer compute.
+        async_commit: publish a step's saved objects on a background thread once their
+            pages are copied out of the KV cache, so the step (and the request's first
+            token) does not wait for the store's commit (Mooncake: the transfer to the
+            storage node). A step that may end a saving request commits before it returns,
+            so a finished request's KV is in the store when its response completes. Forced
+            off for ``kv_producer`` (a P/D decode must find the prefill's blocks at once).
     """
 
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -42,6 +48,7 @@ class ConnectorSettings:
     save_decode: bool = True
     load_timeout_s: float = 10.0
     async_copy: bool = True
+    async_commit: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:

@@ -12,8 +12,13 @@ Runs in each vLLM worker process. Per step (vLLM's call order):
    in-place write slots for all objects completed in this step (one store call); then
    queues the pack of layer ``l``'s pages into them, overlapping the next layers.
 4. ``finish_step()`` at the step's end: waits for the copies, reports the pages of any
-   lease that lapsed meanwhile (bytes possibly torn) as load errors, commits the written
-   objects (they become visible all at once, never torn), releases the read leases.
+   lease that lapsed meanwhile (bytes possibly torn) as load errors, releases the read
+   leases, and commits the written objects (they become visible all at once, never torn).
+   Once the copies are done the objects' bytes are out of the KV cache, so with
+   ``async_commit`` the commit (Mooncake: the transfer to the storage node) runs on a
+   commit thread and the step returns at once -- unless a request saving in this step
+   may finish with it (``commit_now``): its response must not complete before its KV is
+   in the store.
 
 Failures never produce wrong tokens: an object that is missing, corrupt (checksums on),
 or whose copy failed is reported through :meth:`take_load_errors` with every page after
@@ -37,6 +42,7 @@ from kvcentric.connector.vllm.stats import KVCentricStats
 from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
 
 log = logging.getLogger("kvcentric.connector")
+MAX_PENDING_COMMITS = 4  # steps whose commits may be in flight before a step waits
 
 
 class KVCentricWorker:
@@ -61,6 +67,10 @@ class KVCentricWorker:
         self._save_plan: PagePlan | None = None
         self._slots: list[WriteSlot] = []
         self._save_futs: list[Future[None]] = []
+        self._commit_now = False
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvc-commit") \
+            if settings.async_commit else None
+        self._commits: list[Future[None]] = []
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Learn the per-layer cache tensors (blocks on dim 0) and check their geometry."""
@@ -179,6 +189,7 @@ class KVCentricWorker:
     # ---- saves ----
     def plan_saves(self, meta: KVCentricMetadata) -> None:
         self._save_specs = list(meta.saves)
+        self._commit_now = meta.commit_now
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self.layer_of(layer_name)
@@ -255,11 +266,29 @@ class KVCentricWorker:
         if len(futs) != len(self._kv):  # some layer never ran: the objects are incomplete
             self.store.batch_abort(slots)
             return
-        codes = self._timed("commit_seconds", self.store.batch_commit, slots)
+        self._commits = [f for f in self._commits if not f.done()]
+        if self._committer is None or self._commit_now:
+            self._commit(slots)
+            return
+        if len(self._commits) >= MAX_PENDING_COMMITS:  # the store is slower than the steps
+            self._commits.pop(0).result()
+        self._commits.append(self._committer.submit(self._commit, slots))
+
+    def _commit(self, slots: list[WriteSlot]) -> None:
+        """Publish written objects (the caller's thread or the commit thread; never
+        raises: a failed commit only means those blocks are not stored)."""
+        try:
+            codes = self._timed("commit_seconds", self.store.batch_commit, slots)
+        except Exception as exc:
+            log.error("committing %d blocks failed: %s", len(slots), exc)
+            self.store.batch_abort(slots)
+            return
         ok = sum(1 for c in codes if c == 0)
         self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)  # pending commits land before the store closes
         self.store.close()
