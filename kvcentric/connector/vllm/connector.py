@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcentric.compat import TESTED_VLLM, check_engine, missing_attrs
+from kvcentric.connector.vllm.affinity import spare_thread
 from kvcentric.connector.vllm.engine_layout import engine_layout
 from kvcentric.connector.vllm.metadata import KVCentricMetadata
 from kvcentric.connector.vllm.scheduler import KVCentricScheduler
@@ -64,6 +66,10 @@ def _tp_rank(role: KVConnectorRole) -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
 class KVCentricConnector(KVConnectorBase_V1):
     """Layer-wise streaming save and load of prefix KV through a kvcentric store."""
 
@@ -82,7 +88,11 @@ class KVCentricConnector(KVConnectorBase_V1):
         self.layout = engine_layout(vllm_config, kv_cache_config,
                                     self.settings.stored_block_size(page), model_id,
                                     _tp_rank(role))
-        store = open_store(self.settings.store, required=False)  # a cache never stops vLLM
+        # a cache never stops vLLM (required=False); a worker opens it on a spare CPU, so
+        # the store client's own threads inherit that CPU, not the compute cores
+        opener = spare_thread if role != KVConnectorRole.SCHEDULER and \
+            self.settings.spare_cpu_threads else _call
+        store = opener(partial(open_store, self.settings.store, required=False))
         self._scheduler: KVCentricScheduler | None = None
         self._worker: KVCentricWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -39,6 +39,9 @@ class ConnectorSettings:
             storage node). A step that may end a saving request commits before it returns,
             so a finished request's KV is in the store when its response completes. Forced
             off for ``kv_producer`` (a P/D decode must find the prefill's blocks at once).
+        spare_cpu_threads: on a CPU engine whose worker is pinned to its compute cores, run
+            the copy and commit threads and the store client's threads on the other cores
+            (:mod:`kvcentric.connector.vllm.affinity`); no effect on GPU workers.
     """
 
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -49,6 +52,7 @@ class ConnectorSettings:
     load_timeout_s: float = 10.0
     async_copy: bool = True
     async_commit: bool = True
+    spare_cpu_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvcentric.connector.vllm.affinity import pin_to, spare_cpus
 from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
 from kvcentric.connector.vllm.mover import SKIP, PagePlan
@@ -56,8 +57,9 @@ class KVCentricWorker:
         self.stats = KVCentricStats()
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
         self._kv: list[torch.Tensor] = []
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-copy") \
-            if settings.async_copy else None
+        spare = spare_cpus() if settings.spare_cpu_threads else None  # affinity.py
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-copy", initializer=pin_to,
+                                        initargs=(spare,)) if settings.async_copy else None
         self._load_futs: list[Future[None]] = []
         self._load_failed = False
         self._load_plans: list[tuple[ReadLease, PagePlan]] = []
@@ -68,7 +70,8 @@ class KVCentricWorker:
         self._slots: list[WriteSlot] = []
         self._save_futs: list[Future[None]] = []
         self._commit_now = False
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvc-commit") \
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvc-commit",
+                                             initializer=pin_to, initargs=(spare,)) \
             if settings.async_commit else None
         self._commits: list[Future[None]] = []
 
