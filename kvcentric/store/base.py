@@ -141,6 +141,12 @@ class KVStore(ABC):
         connection): bytes read through it may be torn. Default: leases never lapse."""
         return True
 
+    def warm_up(self) -> None:
+        """Allocate and fault in what this client's data path uses (Mooncake: its staging
+        arena) before serving, so no request pays for it; best effort, never raises.
+        Default: nothing to do (the local store maps its arena when it opens)."""
+        return None
+
     def register_buffer(self, ptr: int, size: int) -> int:
         """Register caller memory used with put/get; a no-op where not needed."""
         return OK

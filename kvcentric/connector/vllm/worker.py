@@ -85,6 +85,7 @@ class KVCentricWorker:
         if page_bytes != self.layout.geometry.page_bytes:
             raise ValueError(f"registered KV page is {page_bytes} B, the layout says "
                              f"{self.layout.geometry.page_bytes} B")
+        self.store.warm_up()  # before serving: the first request must not pay for it
 
     def layer_of(self, layer_name: str) -> int | None:
         """Index of ``layer_name`` in the stored object; None for a layer we do not store

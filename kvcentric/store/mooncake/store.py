@@ -152,6 +152,12 @@ class MooncakeStore(KVStore):
                                                  self.client.register_buffer)
         return self._staging
 
+    def warm_up(self) -> None:
+        try:
+            self.staging  # noqa: B018 -- made (mapped, faulted, registered) on first use
+        except (StoreUnavailable, RuntimeError) as exc:
+            log.info("mooncake staging not prepared yet (%s); the first save makes it", exc)
+
     # ---- KVStore: existence, puts, gets ----
     def _exist_flags(self, keys: Sequence[str]) -> list[int]:
         """1/0 per key; raises ``StoreUnavailable`` when the master does not answer."""
