@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ttft.py [--quick] [--lengths 1024,4096,8192] [--no-lmcache]
                                     [--out FILE.json]
+    python benchmarks/bench_ttft.py --writer [--runs 3] [--lengths 1024,4096]
 
 Two vLLM CPU servers with the ``bench`` model, started in this run, both pinned to the
 same worker thread count (``VLLM_CPU_NUM_OF_RESERVED_CPU``; on 2 cores vLLM otherwise
@@ -21,6 +22,13 @@ gives a connector-enabled worker 2 threads and a plain one 1):
 
 TTFT is the latency of a ``max_tokens=1`` completion (prefill + first token), median of
 ``--reps`` fresh prompts. Everything is compared in ratios within this run.
+
+``--writer``: what saving costs a miss (0% hit). Each of ``--runs`` rounds starts fresh
+servers of every arm (a 32-token warm-up that saves nothing), then per arm times the
+*first* saving request of the fresh instance and ``--reps`` more (steady state), the
+same prompts in every arm, arms in rotating order. Reports each connector arm's overhead
+over ``plain`` (median over rounds), first request and steady state, and writes
+``ttft_writer.json``.
 """
 
 from __future__ import annotations
@@ -115,7 +123,10 @@ def measure_ratios(plain: VllmServer, kvc: VllmServer, n: int, reps: int, gen: P
 
 
 def start_servers(model: str, store: dict[str, Any], max_len: int, threads_env: dict[str, str],
-                  logs: Path, lmc: LMCacheServer | None) -> dict[str, VllmServer]:
+                  logs: Path, lmc: LMCacheServer | None,
+                  warm_tokens: int = 512) -> dict[str, VllmServer]:
+    """Every arm's server, started and warmed up with one ``warm_tokens`` request (512:
+    one-off costs of saving paid too; 32: less than a block, nothing saved)."""
     common = {"model": model, "name": "bench", "dtype": "bfloat16", "max_model_len": max_len,
               "env": threads_env}
     servers = {
@@ -136,8 +147,54 @@ def start_servers(model: str, store: dict[str, Any], max_len: int, threads_env: 
         s.wait_ready(600)
     gen = Prompts(99)
     for s in servers.values():  # warm-up: first requests pay one-off costs
-        s.complete(gen.new(512), max_tokens=2, timeout_s=600)
+        s.complete(gen.new(warm_tokens), max_tokens=1 if warm_tokens < 128 else 2,
+                   timeout_s=600)
     return servers
+
+
+def writer_round(model: str, store: dict[str, Any], n: int, reps: int, threads_env: dict[str, str],
+                 logs: Path, lmc: LMCacheServer | None, gen: Prompts, turn: int,
+                 bar: tqdm) -> dict[str, list[float]]:
+    """Fresh servers; per arm the first saving request of ``n`` tokens, then ``reps`` more."""
+    servers = start_servers(model, store, n + 512, threads_env, logs, lmc, warm_tokens=32)
+    try:
+        prompts = [gen.new(n) for _ in range(reps + 1)]
+        names = list(servers)
+        out: dict[str, list[float]] = {}
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            times = [ttft(servers[name], p)[0] for p in prompts]
+            out[f"{name}_first"] = [times[0]]
+            out[f"{name}_steady"] = [statistics.median(times[1:])]
+            bar.update(1)
+        return out
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
+def measure_writer(model: str, store: dict[str, Any], lengths: list[int], runs: int, reps: int,
+                   threads_env: dict[str, str], logs: Path,
+                   lmc: LMCacheServer | None) -> list[dict[str, Any]]:
+    gen = Prompts(7)
+    rows = []
+    arms = 3 if lmc is not None else 2
+    with tqdm(total=runs * len(lengths) * arms, desc="writer") as bar:
+        for n in lengths:
+            got: dict[str, list[float]] = {}
+            for turn in range(runs):
+                for k, v in writer_round(model, store, n, reps, threads_env, logs, lmc, gen,
+                                         turn, bar).items():
+                    got.setdefault(k, []).extend(v)
+            row: dict[str, Any] = {"prompt_len": n, "runs": runs,
+                                   **{f"{k}_ms": [1e3 * x for x in v] for k, v in got.items()}}
+            for arm in ("kvc", "lmcache"):
+                for phase in ("first", "steady"):
+                    if f"{arm}_{phase}" in got:
+                        row[f"{arm}_{phase}_overhead"] = (
+                            statistics.median(got[f"{arm}_{phase}"])
+                            / statistics.median(got[f"plain_{phase}"]) - 1)
+            rows.append(row)
+    return rows
 
 
 def summarize(lengths: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> dict[str, Any]:
@@ -208,7 +265,12 @@ def main() -> None:
     ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")])
     ap.add_argument("--no-lmcache", action="store_true",
                     help="skip the LMCache arm even when its venv exists")
+    ap.add_argument("--writer", action="store_true",
+                    help="measure the writer's overhead on fresh instances (see above)")
+    ap.add_argument("--runs", type=int, default=3, help="fresh-server rounds for --writer")
     args = ap.parse_args()
+    if args.writer:
+        return writer_main(args)
     lengths = args.lengths or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192])
     ratio_len = 2048 if args.quick else 4096
     reps = args.reps or (2 if args.quick else 3)
@@ -244,6 +306,41 @@ def main() -> None:
     out.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def writer_main(args: argparse.Namespace) -> None:
+    lengths = args.lengths or [1024, 4096]
+    reps = args.reps or 2
+    reserved = "1" if (os.cpu_count() or 1) <= 2 else "0"
+    threads_env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": reserved}
+    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    store = {"name": f"ttftw-{uuid.uuid4().hex[:6]}", "capacity": "3gb"}
+    logs = RESULTS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    lmc = None
+    if not args.no_lmcache and lmcache_peer.python() is not None:
+        lmc = LMCacheServer(size_gb=3, log_path=logs / "lmcache-server.log").start()
+    try:
+        rows = measure_writer(model, store, lengths, args.runs, reps, threads_env, logs, lmc)
+    finally:
+        if lmc is not None:
+            lmc.stop()
+        launcher.stop(StoreConfig.from_dict(store))
+    summary = {f"{k}_{r['prompt_len']}": v for r in rows for k, v in r.items()
+               if k.endswith("_overhead")}
+    res = {"benchmark": "ttft_writer", "runs": args.runs, "steady_reps": reps,
+           "model": "bench (bf16)", "worker_threads": f"cores - {reserved} reserved",
+           "rows": rows, "summary": summary}
+    print(f"\nwriter overhead at 0% hit (median of {args.runs} fresh rounds; bf16 bench model)")
+    print(f"{'tokens':>7} {'arm':>8} {'first req':>10} {'steady':>8}")
+    for r in rows:
+        for arm in ("kvc", "lmcache"):
+            if f"{arm}_first_overhead" in r:
+                print(f"{r['prompt_len']:>7} {arm:>8} {100 * r[f'{arm}_first_overhead']:9.1f}% "
+                      f"{100 * r[f'{arm}_steady_overhead']:7.1f}%")
+    out = args.out or RESULTS / "ttft_writer.json"
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

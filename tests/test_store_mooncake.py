@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kvcentric.store import (
+    ERR_CORRUPT,
     ERR_NO_SPACE,
     ERR_UNAVAILABLE,
     OK,
@@ -79,6 +80,50 @@ def store_config(mc: MooncakeCluster) -> dict[str, Any]:
 
 class TestMooncakeContract(StoreContract):
     pass
+
+
+class TestMooncakeContractWithChecksums(StoreContract):
+    """The whole contract again with ``verify_checksums`` (a trailer on every object)."""
+
+    @pytest.fixture
+    def store(self, mc: MooncakeCluster) -> Iterator[KVStore]:
+        s = open_store(mc.store_config(global_segment_size="32mb") | {"verify_checksums": True})
+        s.clear()  # type: ignore[attr-defined]
+        yield s
+        s.close()
+
+    @pytest.fixture
+    def store_config(self, mc: MooncakeCluster) -> dict[str, Any]:
+        return mc.store_config() | {"verify_checksums": True}
+
+
+def test_checksums_catch_corrupted_and_unchecked_objects(mc: MooncakeCluster) -> None:
+    """Bytes changed inside the store (a raw client swaps in the object with one byte
+    flipped and the original trailer) are caught on every read path, and an object written
+    without a checksum is never served to a checking client."""
+    checked = open_store(mc.store_config(global_segment_size="32mb") | {"verify_checksums": True})
+    raw = open_store(mc.store_config())
+    try:
+        n = size_of("cs/0")
+        assert put(checked, ["cs/0"]) == [OK]
+        stored = np.zeros(n + 8, np.uint8)
+        assert raw.batch_get_into(["cs/0"], [stored.ctypes.data], [stored.nbytes]) == [n + 8]
+        assert np.array_equal(stored[:n], payload("cs/0", n))  # object, then its trailer
+        assert get(checked, ["cs/0"])[0] is not None
+        stored[n // 2] ^= 0xFF
+        assert raw.remove("cs/0", force=True) == OK
+        assert raw.batch_put_from(["cs/0"], [stored.ctypes.data], [stored.nbytes]) == [OK]
+        dst = np.zeros(n, np.uint8)
+        assert checked.batch_get_into(["cs/0"], [dst.ctypes.data], [n]) == [ERR_CORRUPT]
+        lease = checked.batch_acquire(["cs/0"], [n])
+        assert lease.keys == []  # nothing leased, nothing handed out
+        checked.release(lease)
+        assert put(raw, ["cs/1"]) == [OK]  # no trailer
+        assert get(checked, ["cs/1"]) == [None]
+        assert checked.stats()["corrupt"] >= 2  # cs/1 fails as a length mismatch
+    finally:
+        checked.close()
+        raw.close()
 
 
 def test_scatter_gather_puts_and_gets(store: KVStore) -> None:

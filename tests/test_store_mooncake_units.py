@@ -106,10 +106,33 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
         MooncakeSettings.load({"config_path": str(tmp_path / "none.json")})
 
 
-def test_checksums_rejected_before_any_connection() -> None:
-    from kvcentric.store import open_store
-    with pytest.raises(ValueError, match="verify_checksums"):
-        open_store({"backend": "mooncake", "verify_checksums": True})
+def test_checksum_trailers_seal_and_check() -> None:
+    """The trailer holds ``checksum()`` of the object's buffers together; a flipped byte,
+    a short or a long object is ``ERR_CORRUPT``; a failed get passes through."""
+    import numpy as np
+
+    from kvcentric.store import ERR_CORRUPT, ERR_NOT_FOUND, checksum
+    from kvcentric.store.mooncake.checksums import TRAILER, Trailers, read_trailer
+    from kvcentric.store.mooncake.staging import StagingArena
+
+    arena = StagingArena(1 << 20, lambda ptr, size: 0)
+    a = np.arange(3000, dtype=np.uint8)
+    b = np.arange(5000, dtype=np.uint8)[::-1].copy()
+    whole = np.concatenate([a, b])
+    t = Trailers(arena, 2)
+    ptrs, sizes = t.seal([[a.ctypes.data, b.ctypes.data], [b.ctypes.data]], [[3000, 5000], [5000]])
+    assert sizes == [[3000, 5000, TRAILER], [5000, TRAILER]]
+    assert read_trailer(t.ptrs[0]) == checksum(whole.ctypes.data, whole.nbytes)
+    assert t.check(0, [whole.ctypes.data], [8000], 8000 + TRAILER) == 8000
+    assert t.check(1, [b.ctypes.data], [6000], 5000 + TRAILER) == 5000  # bound, not size
+    assert t.check(0, [whole.ctypes.data], [8000], 7000 + TRAILER) == ERR_CORRUPT
+    assert t.check(0, [whole.ctypes.data], [8000], 9000 + TRAILER) == ERR_CORRUPT
+    assert t.check(0, [whole.ctypes.data], [8000], ERR_NOT_FOUND) == ERR_NOT_FOUND
+    whole[10] ^= 1
+    assert t.check(0, [whole.ctypes.data], [8000], 8000 + TRAILER) == ERR_CORRUPT
+    t.free()
+    assert arena.used == 0
+    arena.close()
 
 
 def test_engine_env_binds_loopback_only_with_a_metadata_server(

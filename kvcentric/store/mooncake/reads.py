@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcentric.store.base import ERR_UNAVAILABLE, OK, ReadLease, StoreUnavailable
+from kvcentric.store.mooncake.checksums import get_checked
 from kvcentric.store.mooncake.client import chunks
 
 if TYPE_CHECKING:
@@ -46,18 +47,24 @@ class LeaseReads:
             return ReadLease([], [], [], [], None)
         ptrs = self.store.staging.alloc_run(list(sizes))
         keys, sizes = list(keys[:len(ptrs)]), list(sizes[:len(ptrs)])
-        if session:
+        sums: list[int | None] = [None] * len(keys)
+        if session and not self.store.cfg.verify_checksums:  # a checksum needs the whole
             codes = self.store._get(keys, lambda c: c.batch_get_session_start(keys))
             n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
             self.end_session(keys[n:])
         else:
-            codes = self.store.batch_get_into(keys, ptrs, sizes)
+            session = False
+            if self.store.cfg.verify_checksums:
+                codes, sums = get_checked(self.store, keys, [[p] for p in ptrs],
+                                                     [[s] for s in sizes])
+            else:
+                codes = self.store.batch_get_into(keys, ptrs, sizes)
             n = next((i for i, c in enumerate(codes) if c <= 0), len(codes))
         self.store.staging.free(ptrs[n:])
         if n == 0 and ERR_UNAVAILABLE in codes:
             raise StoreUnavailable("mooncake master unreachable")
         got = sizes[:n] if session else codes[:n]  # a session has moved no bytes yet
-        return ReadLease(keys[:n], ptrs[:n], got, [None] * n, _Held(self, ptrs[:n], session))
+        return ReadLease(keys[:n], ptrs[:n], got, sums[:n], _Held(self, ptrs[:n], session))
 
     def fetch_range(self, lease: ReadLease, offset: int, size: int) -> None:
         """Get ``[offset, offset + size)`` of every object of a streamed lease."""

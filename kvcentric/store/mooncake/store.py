@@ -6,24 +6,21 @@ Wraps ``mooncake.store.MooncakeDistributedStore`` (``mooncake-transfer-engine``,
 indexes, allocates, evicts (asynchronously, at its high watermark) and leases reads.
 
 Hot path, all batched, no Python ``bytes``: ``batch_is_exist``, ``batch_put_from`` (after
-asking which keys exist and skipping them), ``batch_get_into``. Register caller buffers
-once (:meth:`register_buffer`): Mooncake bounces unregistered sources through its local
-buffer (~5x slower puts). :meth:`batch_alloc` hands out extents of one registered staging
-arena (the connector packs layers into them during the forward pass) and
-:meth:`batch_commit` puts them with one ``batch_put_from``, so an object becomes visible
-whole; :meth:`batch_acquire` gets objects into the arena and hands out pointers until
-:meth:`release`. :meth:`batch_put_from_multi` / :meth:`batch_get_into_multi` gather and
-scatter objects over several buffers (e.g. KV cache pages) without a staging copy.
-
-Writes commit with one ``batch_put_from``; reads may stream layer by layer through a get
-session (``ranged_reads``): :meth:`batch_acquire_streamed` + :meth:`fetch_range`. Why, with
-the measurements: docs/architecture.md §4.3.
+skipping stored keys), ``batch_get_into``; caller buffers are registered once
+(:meth:`register_buffer`; unregistered sources bounce through Mooncake's local buffer,
+~5x slower). :meth:`batch_alloc`/:meth:`batch_commit` write through extents of one
+registered staging arena, so an object becomes visible whole; :meth:`batch_acquire` gets
+objects into it until :meth:`release`, or (``ranged_reads``) :meth:`batch_acquire_streamed`
++ :meth:`fetch_range` stream them layer by layer (docs/architecture.md §4.3).
+:meth:`batch_put_from_multi`/:meth:`batch_get_into_multi` gather/scatter over several
+buffers. ``verify_checksums`` adds a checksum trailer to every object
+(:mod:`kvcentric.store.mooncake.checksums`).
 
 Errors map onto the ``KVStore`` codes (:mod:`kvcentric.store.mooncake.codes`). While the
 master is unreachable calls answer ``ERR_UNAVAILABLE`` (or raise ``StoreUnavailable``) in
 microseconds instead of Mooncake's ~4 s reconnect stall, and the client rejoins by itself
-(:mod:`kvcentric.store.mooncake.health`). ``verify_checksums`` is rejected at open;
-``parents`` is ignored (Mooncake evicts by its own policy, not leaves first).
+(:mod:`kvcentric.store.mooncake.health`). ``parents`` is ignored (Mooncake evicts by its own
+policy, not leaves first).
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from kvcentric.store.base import (
     StoreUnavailable,
     WriteSlot,
 )
+from kvcentric.store.mooncake.checksums import get_checked, put_sealed
 from kvcentric.store.mooncake.client import check_installed, chunks, join
 from kvcentric.store.mooncake.codes import MC_NO_SPACE, map_code
 from kvcentric.store.mooncake.config import MooncakeSettings, engine_env
@@ -64,8 +62,6 @@ class MooncakeStore(KVStore):
     """One Mooncake client; see the module docstring for semantics and ownership."""
 
     def __init__(self, cfg: StoreConfig) -> None:
-        if cfg.verify_checksums:
-            raise ValueError("verify_checksums is not supported by the mooncake backend")
         self.cfg = cfg
         self.settings = s = MooncakeSettings.load(cfg.mooncake)
         self.protocol, self.devices = resolve_transport(s.protocol, s.device_name,
@@ -82,7 +78,8 @@ class MooncakeStore(KVStore):
         self._closed = False
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(("hits", "misses", "puts", "put_bytes", "gets",
-                                        "get_bytes", "rejected_puts", "skipped_puts"), 0)
+                                        "get_bytes", "rejected_puts", "skipped_puts",
+                                        "corrupt"), 0)
         self._registered: dict[int, int] = {}
         self._staging: StagingArena | None = None
         self._reads = LeaseReads(self)
@@ -214,6 +211,12 @@ class MooncakeStore(KVStore):
         """Put objects given as buffer lists (one buffer: ``batch_put_from``), waiting a
         bounded time for eviction when space runs out (the master evicts asynchronously
         once past its high watermark)."""
+        if self.cfg.verify_checksums and keys:
+            return put_sealed(self, keys, ptrs, sizes)
+        return self._put_raw(keys, ptrs, sizes)
+
+    def _put_raw(self, keys: list[str], ptrs: list[list[int]],
+                 sizes: list[list[int]]) -> list[int]:
         out = [ERR_UNAVAILABLE] * len(keys)
         todo = list(range(len(keys)))
         deadline = time.monotonic() + self.settings.no_space_wait_s
@@ -240,6 +243,8 @@ class MooncakeStore(KVStore):
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
                        sizes: Sequence[int]) -> list[int]:
         _check_lengths(keys, ptrs, sizes)
+        if self.cfg.verify_checksums:
+            return get_checked(self, keys, [[p] for p in ptrs], [[n] for n in sizes])[0]
         return self._get(keys, lambda c: c.batch_get_into(list(keys), list(ptrs), list(sizes)))
 
     def batch_get_into_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
@@ -253,6 +258,9 @@ class MooncakeStore(KVStore):
             k = list(keys[c])
             p = [list(x) for x in ptr_lists[c]]
             n = [list(x) for x in size_lists[c]]
+            if self.cfg.verify_checksums:
+                out += get_checked(self, k, p, n)[0]
+                continue
             out += self._get(k, lambda m, k=k, p=p, n=n: m.batch_get_into_multi_buffers(k, p, n))
         return out
 
