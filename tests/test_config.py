@@ -68,8 +68,15 @@ def test_booleans_given_as_strings_are_parsed_not_truthy() -> None:
 
     assert StoreConfig.from_dict({"verify_checksums": "false", "prefault": "0"}).prefault is False
     assert StoreConfig.from_dict({"verify_checksums": "yes"}).verify_checksums is True
-    s = ConnectorSettings.from_extra_config({"save_decode": "false", "async_copy": "off"})
-    assert s.save_decode is False and s.async_copy is False
+    s = ConnectorSettings.from_extra_config({"save_decode": "false", "async_copy": "off",
+                                             "async_commit": "no", "min_fetch_bytes": "4mb"})
+    assert s.save_decode is False and s.async_copy is False and s.async_commit is False
+    assert s.min_fetch_bytes == 4 << 20 and s.spare_cpu_threads is True
+    with pytest.raises(ValueError, match="min_fetch_bytes"):
+        ConnectorSettings.from_extra_config({"min_fetch_bytes": 0})
+    assert StoreConfig.from_dict({"shared_index": "off", "lease_ttl_s": 5}).shared_index is False
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        StoreConfig.from_dict({"lease_ttl_s": -1})
     assert MooncakeSettings.from_dict({"ranged_reads": "false"}).ranged_reads is False
     assert SGLangSettings.from_extra_config({"interface_v1": "1"}).v1 is True
     r = RouterConfig.from_dict({"model": "m", "tokenizer": "t", "slo": {"reject": "false"}})

@@ -63,6 +63,7 @@ class KVCentricWorker:
         self._load_futs: list[Future[None]] = []
         self._load_failed = False
         self._load_plans: list[tuple[ReadLease, PagePlan]] = []
+        self._fetch_group = 1  # layers per ranged fetch, set per step
         self._leases: list[ReadLease] = []
         self._load_errors: set[int] = set()
         self._save_specs: list[TransferSpec] = []
@@ -118,6 +119,12 @@ class KVCentricWorker:
         for spec in meta.loads:
             self._timed("fetch_seconds", self._lease_and_plan, spec)
         if self._load_plans:
+            g = self.layout.geometry
+            per_layer = g.pages_per_object * g.page_bytes * sum(
+                plan.num_objects for _, plan in self._load_plans)
+            # one ranged store call per group of layers: each call has a fixed cost
+            # (Mooncake over TCP: ~5 ms), which small per-layer ranges would pay L times
+            self._fetch_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
             self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer)
                                for layer in range(len(self._kv))]
 
@@ -160,8 +167,11 @@ class KVCentricWorker:
     def _unpack_layer(self, layer: int) -> None:
         g = self.layout.geometry
         span = g.pages_per_object * g.page_bytes  # objects are [num_layers][k][page_bytes]
+        group = self._fetch_group
         for lease, plan in self._load_plans:
-            self.store.fetch_range(lease, layer * span, span)
+            if layer % group == 0:
+                layers = min(group, len(self._kv) - layer)
+                self.store.fetch_range(lease, layer * span, layers * span)
             plan.unpack_layer(layer, self._kv[layer])
 
     def wait_for_layer(self, layer_name: str) -> None:
