@@ -1,24 +1,35 @@
-"""kvcentric demo: a multi-turn conversation over two vLLM instances, with and without reuse.
+"""kvcentric demo: one multi-turn conversation, three ways, on two vLLM instances each.
 
     make demo        (or: .venv/bin/python examples/demo.py [--turns N])
 
-Starts the embedded local KV store, two vLLM CPU instances with the kvcentric connector
-and, for comparison, two plain vLLM instances (prefix caching on). A client holds one
+Starts the embedded local KV store, two vLLM CPU instances with the kvcentric connector,
+two plain vLLM instances (prefix caching on) and the kvcentric router. A client holds one
 conversation: a long system prompt, then turns that each resend the whole history plus
-the previous answers, sent round-robin across the two instances, as a load balancer
-without session affinity would. Without kvcentric every turn lands on an instance that
-has not seen the previous turn and recomputes the history; with kvcentric the instance
-loads it from the store. Prints TTFT per turn and the gain.
+the previous answers. Three arms, the same conversation:
+
+1. ``vLLM, round robin``: plain instances, turns alternate between them as a load
+   balancer without session affinity would; every turn recomputes the history.
+2. ``+ kvcentric store``: the connector instances, still round robin; each turn loads
+   the history the other instance stored.
+3. ``+ kvcentric router``: the same instances behind the router, which sends each turn
+   where its prefix is cheapest (here: the instance that holds it in its engine cache).
+
+Caches (engine and store) are emptied between arms 2 and 3. Prints TTFT per turn, the
+means, and whether every arm generated the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcentric.config import StoreConfig  # noqa: E402
@@ -26,21 +37,53 @@ from kvcentric.store import open_store  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.store.metrics import log_line  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
-from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
+from kvcentric.testing.servers import (  # noqa: E402
+    VllmServer,
+    connector_config,
+    free_port,
+    stop_group,
+    stream_completion,
+    wait_http,
+)
+
+Turn = tuple[int, float, list[int]]  # prompt tokens, TTFT s, answer
 
 
-def conversation(servers: list[VllmServer], turns: int, system: list[int],
-                 seed: int, out_len: int) -> list[tuple[int, float, list[int]]]:
-    """Run one conversation; returns (prompt tokens, TTFT s, answer) per turn."""
+def conversation(send: Callable[[int, list[int]], tuple[float, list[int]]], turns: int,
+                 system: list[int], seed: int) -> list[Turn]:
+    """Run one conversation through ``send(turn, prompt)``; (prompt tokens, TTFT, answer)
+    per turn."""
     rnd = random.Random(seed)
     history = list(system)
     rows = []
     for t in range(turns):
         history += [rnd.randrange(4, 8000) for _ in range(200)]  # the user's new message
-        ttft, answer = servers[t % len(servers)].stream(history, max_tokens=out_len)
+        ttft, answer = send(t, history)
         rows.append((len(history), ttft, answer))
         history += answer
     return rows
+
+
+def round_robin(servers: list[VllmServer], out_len: int) -> Callable[[int, list[int]],
+                                                                     tuple[float, list[int]]]:
+    return lambda t, prompt: servers[t % len(servers)].stream(prompt, max_tokens=out_len)
+
+
+def start_router(model: str, servers: list[VllmServer], store: dict[str, str],
+                 logs: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The kvcentric router over ``servers`` (default cost model, no profile run)."""
+    port = free_port()
+    cfg = {"model": "bench", "tokenizer": model, "listen": {"port": port}, "store": store,
+           "instances": [{"url": s.url, "role": "both", "name": f"kvc{i}"}
+                         for i, s in enumerate(servers)]}
+    (logs / "router.yaml").write_text(yaml.safe_dump(cfg))
+    log = logs / "router.log"
+    proc = subprocess.Popen([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
+                             str(logs / "router.yaml")], stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc, log, 60)
+    return proc, url
 
 
 def main() -> None:
@@ -67,6 +110,7 @@ def main() -> None:
     plain = [VllmServer(**common, log_path=logs / f"plain{i}.log")  # type: ignore[arg-type]
              for i in range(2)]
     print("starting the store and 4 vLLM CPU instances (about a minute) ...", flush=True)
+    router = None
     try:
         for s in kvc + plain:
             s.start()
@@ -76,31 +120,44 @@ def main() -> None:
         for s in kvc + plain:
             s.complete(warm, max_tokens=2, timeout_s=600)
         system = [random.Random(1).randrange(4, 8000) for _ in range(args.system_len)]
-        print(f"running a {args.turns}-turn conversation, round-robin over 2 instances ...",
-              flush=True)
-        base = conversation(plain, args.turns, system, 2, args.output_len)
-        ours = conversation(kvc, args.turns, system, 2, args.output_len)
+        print(f"running a {args.turns}-turn conversation three ways ...", flush=True)
+        arms = {"vLLM, round robin": conversation(round_robin(plain, args.output_len),
+                                                   args.turns, system, 2)}
+        arms["+ kvcentric store"] = conversation(round_robin(kvc, args.output_len), args.turns,
+                                                 system, 2)
         with open_store(store) as st:
             stats = st.stats()
+            st.clear()  # type: ignore[attr-defined]
+        for s in kvc:
+            s.reset_prefix_cache()
+        router, url = start_router(model, kvc, store, logs)
+        print(f"router at {url} (its /metrics and /instances show the decisions)", flush=True)
+        arms["+ kvcentric router"] = conversation(
+            lambda t, p: stream_completion(url, "bench", p, args.output_len, 300.0),
+            args.turns, system, 2)
     finally:
+        stop_group(router)
         for s in kvc + plain:
             s.stop()
         launcher.stop(StoreConfig.from_dict(store))
-    report(base, ours, stats, time.monotonic() - t_start)
+    report(arms, stats, time.monotonic() - t_start)
 
 
-def report(base: list, ours: list, stats: dict, elapsed: float) -> None:  # type: ignore[type-arg]
-    print(f"\n{'turn':>4} {'prompt':>7} {'vLLM only':>11} {'kvcentric':>11} {'speed-up':>9}")
-    for t, ((n, tb, ab), (_, tk, ak)) in enumerate(zip(base, ours), 1):
-        same = "" if ab == ak else "  (tokens differ!)"
-        print(f"{t:>4} {n:>7} {1e3 * tb:>9.0f}ms {1e3 * tk:>9.0f}ms {tb / tk:>8.1f}x{same}")
-    later_b = sum(r[1] for r in base[1:])
-    later_k = sum(r[1] for r in ours[1:])
-    print(f"\nturns 2..{len(base)}: mean TTFT {1e3 * later_b / (len(base) - 1):.0f} ms "
-          f"(vLLM prefix cache only) vs {1e3 * later_k / (len(ours) - 1):.0f} ms (kvcentric): "
-          f"{later_b / later_k:.1f}x faster")
-    print(f"identical tokens in every turn: {all(b[2] == k[2] for b, k in zip(base, ours))}")
-    print(log_line(stats))
+def report(arms: dict[str, list[Turn]], stats: dict[str, int], elapsed: float) -> None:
+    names = list(arms)
+    base = arms[names[0]]
+    print(f"\n{'turn':>4} {'prompt':>7}" + "".join(f" {n:>20}" for n in names))
+    for t in range(len(base)):
+        cells = "".join(f" {1e3 * arms[n][t][1]:>18.0f}ms" for n in names)
+        print(f"{t + 1:>4} {base[t][0]:>7}{cells}")
+    later = {n: sum(r[1] for r in rows[1:]) / (len(rows) - 1) for n, rows in arms.items()}
+    print(f"{'turns 2..':>12}" + "".join(f" {1e3 * later[n]:>18.0f}ms" for n in names))
+    for n in names[1:]:
+        print(f"{n}: turns 2..{len(base)} {later[names[0]] / later[n]:.1f}x faster than "
+              f"{names[0]}")
+    same = all([r[2] for r in rows] == [r[2] for r in base] for rows in arms.values())
+    print(f"identical tokens in every turn of every arm: {same}")
+    print("store after the round-robin arm:", log_line(stats))
     print(f"demo finished in {elapsed:.0f} s")
 
 

@@ -67,6 +67,29 @@ def connector_config(store: Mapping[str, Any], role: str = "kv_both",
             "kv_role": role, "kv_connector_extra_config": {"store": dict(store), **extra}}
 
 
+def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: int = 16,
+                      timeout_s: float = 300.0) -> tuple[float, list[int]]:
+    """Streamed greedy ``/v1/completions`` at ``url`` (an engine or a router): (seconds to
+    the first token, generated token ids)."""
+    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+    t0 = time.perf_counter()
+    first: float | None = None
+    toks: list[int] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            if ids and first is None:
+                first = time.perf_counter() - t0
+            toks += ids
+    if first is None:
+        raise RuntimeError("the stream carried no tokens")
+    return first, toks
+
+
 @dataclass
 class VllmServer:
     """One vLLM OpenAI server process.
@@ -142,24 +165,7 @@ class VllmServer:
     def stream(self, prompt: Sequence[int], max_tokens: int = 16,
                timeout_s: float = 300.0) -> tuple[float, list[int]]:
         """Streamed greedy completion: (seconds to the first token, generated token ids)."""
-        body = {"model": self.name, "prompt": list(prompt), "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-                "stream": True}
-        t0 = time.perf_counter()
-        first: float | None = None
-        toks: list[int] = []
-        with httpx.stream("POST", self.url + "/v1/completions", json=body,
-                          timeout=timeout_s) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
-                if ids and first is None:
-                    first = time.perf_counter() - t0
-                toks += ids
-        assert first is not None, "the stream carried no tokens"
-        return first, toks
+        return stream_completion(self.url, self.name, prompt, max_tokens, timeout_s)
 
     def tokens(self, prompt: Sequence[int], max_tokens: int = 16, **extra: Any) -> list[int]:
         """The generated token ids of a greedy completion."""
