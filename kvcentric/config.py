@@ -163,6 +163,91 @@ def default_runtime_dir() -> Path:
     return base / f"kvcentric-{os.getuid()}"
 
 
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes held by the regular files under ``path`` (a restarted store's own disk tier
+    counts as available to it)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f), follow_symlinks=False).st_size
+            except OSError:
+                pass
+    return total
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """The local store's optional disk (SSD) tier (docs/architecture.md §4.5).
+
+    Fields:
+        path: directory of the tier's files; the store keeps them in ``path/{name}/``.
+        capacity_bytes: hard bound on the bytes the tier's files take.
+        writers: demotion threads (each writes and fsyncs whole objects).
+        high_watermark: demotion starts when DRAM holds more than this fraction of its
+            capacity in objects with no disk copy, so a DRAM eviction finds a clean copy
+            to drop instead of waiting on the disk.
+
+    :meth:`from_dict` checks the file system once (``ValueError``): ``path`` must be a
+    directory (or creatable under a writable one) and ``capacity_bytes`` must fit in its
+    free space plus what the tier's files there already take.
+    """
+
+    path: Path
+    capacity_bytes: int
+    writers: int = 1
+    high_watermark: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError("store.disk.capacity must be positive")
+        if self.writers < 1:
+            raise ValueError("store.disk.writers must be >= 1")
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError("store.disk.high_watermark must be in (0, 1]")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> DiskConfig:
+        if isinstance(raw, DiskConfig):
+            return raw
+        if isinstance(raw, Mapping) and "capacity" in raw and "capacity_bytes" in raw:
+            raise ValueError("store.disk: give capacity or capacity_bytes, not both")
+        kw = parse_fields(cls, raw, "store.disk", aliases={"capacity": "capacity_bytes"},
+                          sizes={"capacity_bytes"})
+        if "path" not in kw or "capacity_bytes" not in kw:
+            raise ValueError("store.disk needs path and capacity")
+        cfg = cls(**kw)
+        cfg.check_space()
+        return cfg
+
+    def check_space(self) -> None:
+        """``ValueError`` unless the tier can live at ``path`` with its capacity."""
+        path = self.path.expanduser()
+        base = _existing_ancestor(path.absolute())
+        if not base.is_dir():
+            raise ValueError(f"store.disk.path {str(self.path)!r}: {str(base)!r} is not a "
+                             "directory")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise ValueError(f"store.disk.path {str(self.path)!r}: {str(base)!r} is not "
+                             "writable")
+        st = os.statvfs(base)
+        free = st.f_bavail * st.f_frsize
+        mine = _tree_bytes(path) if path.is_dir() else 0
+        if free + mine <= 0:
+            raise ValueError(f"store.disk.path {str(self.path)!r}: no free space")
+        if self.capacity_bytes > free + mine:
+            raise ValueError(f"store.disk.capacity {self.capacity_bytes} B exceeds the free "
+                             f"space at {str(self.path)!r} ({free + mine} B)")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Which KV store to open and how.
@@ -187,6 +272,7 @@ class StoreConfig:
             shared-memory index instead of a round trip (docs/architecture.md §4.4).
         lease_ttl_s: a read lease older than this is reclaimed by the local coordinator, so
             a hung but connected client cannot pin objects forever (0 = never).
+        disk: the local store's disk tier (:class:`DiskConfig`), or ``None`` for DRAM only.
         mooncake: backend-specific settings (see ``kvcentric.store.mooncake``).
     """
 
@@ -203,6 +289,7 @@ class StoreConfig:
     reconnect_interval_s: float = 1.0
     shared_index: bool = True
     lease_ttl_s: float = 300.0
+    disk: DiskConfig | None = None
     mooncake: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -218,6 +305,13 @@ class StoreConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.op_timeout_s == 0 or self.start_timeout_s == 0:
             raise ValueError("op_timeout_s and start_timeout_s must be > 0")
+        if self.disk is not None and not isinstance(self.disk, DiskConfig):
+            raise ValueError("disk must be a DiskConfig (parse mappings with from_dict)")
+
+    @property
+    def disk_dir(self) -> Path | None:
+        """Where this store's disk-tier files live (``None`` without a disk tier)."""
+        return None if self.disk is None else self.disk.path.expanduser() / self.name
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | StoreConfig | None) -> StoreConfig:
@@ -226,8 +320,11 @@ class StoreConfig:
             return raw
         if raw is not None and "capacity" in raw and "capacity_bytes" in raw:
             raise ValueError("store: give capacity or capacity_bytes, not both")
-        return cls(**parse_fields(cls, raw, "store", aliases={"capacity": "capacity_bytes"},
-                                  sizes={"capacity_bytes"}))
+        kw = parse_fields(cls, raw, "store", aliases={"capacity": "capacity_bytes"},
+                          sizes={"capacity_bytes"})
+        if kw.get("disk") is not None:
+            kw["disk"] = DiskConfig.from_dict(kw["disk"])
+        return cls(**kw)
 
     def with_(self, **changes: Any) -> StoreConfig:
         return replace(self, **changes)

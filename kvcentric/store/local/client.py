@@ -36,6 +36,7 @@ from kvcentric.store.base import (
     checksum,
 )
 from kvcentric.store.local import launcher
+from kvcentric.store.local.disk_reads import DiskReads
 from kvcentric.store.local.rpc import RpcClient
 from kvcentric.store.local.shared_index import SharedIndexReader
 
@@ -216,6 +217,14 @@ class LocalStore(KVStore):
                 for s, c in zip(slots, codes)]
 
     def batch_acquire(self, keys: Sequence[str], sizes: Sequence[int] | None = None) -> ReadLease:
+        return self._acquire(keys, eager=True)
+
+    def batch_acquire_streamed(self, keys: Sequence[str], sizes: Sequence[int]) -> ReadLease:
+        """DRAM objects are in place at once; disk-tier objects arrive range by range
+        through :meth:`fetch_range` (docs/architecture.md §4.5)."""
+        return self._acquire(keys, eager=False)
+
+    def _acquire(self, keys: Sequence[str], eager: bool) -> ReadLease:
         if not keys:
             return ReadLease([], [], [], [], None)
         arena = self.arena
@@ -225,25 +234,57 @@ class LocalStore(KVStore):
         # the coordinator reclaims the lease lease_ttl_s after it granted it, which is
         # after we asked: treating it as lapsed from asked + ttl is always on the safe side
         deadline = asked + self._lease_ttl_s if self._lease_ttl_s > 0 else float("inf")
-        n = len(entries)
-        return ReadLease(list(keys[:n]), [arena.base + off for off, _, _ in entries],
-                         [size for _, size, _ in entries], [c for _, _, c in entries],
-                         (lease_id, gen, deadline))
+        reads = DiskReads(len(entries)) if any(len(e) > 3 for e in entries) else None
+        ptrs: list[int] = []
+        for i, ent in enumerate(entries):
+            if len(ent) == 3:
+                ptrs.append(arena.base + ent[0])
+                continue
+            assert reads is not None
+            promo = arena.base + ent[0] if ent[0] >= 0 else None
+            ptr = reads.open(i, ent[3], ent[1], ent[4], promo)
+            if ptr is None:
+                break  # its file is gone: the leading run ends here
+            ptrs.append(ptr)
+        n = len(ptrs)
+        if reads is not None and eager:
+            bad = reads.fetch_all()
+            n = bad if 0 <= bad < n else n
+        return ReadLease(list(keys[:n]), ptrs[:n], [e[1] for e in entries[:n]],
+                         [e[2] for e in entries[:n]], (lease_id, gen, deadline, reads, n))
+
+    def fetch_range(self, lease: ReadLease, offset: int, size: int) -> None:
+        reads = lease.handle[3] if lease.handle is not None else None
+        if reads is None:
+            return  # DRAM objects are in place already
+        try:
+            reads.fetch(offset, size, lease.handle[4])
+        except OSError as exc:
+            raise StoreUnavailable(f"disk-tier read failed: {exc}") from exc
 
     def release(self, lease: ReadLease) -> None:
         if lease.handle is None:
             return
-        lease_id, gen, _ = lease.handle
+        lease_id, gen, _, reads, _ = lease.handle
         lease.handle = None
-        if lease_id and gen == self._rpc.generation:
+        live = lease_id and gen == self._rpc.generation
+        if reads is not None:
+            codes = reads.codes()
+            reads.close()
+            if live:
+                self._rpc.send("settle", lease_id, codes)
+        elif live:
             self._rpc.send("release", lease_id)
 
     def lease_valid(self, lease: ReadLease) -> bool:
         """False when the connection dropped since ``lease`` was taken, or its TTL ran out
-        (either way the coordinator reclaimed it and its bytes may have been reused)."""
+        (either way the coordinator reclaimed it and its bytes may have been reused), or
+        when an object read from the disk tier is incomplete or fails its checksum."""
         if lease.handle is None:
             return False
-        _, gen, deadline = lease.handle
+        _, gen, deadline, reads, n = lease.handle
+        if reads is not None and not reads.verified(n):
+            return False
         return gen == self._rpc.generation and time.monotonic() < deadline
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],

@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcentric.store.base import (
     ERR_EXISTS,
@@ -52,6 +53,11 @@ class Entry:
     kids: list[Entry] = field(default_factory=list)  # committed children linked to this one
     depth: int = 0  # linked ancestors
     complete: bool = False  # every ancestor back to a parentless root is committed
+    # disk tier (kvcentric.store.local.tiered); offset is -1 while the object is on disk only
+    disk_path: str | None = None  # its complete, fsynced file
+    disk_checksum: int = 0
+    demoting: bool = False  # a disk write of its DRAM bytes is in flight (they are pinned)
+    promo: int = -1  # DRAM extent a reader fills from disk, published at settle
 
     @property
     def children(self) -> int:
@@ -207,7 +213,7 @@ class ObjectIndex:
         for e in lease.entries:
             e.readers -= 1
             if e.removed and e.readers == 0:
-                self.alloc.free(e.offset, e.size)
+                self._free(e)
 
     # ---- removal and eviction ----
     def remove(self, key: str, force: bool = False) -> int:
@@ -242,7 +248,16 @@ class ObjectIndex:
         if e.readers:
             e.removed = True  # freed when the last reader releases
         else:
-            self.alloc.free(e.offset, e.size)
+            self._free(e)
+
+    def _free(self, e: Entry) -> None:
+        """Give back the storage of a dropped, unleased object."""
+        self.alloc.free(e.offset, e.size)
+
+    def lease_reply(self, lease_id: int, entries: list[Entry]) -> list[Any]:
+        """What a client needs to read ``entries`` of lease ``lease_id``: one
+        ``[offset, size, checksum]`` per object."""
+        return [[e.offset, e.size, e.checksum] for e in entries]
 
     def _evict_one(self) -> bool:
         for e in self._leaves.values():

@@ -23,9 +23,15 @@ from kvcentric.store.base import StoreUnavailable
 
 def config_json(cfg: StoreConfig) -> str:
     """Serialise what the coordinator needs of ``cfg``."""
-    return json.dumps({"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-                       "runtime_dir": str(cfg.runtime_dir), "idle_timeout_s": cfg.idle_timeout_s,
-                       "lease_ttl_s": cfg.lease_ttl_s})
+    raw: dict[str, object] = {
+        "name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
+        "runtime_dir": str(cfg.runtime_dir), "idle_timeout_s": cfg.idle_timeout_s,
+        "lease_ttl_s": cfg.lease_ttl_s}
+    if cfg.disk is not None:
+        d = cfg.disk
+        raw["disk"] = {"path": str(d.path), "capacity_bytes": d.capacity_bytes,
+                       "writers": d.writers, "high_watermark": d.high_watermark}
+    return json.dumps(raw)
 
 
 def is_running(cfg: StoreConfig) -> bool:

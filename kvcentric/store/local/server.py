@@ -29,16 +29,19 @@ from typing import Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import wire
+from kvcentric.store.local.demoter import DiskWorker
 from kvcentric.store.local.index import ObjectIndex
 from kvcentric.store.local.shared_index import SharedIndexWriter, slots_for
+from kvcentric.store.local.tiered import TieredIndex
 from kvcentric.store.metrics import log_line
 
 log = logging.getLogger("kvcentric.store")
 STATS_LOG_INTERVAL_S = 30.0
 LEASE_SWEEP_INTERVAL_S = 1.0
 MAX_UNSENT = 64 << 20  # a client that stops reading its replies is dropped beyond this
-ONE_WAY = frozenset({"release"})  # requests that get no reply
+ONE_WAY = frozenset({"release", "settle"})  # requests that get no reply
 READ_ONLY = frozenset({"exists", "hello", "stats", "keys", "release"})  # no index writes
+DISK_EVENT = "disk"  # selector data of the disk worker's wake-up pipe
 
 
 class _Client:
@@ -55,7 +58,13 @@ class Coordinator:
 
     def __init__(self, cfg: StoreConfig) -> None:
         self.cfg = cfg
-        self.index = ObjectIndex(cfg.capacity_bytes)
+        self._disk: DiskWorker | None = None
+        self.index: ObjectIndex
+        if cfg.disk is not None and cfg.disk_dir is not None:
+            self.index = TieredIndex(cfg.capacity_bytes, cfg.disk.capacity_bytes, cfg.disk_dir,
+                                     cfg.disk.high_watermark, self._submit)
+        else:
+            self.index = ObjectIndex(cfg.capacity_bytes)
         self.arena_id = secrets.token_hex(8)
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Client] = {}
@@ -70,6 +79,35 @@ class Coordinator:
             os.ftruncate(fd, self.cfg.capacity_bytes)
         finally:
             os.close(fd)
+
+    def _submit(self, job: object) -> None:
+        assert self._disk is not None
+        self._disk.submit(job)
+
+    def _start_disk(self) -> None:
+        """Start the disk tier's I/O threads and the rebuild of its index from its files."""
+        if not isinstance(self.index, TieredIndex):
+            return
+        root = self.index.root
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        assert self.cfg.disk is not None
+        self._disk = DiskWorker(self.cfg.arena_path, self.cfg.capacity_bytes, root,
+                                self.cfg.disk.writers)
+        self._sel.register(self._disk.wake_fd, selectors.EVENT_READ, DISK_EVENT)
+        self.index.recovering = True
+        self._disk.submit("recover")
+
+    def _disk_turn(self, now: float, woken: bool) -> None:
+        """Apply finished disk I/O and queue more demotions (never waits for the disk)."""
+        idx = self.index
+        if self._disk is None or not isinstance(idx, TieredIndex):
+            return
+        results = self._disk.results() if woken else []
+        if results or idx.needs_pump(now):
+            with self._write_section("disk"):
+                for r in results:
+                    idx.apply(r, now)
+                idx.pump(now)
 
     def _listen(self) -> socket.socket:
         path = str(self.cfg.socket_path)
@@ -87,6 +125,7 @@ class Coordinator:
         self._create_arena()
         self._shared = SharedIndexWriter(self.cfg.index_path, slots_for(self.cfg.capacity_bytes))
         self.index.shared = self._shared
+        self._start_disk()
         lsock = self._listen()
         self._sel.register(lsock, selectors.EVENT_READ, None)
         log.info("kvcentric local store %r up: %s, capacity %d B, pid %d", self.cfg.name,
@@ -94,15 +133,20 @@ class Coordinator:
         last_log = last_sweep = time.monotonic()
         try:
             while self._running:
+                woken = False
                 for skey, events in self._sel.select(timeout=LEASE_SWEEP_INTERVAL_S):
                     if skey.data is None:
                         self._accept(lsock)
+                        continue
+                    if skey.data == DISK_EVENT:
+                        woken = True
                         continue
                     if events & selectors.EVENT_WRITE and not self._flush(skey.data):
                         continue
                     if events & selectors.EVENT_READ:
                         self._handle(skey.data)
                 now = time.monotonic()
+                self._disk_turn(now, woken)
                 self._shared.beat()
                 if self.cfg.lease_ttl_s > 0 and now - last_sweep >= LEASE_SWEEP_INTERVAL_S:
                     self._expire_leases(now)
@@ -230,9 +274,15 @@ class Coordinator:
             return None
         if op == "acquire":
             lease_id, entries = idx.acquire(args[0], owner)
-            return [lease_id, [[e.offset, e.size, e.checksum] for e in entries]]
+            return [lease_id, idx.lease_reply(lease_id, entries)]
         if op == "release":
             idx.release(args[0], owner)
+            return None
+        if op == "settle":
+            if isinstance(idx, TieredIndex):
+                idx.settle(args[0], owner, args[1])
+            else:
+                idx.release(args[0], owner)
             return None
         if op == "remove":
             return idx.remove(args[0], args[1])
@@ -260,6 +310,8 @@ class Coordinator:
             self._drop(owner)
         self._sel.close()
         lsock.close()
+        if self._disk is not None:
+            self._disk.close()  # finishes queued writes; the tier's files stay for a restart
         if self._shared is not None:
             self._shared.disable("coordinator stopped")
             self._shared.close()

@@ -49,6 +49,7 @@ SIGNATURES: dict[str, Any] = {
     "abort": tuple[list[str]],
     "acquire": tuple[list[str]],
     "release": tuple[int],
+    "settle": tuple[int, list[int]],  # release + per-object disk-read report (tiered.py)
     "remove": tuple[str, bool],
     "keys": tuple[str, int],
     "clear": tuple[()],

@@ -1,0 +1,176 @@
+"""The disk tier's I/O threads: every disk write, unlink and recovery scan runs here.
+
+The coordinator's loop only queues jobs and applies results, so no request waits on the
+disk (docs/architecture.md §4.5). A job reads the object's bytes straight from the
+coordinator's read-only mapping of the arena; the index pins those bytes until the job's
+result is applied (the loop, woken through a pipe, applies results in order).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcentric.store.local import disk
+
+log = logging.getLogger("kvcentric.store")
+BATCH = 16  # writes fsynced together: one directory fsync per batch, not per object
+
+
+@dataclass
+class WriteJob:
+    token: Any  # the index entry; only the loop thread reads or writes it
+    key: str
+    parent: str | None
+    offset: int
+    size: int
+    path: Path
+
+
+@dataclass
+class WriteDone:
+    token: Any
+    ok: bool
+    checksum: int = 0
+    full: bool = False  # ENOSPC/EFBIG/EDQUOT: the tier is full, not broken
+    error: str = ""
+    path: Path | None = None
+
+
+@dataclass
+class Recovered:
+    header: disk.Header
+    path: Path
+
+
+@dataclass
+class RecoveryDone:
+    files: int
+    dropped: int  # torn or corrupt files deleted
+
+
+class DiskWorker:
+    """``threads`` I/O threads; results are collected with :meth:`results` after
+    :attr:`wake_fd` became readable."""
+
+    def __init__(self, arena_path: Path, capacity: int, root: Path, threads: int) -> None:
+        fd = os.open(arena_path, os.O_RDONLY)
+        try:
+            self._mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.root = root
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._done: deque[Any] = deque()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        self._threads = [threading.Thread(target=self._run, name=f"kvc-disk-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    # ---- loop side ----
+    def submit(self, job: Any) -> None:
+        self._jobs.put(job)
+
+    def results(self) -> list[Any]:
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+        os.close(self.wake_fd)
+        os.close(self._wake_w)
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+    # ---- I/O threads ----
+    def _post(self, result: Any) -> None:
+        self._done.append(result)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, WriteJob):
+                self._write_batch([job, *self._more_writes()])
+            elif isinstance(job, Path):
+                disk.remove_object(job)
+            elif job == "recover":
+                self._recover()
+
+    def _more_writes(self) -> list[WriteJob]:
+        """Queued writes to batch with the first; a non-write job is put back."""
+        more: list[WriteJob] = []
+        while len(more) < BATCH - 1:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(job, WriteJob):
+                self._jobs.put(job)
+                break
+            more.append(job)
+        return more
+
+    def _write_batch(self, jobs: list[WriteJob]) -> None:
+        done: list[WriteDone] = []
+        dirs: set[Path] = set()
+        for job in jobs:
+            try:
+                view = memoryview(self._mm)[job.offset:job.offset + job.size]
+                csum = disk.write_object(job.path, job.key, job.parent, view)
+                dirs.add(job.path.parent)
+                done.append(WriteDone(job.token, True, csum, path=job.path))
+            except (OSError, ValueError) as exc:
+                full = isinstance(exc, OSError) and exc.errno in disk.FULL_ERRNOS
+                log.warning("disk tier: cannot write %s: %s", job.path, exc)
+                done.append(WriteDone(job.token, False, full=full, error=str(exc)))
+        for d in dirs:  # the renames are durable only once their directories are
+            try:
+                disk.fsync_dir(d)
+            except OSError as exc:
+                log.warning("disk tier: cannot fsync %s: %s", d, exc)
+        for r in done:
+            self._post(r)
+
+    def _recover(self) -> None:
+        files = dropped = 0
+        try:
+            for path in disk.scan(self.root):
+                files += 1
+                h = disk.read_header(path)
+                if h is None or not disk.names_key(path, h.key) \
+                        or not disk.verify(path, h):
+                    log.warning("disk tier: dropping torn or corrupt file %s", path)
+                    disk.remove_object(path)
+                    dropped += 1
+                    continue
+                self._post(Recovered(h, path))
+        except OSError as exc:
+            log.warning("disk tier: recovery scan of %s failed: %s", self.root, exc)
+        self._post(RecoveryDone(files, dropped))

@@ -1,0 +1,141 @@
+"""Client side of disk-tier reads: a lease's disk-resident objects, read from their files.
+
+The coordinator leases a disk-only object with its file and, when DRAM had room, an arena
+extent to read it into (docs/architecture.md §4.5). The client reads each requested byte
+range with ``os.preadv`` straight into that extent (or into private memory), so a streamed
+lease moves one layer's bytes per ``fetch_range`` and nothing is copied twice. Bytes read
+from disk count as data only once the whole object is read and matches the checksum its
+writer stored in the file: :meth:`DiskReads.verified` (the connector's end-of-step
+``lease_valid``) checks it, and a mismatch is a lapsed lease (the engine recomputes). At
+release, :meth:`DiskReads.codes` tells the coordinator which objects to promote to DRAM and
+which files were corrupt or missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcentric.store.base import checksum
+from kvcentric.store.local.disk import DATA_OFFSET
+from kvcentric.store.local.tiered import CORRUPT, MISSING, PROMOTE
+
+
+@dataclass
+class _DiskObject:
+    index: int  # position in the lease
+    fd: int
+    ptr: int
+    size: int
+    checksum: int
+    promote: bool  # ptr is an arena extent the coordinator may publish
+    keep: object = None  # private memory behind ptr
+    spans: list[tuple[int, int]] = field(default_factory=list)  # fetched [start, end), merged
+    state: int = 0  # 0 unknown, PROMOTE verified good, CORRUPT, MISSING
+
+    def add_span(self, start: int, end: int) -> None:
+        spans = sorted([*self.spans, (start, end)])
+        merged = [spans[0]]
+        for s, e in spans[1:]:
+            if s <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((s, e))
+        self.spans = merged
+
+    @property
+    def complete(self) -> bool:
+        return self.spans == [(0, self.size)]
+
+
+class DiskReads:
+    """The disk-resident objects of one lease. One thread at a time (the lease's)."""
+
+    def __init__(self, n: int) -> None:
+        self.objects: list[_DiskObject] = []
+        self.codes_ = [0] * n  # per lease position; filled for failures and verifications
+
+    def open(self, i: int, path: str, size: int, csum: int, ptr: int | None) -> int | None:
+        """Open object ``i``'s file; returns where its bytes will be, or None (and a MISSING
+        code) when the file is gone."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.codes_[i] = MISSING
+            return None
+        keep = None
+        if ptr is None:
+            keep = np.empty(size, np.uint8)  # no DRAM room to promote into: private memory
+            ptr = int(keep.ctypes.data)
+        self.objects.append(_DiskObject(i, fd, ptr, size, csum, keep is None, keep))
+        return ptr
+
+    def fetch(self, offset: int, size: int, upto: int | None = None) -> None:
+        """Read bytes ``[offset, offset + size)`` of every object (of the first ``upto``
+        lease positions); ``OSError`` on an I/O error or a file shorter than its header
+        says (torn or truncated under us)."""
+        for obj in self.objects:
+            if upto is not None and obj.index >= upto:
+                break
+            start, end = min(offset, obj.size), min(offset + size, obj.size)
+            if start < end:
+                _pread_into(obj.fd, obj.ptr + start, end - start, DATA_OFFSET + start)
+                obj.add_span(start, end)
+
+    def fetch_all(self) -> int:
+        """Read every object whole and verify it; returns the lease position of the first
+        object that failed (the lease's leading run ends there), or -1."""
+        for obj in self.objects:
+            try:
+                self.fetch_one(obj)
+            except OSError:
+                self.codes_[obj.index] = CORRUPT
+            if not self._check(obj):
+                return obj.index
+        return -1
+
+    def fetch_one(self, obj: _DiskObject) -> None:
+        _pread_into(obj.fd, obj.ptr, obj.size, DATA_OFFSET)
+        obj.add_span(0, obj.size)
+
+    def _check(self, obj: _DiskObject) -> bool:
+        if obj.state == 0 and obj.complete and self.codes_[obj.index] == 0:
+            good = checksum(obj.ptr, obj.size) == obj.checksum
+            obj.state = PROMOTE if good else CORRUPT
+            self.codes_[obj.index] = (PROMOTE if obj.promote else 0) if good else CORRUPT
+        return obj.state == PROMOTE
+
+    def verified(self, upto: int | None = None) -> bool:
+        """True when every object (of the first ``upto`` positions) was read whole and
+        matches its checksum."""
+        return all(self._check(obj) for obj in self.objects
+                   if upto is None or obj.index < upto)
+
+    def codes(self) -> list[int]:
+        """Per lease position: PROMOTE, CORRUPT, MISSING or 0 (nothing to report)."""
+        for obj in self.objects:
+            self._check(obj)
+        return self.codes_
+
+    def close(self) -> None:
+        for obj in self.objects:
+            try:
+                # the tier must not shadow DRAM in the page cache (§4.5)
+                os.posix_fadvise(obj.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            os.close(obj.fd)
+        self.objects = []
+
+
+def _pread_into(fd: int, ptr: int, size: int, pos: int) -> None:
+    view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+    while view:
+        n = os.preadv(fd, [view], pos)
+        if n == 0:
+            raise OSError(errno.EIO, "disk-tier file is shorter than its object (torn)")
+        view, pos = view[n:], pos + n
