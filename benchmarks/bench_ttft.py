@@ -274,15 +274,7 @@ def main() -> None:
     lengths = args.lengths or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192])
     ratio_len = 2048 if args.quick else 4096
     reps = args.reps or (2 if args.quick else 3)
-    reserved = "1" if (os.cpu_count() or 1) <= 2 else "0"
-    threads_env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": reserved}
-    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
-    store = {"name": f"ttft-{uuid.uuid4().hex[:6]}", "capacity": "3gb"}
-    logs = RESULTS / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    lmc = None
-    if not args.no_lmcache and lmcache_peer.python() is not None:
-        lmc = LMCacheServer(size_gb=3, log_path=logs / "lmcache-server.log").start()
+    reserved, threads_env, model, store, logs, lmc = setup(args, "ttft")
     servers: dict[str, VllmServer] = {}
     try:
         servers = start_servers(model, store, max(lengths) + 512, threads_env, logs, lmc)
@@ -308,18 +300,28 @@ def main() -> None:
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
-def writer_main(args: argparse.Namespace) -> None:
-    lengths = args.lengths or [1024, 4096]
-    reps = args.reps or 2
+def setup(args: argparse.Namespace, name: str) -> tuple[str, dict[str, str], str,
+                                                       dict[str, Any], Path,
+                                                       LMCacheServer | None]:
+    """What every mode needs: the reserved-CPU count and env (the same worker threads in
+    every arm), the model, a fresh store name, the log dir and (if set up) LMCache's
+    server, started."""
     reserved = "1" if (os.cpu_count() or 1) <= 2 else "0"
     threads_env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": reserved}
     model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
-    store = {"name": f"ttftw-{uuid.uuid4().hex[:6]}", "capacity": "3gb"}
+    store = {"name": f"{name}-{uuid.uuid4().hex[:6]}", "capacity": "3gb"}
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     lmc = None
     if not args.no_lmcache and lmcache_peer.python() is not None:
         lmc = LMCacheServer(size_gb=3, log_path=logs / "lmcache-server.log").start()
+    return reserved, threads_env, model, store, logs, lmc
+
+
+def writer_main(args: argparse.Namespace) -> None:
+    lengths = args.lengths or [1024, 4096]
+    reps = args.reps or 2
+    reserved, threads_env, model, store, logs, lmc = setup(args, "ttftw")
     try:
         rows = measure_writer(model, store, lengths, args.runs, reps, threads_env, logs, lmc)
     finally:
