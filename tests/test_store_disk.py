@@ -25,6 +25,7 @@ from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
 from kvcentric.store.local.disk import DATA_OFFSET
 from tests.helpers.payload import payload, size_of
+from tests.helpers.waiting import wait_until
 from tests.store_contract import WORKER, StoreContract, get, put
 
 MB = 1 << 20
@@ -64,12 +65,7 @@ class TestDiskContract(StoreContract):
 
 
 def _wait(pred: Any, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
+    return wait_until(pred, timeout)
 
 
 def _fill(store: LocalStore, prefix: str, n: int, batch: int = 8,

@@ -20,6 +20,7 @@ from kvcentric.store import ERR_CORRUPT, ERR_UNAVAILABLE, OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
 from tests.helpers.payload import payload, size_of
+from tests.helpers.waiting import wait_until
 from tests.store_contract import WORKER, StoreContract, get, put, run_worker
 
 
@@ -74,12 +75,7 @@ def _spawn_holder(cfg: StoreConfig, mode: str, key: str) -> subprocess.Popen[str
 
 
 def _wait(pred: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
+    return wait_until(pred, timeout)
 
 
 def test_sigkill_mid_write_and_mid_read_leaks_nothing(store: LocalStore,

@@ -4,7 +4,6 @@ from its files, by a fresh vLLM CPU instance (docs/architecture.md §4.5)."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 STORED_BLOCK = 128  # the default stored block on CPU: one 128-token page
@@ -24,12 +24,7 @@ OBJECT = 512 << 10  # the tiny model's object: 512 KiB per 128-token block
 
 
 def _wait(pred: Any, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
+    return wait_until(pred, timeout, 0.1)
 
 
 @pytest.fixture
