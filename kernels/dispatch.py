@@ -13,8 +13,11 @@ Implementations (``impl``):
 * ``"triton"``: :mod:`kvcentric.kernels.triton_gather`, for CUDA tensors, or CPU tensors
   when ``TRITON_INTERPRET=1`` (Triton's interpreter). If the kernel cannot
   address a layout (see :func:`choose_impl`) the torch path runs instead;
+* ``"dma"``: :mod:`kvcentric.kernels.dma`, one ``copy_`` (``cudaMemcpyAsync``) per
+  contiguous piece of a page: any devices;
 * ``"auto"``: Triton when the layers are on CUDA or ``TRITON_INTERPRET=1`` and
-  Triton is installed, torch otherwise.
+  Triton is installed, torch otherwise. (Which of Triton and DMA is faster depends on the
+  shape: :mod:`kvcentric.kernels.autotune` measures it; the CUDA worker asks it once.)
 
 CUDA work is enqueued on the current stream and not synchronised; with
 pinned host rows the caller must synchronise before reading/reusing them.
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcentric.config import triton_interpret
+from kvcentric.kernels.dma import dma_pack, dma_unpack
 from kvcentric.kernels.reference import torch_pack, torch_unpack
 from kvcentric.kernels.tensor_views import (
     LayerGroup,
@@ -42,7 +46,7 @@ from kvcentric.kernels.tensor_views import (
 )
 from kvcentric.kernels.triton_gather import triton_pack, triton_unpack, unsupported_reason
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "triton", "dma")
 BlockIds = torch.Tensor | Sequence[int]
 Layers = Sequence[torch.Tensor] | torch.Tensor
 
@@ -80,8 +84,8 @@ def choose_impl(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "torch":
-        return ImplChoice("torch", "requested")
+    if impl in ("torch", "dma"):
+        return ImplChoice(impl, "requested")
     device = groups[0].tensor.device
     interpret = triton_interpret_enabled()
     if impl == "auto" and device.type != "cuda" and not interpret:
@@ -191,16 +195,37 @@ def _prepare(
     single: bool,
     what: str,
 ) -> tuple[list[LayerGroup], torch.Tensor, torch.Tensor, int]:
-    """Validate everything; return groups, ids, rows ``[n, L, *rest]``, block dim."""
+    """Validate everything; return groups, ids (on the host when they came from it),
+    rows ``[n, L, *rest]``, block dim."""
     check_layers(layers, "kv_layer" if single else "layers")
     first = layers[0]
     dim = check_block_dim(first.shape, block_dim)
-    ids = normalize_ids(block_ids, first.shape[dim], first.device)
+    ids = normalize_ids(block_ids, first.shape[dim], first.device, move=False)
     rest = block_shape(first.shape, dim)
     row_shape = rest if single else (len(layers), *rest)
     rows = rows_view(packed, ids.numel(), row_shape, first.dtype, what)
     check_out_device(rows, first.device, what)
     return group_layers(layers), ids, rows.unsqueeze(1) if single else rows, dim
+
+
+def _copy(choice: ImplChoice, groups: list[LayerGroup], ids: torch.Tensor,
+          rows: torch.Tensor, dim: int, pack: bool) -> None:
+    """Run the chosen implementation; ids go to the layers' device only for kernels
+    that index on it (the DMA path wants host ints)."""
+    if choice.name == "dma":
+        host = ids.tolist()  # a device sync only if the caller passed device ids
+        (dma_pack(groups, host, rows, dim) if pack else dma_unpack(rows, host, groups, dim))
+        return
+    ids = ids.to(groups[0].tensor.device, non_blocking=True)
+    with torch.no_grad():
+        if choice.name == "triton" and pack:
+            triton_pack(groups, ids, rows, dim, triton_interpret_enabled())
+        elif choice.name == "triton":
+            triton_unpack(rows, ids, groups, dim, triton_interpret_enabled())
+        elif pack:
+            torch_pack(groups, ids, rows, dim)
+        else:
+            torch_unpack(rows, ids, groups, dim)
 
 
 def _pack(
@@ -212,12 +237,7 @@ def _pack(
     single: bool,
 ) -> torch.Tensor:
     groups, ids, rows, dim = _prepare(out, block_ids, layers, block_dim, single, "out")
-    choice = choose_impl(impl, groups, rows, dim)
-    with torch.no_grad():
-        if choice.name == "triton":
-            triton_pack(groups, ids, rows, dim, triton_interpret_enabled())
-        else:
-            torch_pack(groups, ids, rows, dim)
+    _copy(choose_impl(impl, groups, rows, dim), groups, ids, rows, dim, pack=True)
     return out
 
 
@@ -230,12 +250,7 @@ def _unpack(
     single: bool,
 ) -> None:
     groups, ids, rows, dim = _prepare(packed, block_ids, layers, block_dim, single, "packed")
-    choice = choose_impl(impl, groups, rows, dim)
-    with torch.no_grad():
-        if choice.name == "triton":
-            triton_unpack(rows, ids, groups, dim, triton_interpret_enabled())
-        else:
-            torch_unpack(rows, ids, groups, dim)
+    _copy(choose_impl(impl, groups, rows, dim), groups, ids, rows, dim, pack=False)
 
 
 def explain_impl(

@@ -73,14 +73,16 @@ def check_layers(layers: Sequence[torch.Tensor], what: str = "layers") -> None:
 
 
 def normalize_ids(
-    block_ids: torch.Tensor | Sequence[int], num_blocks: int, device: torch.device
+    block_ids: torch.Tensor | Sequence[int], num_blocks: int, device: torch.device,
+    move: bool = True,
 ) -> torch.Tensor:
     """Validate block ids and return them as a 1-D int32/int64 tensor on ``device``.
 
     Accepts a 1-D int32/int64 tensor (CPU or ``device``, any stride; the
     result is contiguous) or a sequence of ints (made int64). Every id must
     lie in ``[0, num_blocks)``. Ids on a CUDA device cost one device sync for
-    the range check. Duplicates are allowed for
+    the range check; host ids are checked on the host and moved without a sync
+    (``move=False``: left where they are). Duplicates are allowed for
     packing; for unpacking they leave it unspecified which row wins.
     """
     if not isinstance(block_ids, torch.Tensor):
@@ -102,7 +104,7 @@ def normalize_ids(
             raise ValueError(f"block_ids contains a negative id ({lo})")
         if hi >= num_blocks:
             raise ValueError(f"block_ids contains id {hi}, but the layer has {num_blocks} blocks")
-    return ids.to(device).contiguous()
+    return (ids.to(device, non_blocking=True) if move else ids).contiguous()
 
 
 def check_out_device(rows: torch.Tensor, layer_device: torch.device, what: str) -> None:

@@ -1,7 +1,7 @@
 """Tests for ``kernels``: block pack/unpack between paged KV layers and rows.
 
 Every data test runs for each implementation in ``IMPLS_UNDER_TEST``: the
-torch path in a normal run; the Triton kernels when ``TRITON_INTERPRET=1`` is
+torch and per-page DMA paths in a normal run; the Triton kernels when ``TRITON_INTERPRET=1`` is
 set (``tests/test_kernels_triton.py`` re-runs this file that way in a
 subprocess, because Triton reads the switch when it is imported). GPU tests
 live in ``tests/test_kernels_gpu.py``.
@@ -31,7 +31,7 @@ from kvcentric.kernels import (
 from kvcentric.kernels.tensor_views import group_layers
 
 INTERPRET = kernels.triton_interpret_enabled()
-IMPLS_UNDER_TEST = ["triton"] if INTERPRET else ["torch"]
+IMPLS_UNDER_TEST = ["triton"] if INTERPRET else ["torch", "dma"]
 NB, BS, H, D = 7, 4, 2, 8  # blocks, block size, kv heads, head dim
 INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -190,7 +190,7 @@ def test_many_strided_dims_fall_back_to_torch(impl: str) -> None:
     ids = ids_tensor("ragged")
     out = torch.empty((3, *layer.shape[1:]))
     choice = explain_impl(layer, ids, out, impl=impl)
-    assert choice.name == "torch"
+    assert choice.name == ("dma" if impl == "dma" else "torch")
     pack_blocks(layer, ids, out, impl=impl)
     assert same(out, pack_reference(layer, ids, 0))
 

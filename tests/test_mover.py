@@ -5,7 +5,14 @@ import ctypes
 import pytest
 import torch
 
-from kvcentric.connector.vllm.mover import SKIP, ObjectGeometry, PagePlan, find_runs
+from kvcentric.connector.vllm.mover import (
+    SKIP,
+    ObjectGeometry,
+    PageKernel,
+    PagePlan,
+    block_dim_of,
+    find_runs,
+)
 
 LAYERS, PAGES, BLOCKS = 3, 2, 10
 PAGE_SHAPE = (2, 4, 16)  # [num_kv_heads, block_size, 2*head_size], like vLLM CPU
@@ -75,3 +82,43 @@ def test_bad_plans() -> None:
         PagePlan(geo, [0], [[1]])
     with pytest.raises(ValueError):
         PagePlan(geo, [0, 1], [[1, 2]])
+
+
+@pytest.mark.parametrize(("shape", "dim"), [
+    ((2, 10, 16, 4, 8), 1),  # FlashAttention [2, num_blocks, block_size, heads, dim]
+    ((10, 2, 16, 4, 8), 0),  # FlashInfer [num_blocks, 2, ...]
+    ((10, 16, 576), 0),      # MLA
+    ((10, 4, 16, 16), 0),    # vLLM CPU
+    ((4, 4, 16, 16), 0),     # as many blocks as heads: dim 0 still the only sane reading
+])
+def test_block_dim_of_vllm_layouts(shape: tuple[int, ...], dim: int) -> None:
+    layer = torch.empty(shape, dtype=torch.bfloat16)
+    assert block_dim_of(layer, layer.numel() // shape[dim] * 2) == dim
+
+
+def test_block_dim_of_rejects_what_it_cannot_tell() -> None:
+    with pytest.raises(ValueError, match="cannot tell"):
+        block_dim_of(torch.empty(2, 2, 16, 8), 16 * 8 * 2 * 4)  # K/V or two blocks?
+    with pytest.raises(ValueError, match="cannot tell"):
+        block_dim_of(torch.empty(10, 16, 8), 12345)
+
+
+@pytest.mark.parametrize("impl", ["torch", "dma"])
+def test_flash_layout_round_trip_with_block_dim_1(impl: str) -> None:
+    """A FlashAttention layer keeps K and V of a block apart; an object page holds both."""
+    nb = 6
+    layers = [torch.arange(2 * nb * 32, dtype=torch.float32).view(2, nb, 4, 8) + 1000 * i
+              for i in range(LAYERS)]
+    geo = ObjectGeometry(LAYERS, PAGES, 2 * 32 * 4)
+    arena = ctypes.create_string_buffer(2 * geo.object_bytes)
+    ptrs = [ctypes.addressof(arena), ctypes.addressof(arena) + geo.object_bytes]
+    kernel = PageKernel(block_dim=1, pack_impl=impl, unpack_impl=impl)
+    for i, layer in enumerate(layers):
+        PagePlan(geo, ptrs, [[4, 1], [0, 5]], kernel).pack_layer(i, layer)
+    dst = [torch.zeros_like(t) for t in layers]
+    for i, layer in enumerate(dst):
+        PagePlan(geo, ptrs, [[0, 1], [2, SKIP]], kernel).unpack_layer(i, layer)
+    for src, got in zip(layers, dst, strict=True):
+        for s, d in ((4, 0), (1, 1), (0, 2)):
+            assert torch.equal(got[:, d], src[:, s])
+        assert not got[:, 3:].any()  # SKIP and unlisted blocks untouched

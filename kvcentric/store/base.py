@@ -34,9 +34,12 @@ import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
+
+if TYPE_CHECKING:
+    from kvcentric.cuda.pinning import HostPinner
 
 OK = 0
 ERR_NO_SPACE = -200
@@ -146,6 +149,14 @@ class KVStore(ABC):
         arena) before serving, so no request pays for it; best effort, never raises.
         Default: nothing to do (the local store maps its arena when it opens)."""
         return None
+
+    def pin_host_memory(self, pinner: HostPinner) -> None:  # noqa: B027 (a no-op default)
+        """Register the host memory this client hands out in write slots and read leases
+        with the GPU through ``pinner``: now, and again for every later mapping (a
+        reconnect), always unregistering a mapping before unmapping it. Called once by a
+        CUDA worker before serving; copies between HBM and pinned memory run as DMA at
+        PCIe speed and the Triton kernels can address it. Default: nothing to pin (this
+        backend's slots and leases are private buffers made per call)."""
 
     def register_buffer(self, ptr: int, size: int) -> int:
         """Register caller memory used with put/get; a no-op where not needed."""

@@ -174,7 +174,7 @@ class KVCentricConnector(KVConnectorBase_V1):
     # ---- both sides ----
     def get_kv_connector_stats(self) -> KVCentricStats | None:
         side = self._scheduler or self._worker
-        return side.stats.take() if side is not None else None
+        return KVCentricStats.from_counters(side.stats) if side is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCentricStats:

@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
 
-@dataclass
-class TransferSpec:
-    """Objects to move for one request in one step.
-
-    ``keys[i]`` is the object of stored block ``first_block + i``; ``page_ids[i]`` are its
-    ``k`` engine block ids in token order (``SKIP`` = a page the engine already has).
-    ``parents[i]`` is the chain predecessor's key (saves only; lets the store evict
-    leaves first).
-    """
-
-    req_id: str
-    keys: list[str]
-    page_ids: list[list[int]]
-    parents: list[str | None] = field(default_factory=list)
+__all__ = ["KVCentricMetadata", "TransferSpec"]
 
 
 @dataclass
-class KVCentricMetadata(KVConnectorMetadata):
-    """One step's loads (before/while layers run) and saves (as layers finish).
-
-    ``commit_now``: a request with saves in this step may finish with it, so the worker
-    commits before the step returns instead of in the background.
-    """
-
-    loads: list[TransferSpec] = field(default_factory=list)
-    saves: list[TransferSpec] = field(default_factory=list)
-    commit_now: bool = False
+class KVCentricMetadata(StepPlan, KVConnectorMetadata):
+    """A :class:`~kvcentric.connector.vllm.transfers.StepPlan` as vLLM's connector
+    metadata."""

@@ -1,8 +1,12 @@
 """Copy KV pages between an engine's paged cache and store objects, one layer at a time.
 
 A stored object holds one block of ``k`` engine pages for every layer, laid out
-``[num_layers][k][page_bytes]``, where a page is one engine block of one layer
-(``kv_layer[block_id]``, e.g. ``[num_kv_heads, block_size, 2*head_size]`` on vLLM CPU).
+``[num_layers][k][page_bytes]``, where a page is one engine block of one layer: the
+layer tensor with its block dim removed (``PageKernel.block_dim``), e.g. vLLM CPU's
+``[num_blocks, num_kv_heads, block_size, 2*head_size]`` (block dim 0), FlashAttention's
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (block dim 1: a page is K then V),
+FlashInfer's ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (0; the same page
+bytes as FlashAttention), MLA's ``[num_blocks, block_size, 576]`` (0).
 
 Objects that sit at a constant stride in memory (the store usually allocates a batch
 back to back) form a *run*, viewed as one strided tensor ``[n, L, k, page_bytes]``, so a
@@ -24,6 +28,32 @@ import torch
 from kvcentric import kernels
 
 SKIP = -1  # a page id that must not be written (already computed by the engine)
+
+
+@dataclass(frozen=True)
+class PageKernel:
+    """How pages move: the layers' block dim and the kernel implementation per direction
+    (see :mod:`kvcentric.kernels.dispatch`; a CUDA worker measures which is fastest).
+    ``pin_ids``: keep the block-id tensors in pinned memory so moving them to the GPU
+    never synchronises the host."""
+
+    block_dim: int = 0
+    pack_impl: str = "auto"
+    unpack_impl: str = "auto"
+    pin_ids: bool = False
+
+
+def block_dim_of(kv_layer: torch.Tensor, page_bytes: int) -> int:
+    """The block dim of a vLLM layer tensor whose pages are ``page_bytes``: 0 (vLLM CPU,
+    FlashInfer, MLA) or 1 (FlashAttention's ``[2, num_blocks, ...]``). ValueError when
+    neither fits, or both do with a leading 2 (``[2, 2, ...]``: K/V or two blocks?)."""
+    total = kv_layer.numel() * kv_layer.element_size()
+    fits = [d for d in range(min(2, kv_layer.dim()))
+            if kv_layer.shape[d] and total // kv_layer.shape[d] == page_bytes]
+    if not fits or (len(fits) == 2 and kv_layer.shape[0] == 2):
+        raise ValueError(f"cannot tell the block dim of a KV layer of shape "
+                         f"{tuple(kv_layer.shape)} with {page_bytes}-byte pages")
+    return fits[0]
 
 
 @dataclass(frozen=True)
@@ -73,18 +103,18 @@ class PagePlan:
         geometry: object shape.
         ptrs: host address of each object.
         page_ids: per object, ``k`` engine block ids (``SKIP`` = leave that page alone).
-        impl: kernel implementation (``"auto"``: Triton on CUDA, torch on CPU).
+        kernel: the layers' block dim and the implementations to copy with.
     """
 
     def __init__(self, geometry: ObjectGeometry, ptrs: Sequence[int],
-                 page_ids: Sequence[Sequence[int]], impl: str = "auto") -> None:
+                 page_ids: Sequence[Sequence[int]], kernel: PageKernel = PageKernel()) -> None:
         if len(ptrs) != len(page_ids):
             raise ValueError("one page-id list per object is required")
         k = geometry.pages_per_object
         if any(len(p) != k for p in page_ids):
             raise ValueError(f"every object has exactly {k} pages")
         self.geometry = geometry
-        self.impl = impl
+        self.kernel = kernel
         self._runs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         size = geometry.object_bytes
         for start, end, stride in find_runs(ptrs, size):
@@ -92,7 +122,10 @@ class PagePlan:
             mem = host_bytes(ptrs[start], (n - 1) * stride + size)
             view = mem.as_strided((n, geometry.num_layers, k, geometry.page_bytes),
                                   (stride, k * geometry.page_bytes, geometry.page_bytes, 1))
+            # [k, n]: row j holds page j of every object, contiguous for the kernels
             ids = torch.tensor([list(p) for p in page_ids[start:end]], dtype=torch.int64)
+            ids = ids.t().contiguous()
+            ids = ids.pin_memory() if kernel.pin_ids else ids
             self._runs.append((view, ids, bool((ids == SKIP).any())))
 
     def page_ids(self) -> list[int]:
@@ -107,13 +140,13 @@ class PagePlan:
         """Copy this layer's pages from ``kv_layer`` (blocks on dim 0) into the objects."""
         for view, ids, masked in self._runs:
             for j in range(self.geometry.pages_per_object):
-                self._move(view[:, layer, j], ids[:, j], kv_layer, masked, pack=True)
+                self._move(view[:, layer, j], ids[j], kv_layer, masked, pack=True)
 
     def unpack_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Copy this layer's pages from the objects into ``kv_layer``."""
         for view, ids, masked in self._runs:
             for j in range(self.geometry.pages_per_object):
-                self._move(view[:, layer, j], ids[:, j], kv_layer, masked, pack=False)
+                self._move(view[:, layer, j], ids[j], kv_layer, masked, pack=False)
 
     def _move(self, rows: torch.Tensor, ids: torch.Tensor, kv_layer: torch.Tensor,
               masked: bool, pack: bool) -> None:
@@ -122,7 +155,9 @@ class PagePlan:
             for r in keep:  # rare: the one object a local prefix hit covers in part
                 self._move(rows[r:r + 1], ids[r:r + 1], kv_layer, False, pack)
             return
+        k = self.kernel
         if pack:
-            kernels.pack_blocks(kv_layer, ids, rows, impl=self.impl)
+            kernels.pack_blocks(kv_layer, ids, rows, block_dim=k.block_dim, impl=k.pack_impl)
         else:
-            kernels.unpack_blocks(rows, ids, kv_layer, impl=self.impl)
+            kernels.unpack_blocks(rows, ids, kv_layer, block_dim=k.block_dim,
+                                  impl=k.unpack_impl)

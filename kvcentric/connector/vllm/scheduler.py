@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcentric.connector.vllm.counters import Counters
 from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
 from kvcentric.connector.vllm.mover import SKIP
 from kvcentric.connector.vllm.settings import ConnectorSettings
-from kvcentric.connector.vllm.stats import KVCentricStats
 from kvcentric.hashing import block_hashes, hash_seed, prompt_tail
 from kvcentric.store import KVStore, StoreUnavailable
 
@@ -69,7 +69,7 @@ class KVCentricScheduler:
         self.store = store
         self.loads_enabled = loads
         self.saves_enabled = saves
-        self.stats = KVCentricStats()
+        self.stats = Counters()
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._pending_loads: list[TransferSpec] = []

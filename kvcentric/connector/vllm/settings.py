@@ -15,6 +15,8 @@ from typing import Any
 from kvcentric.config import StoreConfig, parse_fields
 from kvcentric.stored_layout import stored_block_size
 
+COPY_IMPLS = ("auto", "torch", "triton", "dma")  # = kernels.IMPLS; settings never import torch
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -47,6 +49,12 @@ class ConnectorSettings:
         spare_cpu_threads: on a CPU engine whose worker is pinned to its compute cores, run
             the copy and commit threads and the store client's threads on the other cores
             (:mod:`kvcentric.connector.vllm.affinity`); no effect on GPU workers.
+        copy_impl: how pages are copied (:mod:`kvcentric.kernels.dispatch`): ``"auto"``
+            (CPU: torch; CUDA: the fastest of Triton, per-page DMA and torch, measured
+            once at start-up on the engine's own layer), ``"torch"``, ``"triton"``, ``"dma"``.
+        pin_host_memory: on a CUDA worker, register the store's host memory with CUDA so
+            copies run as DMA and the Triton kernels can address it (refusals are logged
+            and counted; the copies then go through the driver's staging).
     """
 
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -59,6 +67,8 @@ class ConnectorSettings:
     async_commit: bool = True
     spare_cpu_threads: bool = True
     min_fetch_bytes: int = 16 << 20
+    copy_impl: str = "auto"
+    pin_host_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:
@@ -69,6 +79,8 @@ class ConnectorSettings:
             raise ValueError("load_timeout_s must be > 0")
         if self.min_fetch_bytes <= 0:
             raise ValueError("min_fetch_bytes must be > 0")
+        if self.copy_impl not in COPY_IMPLS:
+            raise ValueError(f"copy_impl must be one of {COPY_IMPLS}, got {self.copy_impl!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

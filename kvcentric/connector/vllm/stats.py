@@ -11,29 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-# name -> help text; every field is a counter summed over steps and workers
-FIELDS = {
-    "lookups": "Prefix lookups in the store",
-    "lookup_seconds": "Time the scheduler spent in store lookups (blocks scheduling)",
-    "hit_tokens": "Prompt tokens found in the store (scheduler side)",
-    "tail_hits": "Hits that load a tail object (the prompt's partial last block)",
-    "saved_tails": "Tail objects planned for saving (prefill end; last token with "
-                   "save_decode)",
-    "loaded_blocks": "Stored blocks loaded into the engine",
-    "loaded_bytes": "Bytes loaded from the store",
-    "load_seconds": "Time spent in layer loads: ranged fetches and copies (worker; "
-                    "overlaps compute when async)",
-    "fetch_seconds": "Time the worker spent leasing stored objects at step start (blocks "
-                     "the step; a streamed lease moves its bytes in the layer loads)",
-    "load_wait_seconds": "Time the forward pass waited for layer loads (worker)",
-    "load_errors": "Stored blocks that failed to load and were recomputed",
-    "saved_blocks": "Blocks written to the store",
-    "saved_bytes": "Bytes written to the store",
-    "save_seconds": "Time spent in save copies (worker; overlaps compute when async)",
-    "commit_seconds": "Time the worker spent reserving and committing saves (blocks the "
-                      "step)",
-    "skipped_blocks": "Blocks not saved: already stored or no space",
-}
+from kvcentric.connector.vllm.counters import FIELDS, Counters
 
 
 @dataclass
@@ -66,13 +44,12 @@ class KVCentricStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data[name] for name in FIELDS)
 
-    def take(self) -> KVCentricStats | None:
-        """Return a copy holding the current counts and reset; None when nothing happened."""
-        if self.is_empty():
-            return None
-        snap = KVCentricStats(data=dict(self.data))
-        self.reset()
-        return snap
+    @classmethod
+    def from_counters(cls, counters: Counters) -> KVCentricStats | None:
+        """The counts ``counters`` collected since the last call (reset); None when
+        nothing happened."""
+        snap = counters.take()
+        return None if snap is None else cls(data=snap)
 
 
 class KVCentricPromMetrics(KVConnectorPromMetrics):

@@ -20,6 +20,13 @@ Runs in each vLLM worker process. Per step (vLLM's call order):
    may finish with it (``commit_now``): its response must not complete before its KV is
    in the store.
 
+On a CUDA worker (:mod:`kvcentric.connector.vllm.device_path`) the store's host memory is
+pinned, the kernels per direction are measured once, and the copies run on a copy stream
+ordered by events (:class:`kvcentric.cuda.CopyOrdering`): a layer's unpack is enqueued on
+the copy thread once its bytes are in host memory and the forward waits for it on the GPU,
+not on the host; a layer's pack is enqueued at ``save_layer`` behind that layer's
+attention; the host waits for the copy stream only before releasing leases and committing.
+
 Failures never produce wrong tokens: an object that is missing, corrupt (checksums on),
 or whose copy failed is reported through :meth:`take_load_errors` with every page after
 it, so vLLM recomputes those tokens; a save that fails is dropped (aborted).
@@ -35,11 +42,12 @@ from typing import Any
 import torch
 
 from kvcentric.connector.vllm.affinity import pin_to, spare_cpus
+from kvcentric.connector.vllm.counters import Counters
+from kvcentric.connector.vllm.device_path import DevicePath
 from kvcentric.connector.vllm.engine_layout import EngineLayout
-from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
-from kvcentric.connector.vllm.mover import SKIP, PagePlan
+from kvcentric.connector.vllm.mover import SKIP, PageKernel, PagePlan
 from kvcentric.connector.vllm.settings import ConnectorSettings
-from kvcentric.connector.vllm.stats import KVCentricStats
+from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
 from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
 
 log = logging.getLogger("kvcentric.connector")
@@ -54,7 +62,7 @@ class KVCentricWorker:
         self.settings = settings
         self.layout = layout
         self.store = store
-        self.stats = KVCentricStats()
+        self.stats = Counters()
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
         self._kv: list[torch.Tensor] = []
         spare = spare_cpus() if settings.spare_cpu_threads else None  # affinity.py
@@ -75,18 +83,18 @@ class KVCentricWorker:
                                              initializer=pin_to, initargs=(spare,)) \
             if settings.async_commit else None
         self._commits: list[Future[None]] = []
+        self._path = DevicePath(PageKernel())
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Learn the per-layer cache tensors (blocks on dim 0) and check their geometry."""
+        """Learn the per-layer cache tensors, find their block dim (ValueError when no
+        dim gives the layout's page size) and set up the device path."""
         missing = set(self._layer_index) - set(kv_caches)
         if missing:
             raise ValueError(f"no KV cache registered for layers {sorted(missing)[:3]}")
         self._kv = [kv_caches[name] for name in self._layer_index]
-        page_bytes = self._kv[0][0].numel() * self._kv[0].element_size()
-        if page_bytes != self.layout.geometry.page_bytes:
-            raise ValueError(f"registered KV page is {page_bytes} B, the layout says "
-                             f"{self.layout.geometry.page_bytes} B")
         self.store.warm_up()  # before serving: the first request must not pay for it
+        self._path = DevicePath.open(self._kv[0], self.layout.geometry.page_bytes, self.store,
+                                     self.settings.copy_impl, self.settings.pin_host_memory)
 
     def layer_of(self, layer_name: str) -> int | None:
         """Index of ``layer_name`` in the stored object; None for a layer we do not store
@@ -98,6 +106,11 @@ class KVCentricWorker:
         either way (a failed fetch must become a recompute, never an exception in vLLM)."""
         if self._pool is not None:
             return self._pool.submit(fn, *args)
+        return self._now(fn, *args)
+
+    @staticmethod
+    def _now(fn: Any, *args: Any) -> Future[None]:
+        """Run ``fn`` on this thread; its outcome lands in the returned future."""
         fut: Future[None] = Future()
         try:
             fn(*args)
@@ -115,7 +128,7 @@ class KVCentricWorker:
             self.stats.add(**{stat: time.perf_counter() - t0})
 
     # ---- loads ----
-    def start_load(self, meta: KVCentricMetadata) -> None:
+    def start_load(self, meta: StepPlan) -> None:
         for spec in meta.loads:
             self._timed("fetch_seconds", self._lease_and_plan, spec)
         if self._load_plans:
@@ -125,6 +138,8 @@ class KVCentricWorker:
             # one ranged store call per group of layers: each call has a fixed cost
             # (Mooncake over TCP: ~5 ms), which small per-layer ranges would pay L times
             self._fetch_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
+            if self._path.ordering is not None:
+                self._path.ordering.begin_loads(len(self._kv))
             self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer)
                                for layer in range(len(self._kv))]
 
@@ -148,7 +163,7 @@ class KVCentricWorker:
             self._fail_pages(spec.page_ids[good:])
         if good:
             self._load_plans.append((lease, PagePlan(self.layout.geometry, lease.ptrs[:good],
-                                                     spec.page_ids[:good])))
+                                                     spec.page_ids[:good], self._path.kernel)))
             self.stats.add(loaded_blocks=good, loaded_bytes=good * size)
 
     def _verified_prefix(self, lease: ReadLease) -> int:
@@ -165,13 +180,22 @@ class KVCentricWorker:
         self.stats.add(load_errors=len(page_ids))
 
     def _unpack_layer(self, layer: int) -> None:
+        """Copy thread: fetch this layer's group of byte ranges (first layer of a group),
+        then move the layer's pages into the cache."""
         g = self.layout.geometry
         span = g.pages_per_object * g.page_bytes  # objects are [num_layers][k][page_bytes]
-        group = self._fetch_group
-        for lease, plan in self._load_plans:
-            if layer % group == 0:
-                layers = min(group, len(self._kv) - layer)
+        if layer % self._fetch_group == 0:
+            layers = min(self._fetch_group, len(self._kv) - layer)
+            for lease, _ in self._load_plans:
                 self.store.fetch_range(lease, layer * span, layers * span)
+        ordering = self._path.ordering
+        if ordering is None:
+            self._unpack_all(layer)
+        else:  # the bytes are in host memory: the GPU copies them on the copy stream
+            ordering.run_load(layer, lambda: self._unpack_all(layer))
+
+    def _unpack_all(self, layer: int) -> None:
+        for _, plan in self._load_plans:
             plan.unpack_layer(layer, self._kv[layer])
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -184,6 +208,9 @@ class KVCentricWorker:
         except Exception as exc:  # a failed or late load: recompute everything loaded
             log.error("layer load failed (%s); recomputing this step's loaded blocks", exc)
             self._fail_loads()
+        else:
+            if self._path.ordering is not None:
+                self._path.ordering.wait_layer(layer)
         self.stats.add(load_wait_seconds=time.perf_counter() - t0)
 
     def _fail_loads(self) -> None:
@@ -201,7 +228,7 @@ class KVCentricWorker:
         return errors
 
     # ---- saves ----
-    def plan_saves(self, meta: KVCentricMetadata) -> None:
+    def plan_saves(self, meta: StepPlan) -> None:
         self._save_specs = list(meta.saves)
         self._commit_now = meta.commit_now
 
@@ -212,8 +239,12 @@ class KVCentricWorker:
         if self._save_plan is None and not self._timed("commit_seconds", self._reserve):
             return
         assert self._save_plan is not None
-        self._save_futs.append(self._run(self._timed, "save_seconds",
-                                         self._save_plan.pack_layer, layer, kv_layer))
+        ordering, pack = self._path.ordering, self._save_plan.pack_layer
+        if ordering is None:
+            self._save_futs.append(self._run(self._timed, "save_seconds", pack, layer, kv_layer))
+        else:  # enqueue behind this layer's attention; no thread, no host wait
+            self._save_futs.append(self._now(self._timed, "save_seconds", ordering.run_save,
+                                             lambda: pack(layer, kv_layer)))
 
     def _reserve(self) -> bool:
         """Reserve write slots for all of this step's new blocks (one store call)."""
@@ -235,7 +266,7 @@ class KVCentricWorker:
             return False
         self._slots = [s for s, _ in live]
         self._save_plan = PagePlan(self.layout.geometry, [s.ptr for s in self._slots],
-                                   [p for _, p in live])
+                                   [p for _, p in live], self._path.kernel)
         return True
 
     def finish_step(self) -> None:
@@ -250,6 +281,8 @@ class KVCentricWorker:
             except Exception:  # a layer never waited for failed: report it all the same
                 if not self._load_failed:
                     self._fail_loads()
+        if self._path.ordering is not None:
+            self._path.ordering.loads_done()  # the GPU may still read the leased bytes
         for lease, plan in self._load_plans:
             if not self._load_failed and not self.store.lease_valid(lease):
                 # the store reclaimed the lease (its connection dropped) while we copied:
@@ -280,18 +313,22 @@ class KVCentricWorker:
         if len(futs) != len(self._kv):  # some layer never ran: the objects are incomplete
             self.store.batch_abort(slots)
             return
+        packed = self._path.ordering.saves_enqueued() if self._path.ordering else None
         self._commits = [f for f in self._commits if not f.done()]
         if self._committer is None or self._commit_now:
-            self._commit(slots)
+            self._commit(slots, packed)
             return
         if len(self._commits) >= MAX_PENDING_COMMITS:  # the store is slower than the steps
             self._commits.pop(0).result()
-        self._commits.append(self._committer.submit(self._commit, slots))
+        self._commits.append(self._committer.submit(self._commit, slots, packed))
 
-    def _commit(self, slots: list[WriteSlot]) -> None:
-        """Publish written objects (the caller's thread or the commit thread; never
-        raises: a failed commit only means those blocks are not stored)."""
+    def _commit(self, slots: list[WriteSlot], packed: Any = None) -> None:
+        """Publish written objects once ``packed`` (a CUDA event after their packs, or
+        None) has passed (the caller's thread or the commit thread; never raises: a
+        failed commit only means those blocks are not stored)."""
         try:
+            if packed is not None:
+                packed.synchronize()
             codes = self._timed("commit_seconds", self.store.batch_commit, slots)
         except Exception as exc:
             log.error("committing %d blocks failed: %s", len(slots), exc)
@@ -305,4 +342,5 @@ class KVCentricWorker:
             self._pool.shutdown(wait=True)
         if self._committer is not None:
             self._committer.shutdown(wait=True)  # pending commits land before the store closes
+        self._path.close()  # unpins the store's memory before the store unmaps it
         self.store.close()

@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import (
@@ -39,6 +39,9 @@ from kvcentric.store.local import launcher
 from kvcentric.store.local.disk_reads import DiskReads
 from kvcentric.store.local.rpc import RpcClient
 from kvcentric.store.local.shared_index import SharedIndexReader
+
+if TYPE_CHECKING:
+    from kvcentric.cuda.pinning import HostPinner
 
 log = logging.getLogger("kvcentric.store")
 
@@ -79,6 +82,7 @@ class LocalStore(KVStore):
         self._retry_at = 0.0
         self._index: SharedIndexReader | None = None
         self._lease_ttl_s = 0.0
+        self._pinner: HostPinner | None = None
         try:
             self._connect()
         except StoreUnavailable as exc:
@@ -101,10 +105,11 @@ class LocalStore(KVStore):
                 launcher.ensure_running(self.cfg)
             hello = self._rpc.call("hello")
             if self._arena is None or self._arena.arena_id != hello["arena_id"]:
-                if self._arena is not None:
-                    self._arena.close()
+                self._close_arena()
                 self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"],
                                      self.cfg.prefault)
+                if self._pinner is not None:
+                    self._pinner.register(self._arena.base, self._arena.capacity)
             self._open_index(hello.get("index"))
             self._lease_ttl_s = float(hello.get("lease_ttl_s") or 0.0)
         except (StoreUnavailable, OSError, ValueError) as exc:
@@ -332,11 +337,24 @@ class LocalStore(KVStore):
     def stats(self) -> dict[str, Any]:
         return dict(self._call("stats"))
 
+    def pin_host_memory(self, pinner: HostPinner) -> None:
+        self._pinner = pinner
+        if self._arena is not None:
+            pinner.register(self._arena.base, self._arena.capacity)
+
+    def _close_arena(self) -> None:
+        """Unmap the arena, unregistering it from CUDA first (a registered range must
+        never outlive its mapping)."""
+        if self._arena is None:
+            return
+        if self._pinner is not None:
+            self._pinner.unregister(self._arena.base)
+        self._arena.close()
+        self._arena = None
+
     def close(self) -> None:
         self._rpc.close()
         if self._index is not None:
             self._index.close()
             self._index = None
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        self._close_arena()

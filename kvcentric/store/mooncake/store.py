@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import (
@@ -52,6 +52,9 @@ from kvcentric.store.mooncake.http import fetch_keys, fetch_metrics
 from kvcentric.store.mooncake.rdma import resolve_transport
 from kvcentric.store.mooncake.reads import LeaseReads
 from kvcentric.store.mooncake.staging import StagingArena
+
+if TYPE_CHECKING:
+    from kvcentric.cuda.pinning import HostPinner
 
 log = logging.getLogger("kvcentric.store")
 
@@ -82,6 +85,7 @@ class MooncakeStore(KVStore):
                                         "corrupt"), 0)
         self._registered: dict[int, int] = {}
         self._staging: StagingArena | None = None
+        self._pinner: HostPinner | None = None
         self._reads = LeaseReads(self)
         host, port = s.master_host_port
         self.monitor = MasterMonitor(host, port, self._probe, s.probe_interval_s,
@@ -145,9 +149,20 @@ class MooncakeStore(KVStore):
         if self._staging is None:
             with self._lock:
                 if self._staging is None:
-                    self._staging = StagingArena(self.settings.staging_size,
-                                                 self.client.register_buffer)
+                    staging = StagingArena(self.settings.staging_size,
+                                           self.client.register_buffer)
+                    if self._pinner is not None:
+                        self._pinner.register(staging.base, staging.size)
+                    self._staging = staging
         return self._staging
+
+    def pin_host_memory(self, pinner: HostPinner) -> None:
+        """Pins the staging arena (every slot and lease points into it), now if it
+        exists, else when it is made."""
+        with self._lock:
+            self._pinner = pinner
+            if self._staging is not None:
+                pinner.register(self._staging.base, self._staging.size)
 
     def warm_up(self) -> None:
         try:
@@ -409,6 +424,8 @@ class MooncakeStore(KVStore):
         self._registered.clear()
         if self._staging is not None:
             client.unregister_buffer(self._staging.base)
+            if self._pinner is not None:
+                self._pinner.unregister(self._staging.base)
             self._staging.close()
             self._staging = None
         client.close()

@@ -1,0 +1,36 @@
+"""What moves in one step, as the worker sees it (no vLLM import: the worker data path
+runs and is tested without vLLM; :mod:`kvcentric.connector.vllm.metadata` wraps it for
+vLLM's scheduler output)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TransferSpec:
+    """Objects to move for one request in one step.
+
+    ``keys[i]`` is the object of stored block ``first_block + i``; ``page_ids[i]`` are its
+    ``k`` engine block ids in token order (``SKIP`` = a page the engine already has).
+    ``parents[i]`` is the chain predecessor's key (saves only; lets the store evict
+    leaves first).
+    """
+
+    req_id: str
+    keys: list[str]
+    page_ids: list[list[int]]
+    parents: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """One step's loads (before/while layers run) and saves (as layers finish).
+
+    ``commit_now``: a request with saves in this step may finish with it, so the worker
+    commits before the step returns instead of in the background.
+    """
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+    commit_now: bool = False
