@@ -21,17 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 import zmq.asyncio
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvcentric.router import instances as inst_mod
+from kvcentric.router import limits
+from kvcentric.router.auth import Authenticator, Caller
 from kvcentric.router.config import InstanceSpec, RouterConfig
 from kvcentric.router.cost_model import Profile, kv_bytes_per_token
+from kvcentric.router.errors import Refused, error_response
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventListener, EventTranslator
 from kvcentric.router.metrics import RouterMetrics
-from kvcentric.router.proxy import Proxy, error_response
+from kvcentric.router.proxy import Proxy
 from kvcentric.router.scheduler import Conductor
 from kvcentric.router.store_view import StoreView
 from kvcentric.router.tokenize import PromptTokenizer
@@ -46,6 +50,8 @@ class RouterState:
     conductor: Conductor
     tokenizer: PromptTokenizer
     metrics: RouterMetrics
+    auth: Authenticator
+    inflight: limits.InFlight
     transport: httpx.AsyncBaseTransport | None = None
     proxy: Proxy | None = None
     client: httpx.AsyncClient | None = None
@@ -121,7 +127,8 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
                       negative_ttl_s=cfg.cache.store_negative_ttl_s)
     conductor = Conductor(cfg, profile, kvb, store)
     return RouterState(cfg, conductor, tokenizer or PromptTokenizer(cfg.tokenizer),
-                       RouterMetrics(conductor), transport)
+                       RouterMetrics(conductor), Authenticator(cfg.auth),
+                       limits.InFlight(cfg.limits), transport)
 
 
 def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
@@ -156,15 +163,36 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
     return app
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+def _parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"the body is not valid JSON: {exc}") from exc
+        raise Refused(400, f"the body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
+        raise Refused(400, "the body must be a JSON object")
     return body
+
+
+async def _json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    return _parse_json(await limits.read_body(request.stream(), request.headers, max_bytes))
+
+
+def _released(resp: Response, release: Any) -> Response:
+    """``resp`` with ``release()`` called once its body has been sent (or now)."""
+    if not isinstance(resp, StreamingResponse):
+        release()
+        return resp
+    inner = resp.body_iterator
+
+    async def body() -> AsyncIterator[Any]:
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            release()
+
+    resp.body_iterator = body()
+    return resp
 
 
 def _openai_routes(app: FastAPI, state: RouterState) -> None:
@@ -172,31 +200,52 @@ def _openai_routes(app: FastAPI, state: RouterState) -> None:
 
     async def openai(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
-        resp = await _openai(request, chat)
+        try:
+            caller = state.auth.caller(request.headers)
+            body, tokens = await _admit(request, chat)
+            state.inflight.acquire(caller.budget)
+        except Refused as refused:
+            resp: Response = refused.response()
+        else:
+            try:
+                resp = await _forward(request, chat, caller, body, tokens)
+            except BaseException:
+                state.inflight.release(caller.budget)
+                raise
+            resp = _released(resp, lambda: state.inflight.release(caller.budget))
         state.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         return resp
 
-    async def _openai(request: Request, chat: bool) -> Response:
-        try:
-            body = await _json_body(request)
-        except ValueError as exc:
-            return error_response(400, str(exc), "invalid_request_error")
+    async def _admit(request: Request, chat: bool) -> tuple[dict[str, Any], np.ndarray]:
+        """The parsed body and prompt tokens, or :class:`Refused` (400/404/413)."""
+        body = await _json_body(request, cfg.limits.max_body_bytes)
         model = body.get("model", cfg.model)
         if model != cfg.model:
-            return error_response(404, f"model {model!r} does not exist; this router "
-                                  f"serves {cfg.model!r}", "NotFoundError")
+            raise Refused(404, f"model {model!r} does not exist; this router serves "
+                          f"{cfg.model!r}")
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
-            return error_response(400, "cache_salt must be a string", "invalid_request_error")
+            raise Refused(400, "cache_salt must be a string")
+        limits.check_max_tokens(body, cfg.limits)
         try:
             encode = state.tokenizer.chat_ids if chat else state.tokenizer.completion_ids
             tokens = await asyncio.to_thread(encode, body)
         except ValueError as exc:
-            return error_response(400, str(exc), "invalid_request_error")
+            raise Refused(400, str(exc)) from exc
+        limits.check_prompt(len(tokens), cfg.limits)
+        return body, tokens
+
+    async def _forward(request: Request, chat: bool, caller: Caller, body: dict[str, Any],
+                       tokens: np.ndarray) -> Response:
+        salt = state.auth.salt(caller, body.get("cache_salt"))
+        if salt is not None:
+            body["cache_salt"] = salt  # the engines hash it into every block of the prompt
         hashes = state.conductor.hashes(tokens, salt)
         tail = state.conductor.tail(tokens, hashes, salt)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in
-                   ("authorization", "content-type", "accept", "x-request-id")}
+        # a router key is the router's business: never forwarded to the engines
+        forwarded = ("content-type", "accept", "x-request-id") if state.auth.enabled else \
+            ("authorization", "content-type", "accept", "x-request-id")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
         assert state.proxy is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail)
@@ -210,7 +259,11 @@ def _openai_routes(app: FastAPI, state: RouterState) -> None:
         return await openai(request, chat=True)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        try:
+            state.auth.caller(request.headers)
+        except Refused as refused:
+            return refused.response()
         return JSONResponse({"object": "list", "data": [
             {"id": cfg.model, "object": "model", "owned_by": "kvcentric", "created": 0,
              "root": cfg.tokenizer}]})
@@ -235,7 +288,11 @@ def _admin_routes(app: FastAPI, state: RouterState) -> None:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/instances")
-    async def list_instances() -> JSONResponse:
+    async def list_instances(request: Request) -> JSONResponse:
+        try:
+            state.auth.check_admin(request.headers)
+        except Refused as refused:
+            return refused.response()
         now = time.monotonic()
         c = state.conductor
         return JSONResponse({"instances": [i.describe(c.index, now) for i in c.registry],
@@ -247,23 +304,31 @@ def _admin_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.post("/instances")
     async def add_instance(request: Request) -> JSONResponse:
+        spec = None
         try:
-            spec = InstanceSpec.from_dict(await _json_body(request))
+            state.auth.check_admin(request.headers)
+            spec = InstanceSpec.from_dict(await _json_body(request, cfg.limits.max_body_bytes))
             inst = state.add_instance(spec)
+        except Refused as refused:
+            return refused.response()
         except ValueError as exc:
-            return error_response(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc))
         except KeyError as exc:
-            return error_response(409, str(exc.args[0]), "conflict")
+            return error_response(409, str(exc.args[0]))
         except zmq.ZMQError as exc:
+            assert spec is not None
             state.conductor.registry.remove(str(spec.name))
-            return error_response(400, f"cannot listen on {spec.kv_events}: {exc}",
-                                  "invalid_request_error")
+            return error_response(400, f"cannot listen on {spec.kv_events}: {exc}")
         return JSONResponse(inst.describe(state.conductor.index, time.monotonic()),
                             status_code=201)
 
     @app.delete("/instances/{name}")
-    async def delete_instance(name: str) -> JSONResponse:
+    async def delete_instance(name: str, request: Request) -> JSONResponse:
+        try:
+            state.auth.check_admin(request.headers)
+        except Refused as refused:
+            return refused.response()
         if state.conductor.registry.get(name) is None:
-            return error_response(404, f"no instance {name!r}", "NotFoundError")
+            return error_response(404, f"no instance {name!r}")
         inst = state.remove_instance(name)
         return JSONResponse({"removed": inst.name})

@@ -2,7 +2,9 @@
 
 Every value is checked here (``ValueError`` names the bad field), so nothing later
 re-validates. This module is the router's only reader of files named by the user at
-start-up; it reads no environment variables.
+start-up, and of environment variables: ``KVCENTRIC_ROUTER_API_KEYS``
+(``key=tenant,key2=tenant2``, added to ``auth.api_keys``) and ``KVCENTRIC_ROUTER_ADMIN_KEY``
+(``auth.admin_key``), read by :func:`load_config` only.
 
 Example (``configs/router.yaml``)::
 
@@ -15,10 +17,15 @@ Example (``configs/router.yaml``)::
     store: {backend: local, name: default}
     keys: {block_size: 256, layout_sig: null}
     cost: {profile: profile.json, store_bandwidth_gbps: 5}
+    auth: {api_keys: {sk-team-a: team-a}, admin_key: sk-admin}
+    limits: {max_body_bytes: 4mb, max_prompt_tokens: 8192, max_tokens: 2048,
+             max_concurrency_per_key: 64}
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +36,9 @@ from urllib.parse import urlparse
 import yaml
 
 from kvcentric.config import StoreConfig, check_keys, parse_fields
+
+ENV_API_KEYS = "KVCENTRIC_ROUTER_API_KEYS"
+ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"
 
 ROLES = ("prefill", "decode", "both")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -214,6 +224,79 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """Who may call the router.
+
+    ``api_keys``: ``(key, tenant)`` pairs (YAML: a mapping ``key: tenant``). With any key
+    set, every ``/v1/*`` request needs ``Authorization: Bearer <key>`` (else 401) and runs
+    as the key's tenant: its KV is salted with the tenant, so tenants never share KV and
+    one tenant's users still share theirs. ``admin_key``: needed for ``/instances``; with
+    keys but no admin key the admin endpoints are closed. ``allow_open``: listen on a
+    non-loopback address without keys (refused otherwise).
+    """
+
+    api_keys: tuple[tuple[str, str], ...] = ()
+    admin_key: str | None = None
+    allow_open: bool = False
+
+    def __post_init__(self) -> None:
+        for key, tenant in self.api_keys:
+            if not isinstance(key, str) or len(key) < 8 or not isinstance(tenant, str) \
+                    or not _NAME_RE.fullmatch(tenant):
+                raise ValueError("auth.api_keys maps keys of >= 8 characters to tenant names "
+                                 f"matching {_NAME_RE.pattern}")
+        if len({k for k, _ in self.api_keys}) != len(self.api_keys):
+            raise ValueError("auth.api_keys has a key twice")
+        if self.admin_key is not None and (not isinstance(self.admin_key, str)
+                                           or len(self.admin_key) < 8):
+            raise ValueError("auth.admin_key must be a string of >= 8 characters")
+        if self.admin_key in {k for k, _ in self.api_keys}:
+            raise ValueError("auth.admin_key must differ from every tenant key")
+        if not isinstance(self.allow_open, bool):
+            raise ValueError("auth.allow_open must be true or false")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    @classmethod
+    def parse(cls, raw: Any, env: Mapping[str, str]) -> AuthConfig:
+        kw = parse_fields(cls, raw, "auth")
+        keys = kw.get("api_keys") or {}
+        if not isinstance(keys, Mapping):
+            raise ValueError("auth.api_keys must be a mapping of key: tenant")
+        pairs = [(str(k), v) for k, v in keys.items()]
+        for item in filter(None, env.get(ENV_API_KEYS, "").split(",")):
+            key, sep, tenant = item.strip().partition("=")
+            if not sep:
+                raise ValueError(f"{ENV_API_KEYS} entries are key=tenant, got {item!r}")
+            pairs.append((key, tenant))
+        kw["api_keys"] = tuple(pairs)
+        if env.get(ENV_ADMIN_KEY):
+            kw["admin_key"] = env[ENV_ADMIN_KEY]
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Bounds on one request; ``None`` leaves a bound to the engine. Over a bound: 413
+    (body), 400 (prompt tokens, ``max_tokens``), 429 with ``Retry-After`` (a key's
+    requests in flight; without keys all clients share one budget)."""
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_concurrency_per_key: int | None = None
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_body_bytes", "retry_after_s")
+        for name in ("max_prompt_tokens", "max_tokens", "max_concurrency_per_key"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model: str
     tokenizer: str
@@ -226,6 +309,8 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -236,14 +321,19 @@ class RouterConfig:
         names = [i.name for i in self.instances]
         if len(set(names)) != len(names):
             raise ValueError(f"instance names must be unique, got {names}")
+        if not (_loopback(self.listen.host) or self.auth.enabled or self.auth.allow_open):
+            raise ValueError(f"refusing to listen on {self.listen.host} without API keys: "
+                             "set auth.api_keys (or auth.allow_open: true to run open)")
 
     @property
     def model_id(self) -> str:
         return self.keys.model_id or self.model
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> RouterConfig:
-        """Parse a YAML mapping (relative paths stay relative to the working directory)."""
+    def from_dict(cls, raw: Mapping[str, Any],
+                  env: Mapping[str, str] | None = None) -> RouterConfig:
+        """Parse a YAML mapping (relative paths stay relative to the working directory);
+        ``env``: the environment variables to honour (see the module docstring)."""
         if not isinstance(raw, Mapping):
             raise ValueError("the router config must be a mapping")
         for required in ("model", "tokenizer"):
@@ -260,7 +350,19 @@ class RouterConfig:
             raise ValueError("instances must be a list of {url, role}")
         raw["instances"] = tuple(InstanceSpec.from_dict(i) for i in insts)
         raw["store"] = _store(raw.get("store"))
+        raw["auth"] = AuthConfig.parse(raw.get("auth"), env or {})
+        raw["limits"] = LimitsConfig(**parse_fields(LimitsConfig, raw.get("limits"), "limits",
+                                                    sizes={"max_body_bytes"}))
         return cls(**raw)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only "localhost" is known to be loopback
+        return False
 
 
 def _store(raw: Any) -> StoreConfig | None:
@@ -280,4 +382,4 @@ def load_config(path: str | Path) -> RouterConfig:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    return RouterConfig.from_dict(raw or {})
+    return RouterConfig.from_dict(raw or {}, os.environ)

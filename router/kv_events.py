@@ -28,6 +28,7 @@ import zmq.asyncio
 from kvcentric.hashing import extend_chain, hash_seed, root_hash, tokens_le_u32
 
 log = logging.getLogger("router.kv_events")
+MAX_MESSAGE_BYTES = 64 << 20  # far above any step's batch; bounds a hostile peer's memory
 
 
 @dataclass
@@ -66,16 +67,23 @@ class EventTranslator:
         return len(self._pages)
 
     def stored(self, ev: dict[str, Any]) -> list[bytes]:
-        """Apply one ``BlockStored``; returns our blocks it completed (root first)."""
+        """Apply one ``BlockStored``; returns our blocks it completed (root first). An
+        event of the wrong shape (a hostile or corrupt frame) is skipped and counted."""
         hashes = ev.get("block_hashes") or []
         tokens = ev.get("token_ids") or []
-        page = int(ev.get("block_size") or 0)
+        page = ev.get("block_size") or 0
         extra = ev.get("extra_keys") or []
+        if not (_hash_list(hashes) and isinstance(tokens, list) and isinstance(extra, list)
+                and _is_hash(ev.get("parent_block_hash"))
+                and isinstance(page, int) and not isinstance(page, bool)):
+            self.skipped += 1
+            return []
         if (not self.block_bytes or not hashes or page <= 0 or len(tokens) != page * len(hashes)
                 or ev.get("lora_name")):
             self.skipped += 1
             return []
-        if any(k and any(not isinstance(x, str) for x in k) for k in extra):
+        if any(k and (not isinstance(k, list) or any(not isinstance(x, str) for x in k))
+               for k in extra):
             self.skipped += 1  # multimodal or embedding keys: not a plain token prefix
             return []
         state = self._start(ev.get("parent_block_hash"), extra[0] if extra else None)
@@ -84,7 +92,7 @@ class EventTranslator:
             return []
         try:
             raw = tokens_le_u32(tokens)
-        except ValueError:
+        except (ValueError, TypeError, OverflowError):  # not a list of token ids
             self.skipped += 1
             return []
         step = page * 4
@@ -113,7 +121,11 @@ class EventTranslator:
     def removed(self, ev: dict[str, Any]) -> list[bytes]:
         """Apply one ``BlockRemoved``; returns our blocks that lost a page."""
         gone: list[bytes] = []
-        for vh in ev.get("block_hashes") or []:
+        hashes = ev.get("block_hashes") or []
+        if not _hash_list(hashes):
+            self.skipped += 1
+            return gone
+        for vh in hashes:
             p = self._pages.pop(vh, None)
             if p is not None:
                 gone.extend(p.blocks)
@@ -121,6 +133,15 @@ class EventTranslator:
 
     def cleared(self) -> None:
         self._pages.clear()
+
+
+def _is_hash(value: Any) -> bool:
+    """vLLM block hashes are ints or bytes (None: no parent); anything else is not one."""
+    return value is None or isinstance(value, (int, bytes, str)) and not isinstance(value, bool)
+
+
+def _hash_list(values: Any) -> bool:
+    return isinstance(values, list) and all(v is not None and _is_hash(v) for v in values)
 
 
 def decode_batch(payload: bytes) -> list[dict[str, Any]]:
@@ -146,7 +167,10 @@ class EventListener:
 
     Runs as an asyncio task on the router's loop (:meth:`run`); ``gaps`` counts batches
     lost on the way (sequence jumps), after which residency may be stale until the LRU
-    or later events correct it.
+    or later events correct it. A malformed message (wrong frame count, not msgpack, events
+    of the wrong shape) is logged, counted in ``malformed`` and dropped: nothing a peer
+    sends stops the listener. ZMQ drops the connection of a peer sending a message over
+    ``MAX_MESSAGE_BYTES``.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
@@ -156,12 +180,14 @@ class EventListener:
         self._sock = ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if router_binds(endpoint):
             self._sock.bind(endpoint)
         else:
             self._sock.connect(endpoint)
         self.batches = 0
         self.gaps = 0
+        self.malformed = 0
         self._last_seq: int | None = None
 
     async def run(self) -> None:
@@ -175,8 +201,10 @@ class EventListener:
             self._sock.close(linger=0)
 
     def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) != 3:
-            log.warning("%s: dropped a message of %d frames", self.endpoint, len(frames))
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.malformed += 1
+            log.warning("%s: dropped a message of %d frames (want topic, u64 seq, payload)",
+                        self.endpoint, len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
         if self._last_seq is not None and seq != self._last_seq + 1:
@@ -184,11 +212,13 @@ class EventListener:
         self._last_seq = seq
         try:
             events = decode_batch(frames[2])
-        except ValueError as exc:
-            log.warning("%s: %s", self.endpoint, exc)
+            self._on_events(events)
+        except Exception as exc:  # noqa: BLE001 -- a peer's bytes must never stop the loop
+            self.malformed += 1
+            log.warning("%s: dropped a malformed event batch: %s: %s", self.endpoint,
+                        type(exc).__name__, exc)
             return
         self.batches += 1
-        self._on_events(events)
 
     def close(self) -> None:
         self._sock.close(linger=0)

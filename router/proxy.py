@@ -23,10 +23,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from kvcentric.hashing import TailRef
 from kvcentric.router.decision import Decision, Rejection
+from kvcentric.router.errors import error_response
 from kvcentric.router.instances import Instance
 from kvcentric.router.metrics import RouterMetrics
 from kvcentric.router.scheduler import Conductor
@@ -53,13 +54,6 @@ def _transport_error(inst: Instance, exc: httpx.TransportError) -> Exception:
     if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout)):
         return UpstreamTimeout(f"{inst.name}: {type(exc).__name__}")
     return UpstreamFailed(inst, f"{type(exc).__name__}: {exc}")
-
-
-def error_response(status: int, message: str, kind: str,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """An OpenAI-style error body."""
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status, headers=headers)
 
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:

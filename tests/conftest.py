@@ -8,6 +8,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +50,19 @@ def mooncake_ns() -> Iterator[NetNamespace]:
     ns = NetNamespace().start()
     yield ns
     ns.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> str:
+    """The tiny random-weight model (built once under .models/, reused after)."""
+    from kvcentric.testing.models import build_model  # heavy imports: only when used
+
+    return str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir: str) -> Any:
+    """The router's tokenizer (``PromptTokenizer``) over the tiny model."""
+    from kvcentric.router.tokenize import PromptTokenizer
+
+    return PromptTokenizer(tiny_dir)

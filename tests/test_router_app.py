@@ -9,7 +9,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,23 +18,12 @@ from kvcentric.router.app import build_app
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile
 from kvcentric.router.tokenize import PromptTokenizer
-from kvcentric.testing.models import build_model
 
 PROFILE = Profile(a=0.0, b=1e-5, c=0.001, tbt_base_s=0.01, tbt_per_seq_s=0.0)
 METRICS = ('vllm:num_requests_running{engine="0"} 3.0\n'
            'vllm:num_requests_waiting{engine="0"} 0.0\n'
            'vllm:kv_cache_usage_perc{engine="0"} 0.1\n'
            'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="2048"} 1.0\n')
-
-
-@pytest.fixture(scope="module")
-def tiny_dir() -> str:
-    return str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir: str) -> PromptTokenizer:
-    return PromptTokenizer(tiny_dir)
 
 
 @dataclass

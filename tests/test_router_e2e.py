@@ -10,6 +10,7 @@ instances through its admin API. The last test kills ``b``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -239,6 +240,58 @@ def test_overload_is_refused_with_429_not_timeouts(cluster: Cluster) -> None:
     assert time.perf_counter() - t0 < 110
     m = httpx.get(c.url + "/metrics").text
     assert 'kvc_router_rejections_total{reason="ttft"}' in m
+
+
+@contextlib.contextmanager
+def keyed_router(c: Cluster, tmp: Path, keys: dict[str, str], admin: str) -> Iterator[str]:
+    """A second router on the cluster's store with API keys (no KV events: the first
+    router holds those sockets); yields its URL, stops it after."""
+    cfg = yaml.safe_load((c.log.parent / "router.yaml").read_text())
+    port = free_port()
+    cfg.update(listen={"port": port}, instances=[], auth={"api_keys": keys, "admin_key": admin})
+    (tmp / "keyed.yaml").write_text(yaml.safe_dump(cfg))
+    log = tmp / "keyed.log"
+    proc = subprocess.Popen([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
+                             str(tmp / "keyed.yaml")], stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/metrics", proc, log, 60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_tenants_never_share_kv_but_share_within_a_tenant(cluster: Cluster,
+                                                          tmp_path: Path) -> None:
+    c, srv = cluster, cluster.servers
+    keys = {"sk-tenant-a-01": "team-a", "sk-tenant-b-01": "team-b"}
+    admin = {"Authorization": "Bearer sk-admin-0001"}
+    key = {t: {"Authorization": f"Bearer {k}"} for k, t in keys.items()}
+    prompt = token_prompt(77, 700)
+
+    def complete(url: str, tenant: str | None) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", timeout=120,
+                          headers=key[tenant] if tenant else {},
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+
+    def only(url: str, name: str) -> None:
+        for i in httpx.get(url + "/instances", headers=admin).json()["instances"]:
+            httpx.delete(f"{url}/instances/{i['name']}", headers=admin).raise_for_status()
+        httpx.post(url + "/instances", headers=admin,
+                   json={"url": srv[name].url, "role": "both", "name": name}).raise_for_status()
+
+    with keyed_router(c, tmp_path, keys, "sk-admin-0001") as url:
+        assert complete(url, None).status_code == 401
+        assert httpx.get(url + "/instances", headers=key["team-a"]).status_code == 403
+        only(url, "a")
+        complete(url, "team-a").raise_for_status()  # a computes it and saves it, salted
+        only(url, "b")
+        ext, local = hits(srv["b"], external=True), hits(srv["b"])
+        complete(url, "team-b").raise_for_status()  # same prompt, other tenant: nothing
+        assert hits(srv["b"], external=True) == ext and hits(srv["b"]) == local
+        complete(url, "team-a").raise_for_status()  # same tenant on b: from the store
+        assert hits(srv["b"], external=True) - ext >= 5 * BLOCK
 
 
 def test_killing_an_instance_mid_run_keeps_requests_succeeding(cluster: Cluster) -> None:

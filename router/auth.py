@@ -1,0 +1,90 @@
+"""Who is calling: API keys mapped to tenants, the admin key, each tenant's KV namespace.
+
+With keys configured (:class:`kvcentric.router.config.AuthConfig`) every OpenAI request
+carries ``Authorization: Bearer <key>``; the key names the tenant. A tenant's requests get
+``cache_salt = "tenant:<name>"`` (a client's own salt goes under it:
+``"tenant:<name>/<salt>"``): the engines and the store hash the salt into every block
+key, so two tenants never share KV for the same prompt, while one tenant's requests (with
+the same client salt) still do. Without keys the router is open: no salt is added and
+everyone shares one concurrency budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvcentric.router.config import AuthConfig
+from kvcentric.router.errors import Refused
+
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvcentric-router"'}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The authenticated caller: ``tenant`` (None on an open router) and ``budget``, the
+    name its concurrency is counted under."""
+
+    tenant: str | None
+    budget: str
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, else None."""
+    value = headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+class Authenticator:
+    """Checks keys (compared as SHA-256 digests, so lookups leak no key bytes by timing)."""
+
+    def __init__(self, cfg: AuthConfig) -> None:
+        self.enabled = cfg.enabled
+        self._tenants = {_digest(k): t for k, t in cfg.api_keys}
+        self._admin = _digest(cfg.admin_key) if cfg.admin_key else None
+
+    def caller(self, headers: Mapping[str, str]) -> Caller:
+        """The caller of an OpenAI request; :class:`Refused` (401) without a valid key."""
+        if not self.enabled:
+            return Caller(None, "")
+        token = bearer(headers)
+        if token is None:
+            raise Refused(401, "missing API key: send 'Authorization: Bearer <key>'",
+                          _CHALLENGE)
+        tenant = self._tenants.get(_digest(token))
+        if tenant is None:
+            raise Refused(401, "invalid API key", _CHALLENGE)
+        return Caller(tenant, tenant)
+
+    def check_admin(self, headers: Mapping[str, str]) -> None:
+        """Allow an admin request or raise :class:`Refused`: 401 without a valid key, 403
+        for a tenant key or when the admin endpoints are closed (keys, no admin key)."""
+        if self._admin is None:
+            if not self.enabled:
+                return  # an open router (loopback, no keys): admin is open too
+            raise Refused(403, "the admin endpoints are closed: no admin key is configured")
+        token = bearer(headers)
+        if token is None:
+            raise Refused(401, "missing admin key: send 'Authorization: Bearer <key>'",
+                          _CHALLENGE)
+        digest = _digest(token)
+        if hmac.compare_digest(digest, self._admin):
+            return
+        if digest in self._tenants:
+            raise Refused(403, "a tenant key cannot use the admin endpoints")
+        raise Refused(401, "invalid admin key", _CHALLENGE)
+
+    @staticmethod
+    def salt(caller: Caller, client_salt: str | None) -> str | None:
+        """The ``cache_salt`` a request runs with (see the module docstring)."""
+        if caller.tenant is None:
+            return client_salt
+        base = f"tenant:{caller.tenant}"
+        return base if client_salt is None else f"{base}/{client_salt}"
