@@ -19,22 +19,25 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import numpy as np
 import zmq.asyncio
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvcentric.router import api_models, limits
 from kvcentric.router import instances as inst_mod
-from kvcentric.router import limits
-from kvcentric.router.auth import Authenticator, Caller
+from kvcentric.router.auth import CLIENT_SALT_MAX, SALT_MAX, Authenticator, Caller
 from kvcentric.router.config import InstanceSpec, RouterConfig
 from kvcentric.router.cost_model import Profile, kv_bytes_per_token
 from kvcentric.router.errors import Refused, error_response
 from kvcentric.router.instances import Instance
-from kvcentric.router.kv_events import EventListener, EventTranslator
+from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
 from kvcentric.router.metrics import RouterMetrics
+from kvcentric.router.openapi import build_openapi
 from kvcentric.router.proxy import Proxy
 from kvcentric.router.scheduler import Conductor
 from kvcentric.router.store_view import StoreView
@@ -52,6 +55,8 @@ class RouterState:
     metrics: RouterMetrics
     auth: Authenticator
     inflight: limits.InFlight
+    completion_model: type[BaseModel]
+    chat_model: type[BaseModel]
     transport: httpx.AsyncBaseTransport | None = None
     proxy: Proxy | None = None
     client: httpx.AsyncClient | None = None
@@ -83,7 +88,10 @@ class RouterState:
                     index.clear(slot)
 
         inst.translator = tr
-        inst.listener = EventListener(self.zmq_ctx, spec.kv_events, on_events)
+        # "tcp://*:PORT": the engine binds every interface; the router reaches it by its host
+        endpoint = spec.kv_events.replace("*", urlparse(spec.url).hostname or "127.0.0.1")
+        inst.listener = EventListener(self.zmq_ctx, endpoint, on_events,
+                                      bind=router_binds(spec.kv_events))
         self.tasks[f"events:{inst.name}"] = asyncio.get_running_loop().create_task(
             inst.listener.run())
 
@@ -126,9 +134,13 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
                       tp_size=cfg.keys.tp_size, ttl_s=cfg.cache.store_ttl_s,
                       negative_ttl_s=cfg.cache.store_negative_ttl_s)
     conductor = Conductor(cfg, profile, kvb, store)
-    return RouterState(cfg, conductor, tokenizer or PromptTokenizer(cfg.tokenizer),
-                       RouterMetrics(conductor), Authenticator(cfg.auth),
-                       limits.InFlight(cfg.limits), transport)
+    tokenizer = tokenizer or PromptTokenizer(cfg.tokenizer)
+    salt_max = CLIENT_SALT_MAX if cfg.auth.enabled else SALT_MAX
+    return RouterState(cfg, conductor, tokenizer, RouterMetrics(conductor),
+                       Authenticator(cfg.auth), limits.InFlight(cfg.limits),
+                       api_models.completion_model(cfg.model, cfg.limits, tokenizer.vocab_size,
+                                                   salt_max),
+                       api_models.chat_model(cfg.model, cfg.limits, salt_max), transport)
 
 
 def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
@@ -158,6 +170,8 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
 
     app = FastAPI(title="kvcentric router", lifespan=lifespan)
     app.state.router = state
+    schema = build_openapi(cfg, state.completion_model, state.chat_model)
+    app.openapi = lambda: schema  # type: ignore[method-assign]
     _openai_routes(app, state)
     _admin_routes(app, state)
     return app
@@ -223,10 +237,8 @@ def _openai_routes(app: FastAPI, state: RouterState) -> None:
         if model != cfg.model:
             raise Refused(404, f"model {model!r} does not exist; this router serves "
                           f"{cfg.model!r}")
-        salt = body.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise Refused(400, "cache_salt must be a string")
-        limits.check_max_tokens(body, cfg.limits)
+        body = api_models.validate(state.chat_model if chat else state.completion_model, body)
+        api_models.normalize(body, cfg.limits)
         try:
             encode = state.tokenizer.chat_ids if chat else state.tokenizer.completion_ids
             tokens = await asyncio.to_thread(encode, body)
@@ -287,10 +299,13 @@ def _admin_routes(app: FastAPI, state: RouterState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/instances")
-    async def list_instances(request: Request) -> JSONResponse:
+    @app.api_route("/instances", methods=["GET", "POST"])
+    async def instances(request: Request) -> JSONResponse:
+        # one route for both methods: a 405 then names both in its Allow header
         try:
             state.auth.check_admin(request.headers)
+            if request.method == "POST":
+                return await _add_instance(request)
         except Refused as refused:
             return refused.response()
         now = time.monotonic()
@@ -302,23 +317,19 @@ def _admin_routes(app: FastAPI, state: RouterState) -> None:
                              "store": {"enabled": c.store.enabled, "queries": c.store.queries,
                                        "errors": c.store.errors}})
 
-    @app.post("/instances")
-    async def add_instance(request: Request) -> JSONResponse:
+    async def _add_instance(request: Request) -> JSONResponse:
         spec = None
         try:
-            state.auth.check_admin(request.headers)
             spec = InstanceSpec.from_dict(await _json_body(request, cfg.limits.max_body_bytes))
             inst = state.add_instance(spec)
-        except Refused as refused:
-            return refused.response()
         except ValueError as exc:
             return error_response(400, str(exc))
         except KeyError as exc:
             return error_response(409, str(exc.args[0]))
-        except zmq.ZMQError as exc:
+        except zmq.ZMQError as exc:  # a well-formed address this host cannot take
             assert spec is not None
             state.conductor.registry.remove(str(spec.name))
-            return error_response(400, f"cannot listen on {spec.kv_events}: {exc}")
+            return error_response(409, f"cannot listen on {spec.kv_events}: {exc}")
         return JSONResponse(inst.describe(state.conductor.index, time.monotonic()),
                             status_code=201)
 

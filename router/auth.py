@@ -2,11 +2,13 @@
 
 With keys configured (:class:`kvcentric.router.config.AuthConfig`) every OpenAI request
 carries ``Authorization: Bearer <key>``; the key names the tenant. A tenant's requests get
-``cache_salt = "tenant:<name>"`` (a client's own salt goes under it:
-``"tenant:<name>/<salt>"``): the engines and the store hash the salt into every block
-key, so two tenants never share KV for the same prompt, while one tenant's requests (with
-the same client salt) still do. Without keys the router is open: no salt is added and
-everyone shares one concurrency budget.
+``cache_salt = "kvct-<16 hex of sha256(tenant)>"``, and a client's own salt goes after it
+(``"kvct-<hex>.<salt>"``): the engines and the store hash the salt into every block key,
+so two tenants never share KV for the same prompt, while one tenant's requests (with the
+same client salt) still do. The tenant part has a fixed length, so no (tenant, salt) pair
+can spell another's; it avoids what vLLM refuses in a salt (``@``, ``/``, a backslash,
+NUL) and leaves :data:`CLIENT_SALT_MAX` of vLLM's 128 characters to the client. Without
+keys the router is open: no salt is added and everyone shares one concurrency budget.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from kvcentric.router.config import AuthConfig
 from kvcentric.router.errors import Refused
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvcentric-router"'}
+SALT_MAX = 128  # vLLM's bound on cache_salt
+_TENANT_PART = len("kvct-") + 16
+CLIENT_SALT_MAX = SALT_MAX - _TENANT_PART - 1
 
 
 @dataclass(frozen=True)
@@ -86,5 +91,5 @@ class Authenticator:
         """The ``cache_salt`` a request runs with (see the module docstring)."""
         if caller.tenant is None:
             return client_salt
-        base = f"tenant:{caller.tenant}"
-        return base if client_salt is None else f"{base}/{client_salt}"
+        base = "kvct-" + hashlib.sha256(caller.tenant.encode()).hexdigest()[:16]
+        return base if client_salt is None else f"{base}.{client_salt}"

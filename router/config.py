@@ -42,6 +42,10 @@ ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"
 
 ROLES = ("prefill", "decode", "both")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+# tcp://HOST:PORT (the router binds; HOST "*": the engine binds, the router connects to the
+# instance's host), ipc:///path or inproc://name (the engine binds, the router connects)
+KV_EVENTS_RE = re.compile(rf"tcp://(\*|[A-Za-z0-9.-]+):{_PORT}|ipc://[^\x00]+|inproc://[^\x00]+")
 
 
 def _section(cls: type, section: str, raw: Any) -> Any:
@@ -87,9 +91,10 @@ class InstanceSpec:
             object.__setattr__(self, "name", parsed.netloc)
         if not _NAME_RE.fullmatch(str(self.name)):
             raise ValueError(f"instance name {self.name!r} must match {_NAME_RE.pattern}")
-        if self.kv_events is not None and not self.kv_events.startswith(
-                ("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"kv_events {self.kv_events!r} must be a tcp:// or ipc:// endpoint")
+        if self.kv_events is not None and not (isinstance(self.kv_events, str)
+                                               and KV_EVENTS_RE.fullmatch(self.kv_events)):
+            raise ValueError(f"kv_events {self.kv_events!r} must be tcp://HOST:PORT, "
+                             "ipc:///path or inproc://name")
         if self.compute is not None and not _NAME_RE.fullmatch(self.compute):
             raise ValueError(f"instance compute {self.compute!r} must match {_NAME_RE.pattern}")
 

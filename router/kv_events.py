@@ -174,14 +174,16 @@ class EventListener:
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
-                 on_events: Callable[[list[dict[str, Any]]], None]) -> None:
+                 on_events: Callable[[list[dict[str, Any]]], None],
+                 bind: bool | None = None) -> None:
+        """``bind``: bind (True) or connect (False); None decides by :func:`router_binds`."""
         self.endpoint = endpoint
         self._on_events = on_events
         self._sock = ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if router_binds(endpoint):
+        if router_binds(endpoint) if bind is None else bind:
             self._sock.bind(endpoint)
         else:
             self._sock.connect(endpoint)

@@ -1,22 +1,19 @@
-"""Bounds on one request: body size, prompt tokens, ``max_tokens``, requests in flight.
+"""Bounds on one request: body size, prompt tokens, requests in flight.
 
 Checked in request order, each as soon as its input is known: the body size while it is
-read (413, before it is parsed), ``max_tokens`` right after parsing and the prompt length
-after tokenising (400), and the caller's requests in flight before any upstream work (429
-with ``Retry-After``). ``None`` bounds in :class:`kvcentric.router.config.LimitsConfig`
-are left to the engine.
+read (413, before it is parsed), the prompt length after tokenising (400; ``max_tokens``
+is bounded by the request models, :mod:`kvcentric.router.api_models`), and the caller's
+requests in flight before any upstream work (429 with ``Retry-After``). ``None`` bounds
+in :class:`kvcentric.router.config.LimitsConfig` are left to the engine.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
 from kvcentric.router.config import LimitsConfig
 from kvcentric.router.errors import Refused
-
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 async def read_body(chunks: AsyncIterator[bytes], headers: Mapping[str, str],
@@ -32,19 +29,6 @@ async def read_body(chunks: AsyncIterator[bytes], headers: Mapping[str, str],
         if len(body) > limit:
             raise Refused(413, f"the body exceeds {limit} bytes")
     return bytes(body)
-
-
-def check_max_tokens(body: Mapping[str, Any], cfg: LimitsConfig) -> None:
-    """400 unless every token budget field is absent/null or an integer in range."""
-    for name in TOKEN_FIELDS:
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise Refused(400, f"{name} must be a positive integer, got {value!r}")
-        if cfg.max_tokens is not None and value > cfg.max_tokens:
-            raise Refused(400, f"{name} is {value}; this router allows at most "
-                          f"{cfg.max_tokens}")
 
 
 def check_prompt(num_tokens: int, cfg: LimitsConfig) -> None:

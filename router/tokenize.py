@@ -31,6 +31,11 @@ class PromptTokenizer:
         # the router never truncates; the engine enforces its own max_model_len
         self.tok.model_max_length = 1 << 62
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this tokenizer knows (a prompt of ids must stay below it)."""
+        return len(self.tok)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return np.asarray(ids, dtype=np.uint32)

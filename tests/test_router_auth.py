@@ -54,10 +54,15 @@ def test_tenant_salts_namespace_the_kv(tiny_dir: str, tokenizer: PromptTokenizer
         assert (await c.post("/v1/completions", json=BODY, headers=B)).status_code == 200
         salted = dict(BODY, cache_salt="user-7")
         assert (await c.post("/v1/completions", json=salted, headers=A)).status_code == 200
+        for bad in ("a/b", "x" * 107, "", "a@b"):  # vLLM's rules, less the tenant's part
+            r = await c.post("/v1/completions", json=dict(BODY, cache_salt=bad), headers=A)
+            assert r.status_code == 400, bad
 
     run(keyed(tiny_dir), tokenizer, ups, fn)
-    salts = [body.get("cache_salt") for _, _, body in ups.calls]
-    assert salts == ["tenant:team-a", "tenant:team-b", "tenant:team-a/user-7"]
+    a, b, a7 = (body.get("cache_salt") for _, _, body in ups.calls)
+    assert a.startswith("kvct-") and len(a) == 21 and b != a and a7 == a + ".user-7"
+    # vLLM refuses '@', '/', '\' and NUL in a salt, and over 128 characters
+    assert all(not set(x) & set("@/\\\x00") and len(x) <= 128 for x in (a, b, a7))
 
 
 def test_router_keys_are_not_forwarded_to_engines(tiny_dir: str,
@@ -148,9 +153,12 @@ def test_limits_answer_413_and_400(tiny_dir: str, tokenizer: PromptTokenizer) ->
 
         r = await c.post("/v1/completions", content=chunks())
         assert r.status_code == 413
-        long = dict(BODY, prompt="hello world " * 60)
+        long = dict(BODY, prompt="hello world " * 60)  # over 50 // 4 characters
         r = await c.post("/v1/completions", json=long)
-        assert r.status_code == 400 and "at most 50" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+        ids = dict(BODY, prompt=[5] * 51)  # token ids are counted exactly
+        r = await c.post("/v1/completions", json=ids)
+        assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
         for bad in (17, 0, -1, 2.5, "8", True):
             for name in ("max_tokens", "max_completion_tokens"):
                 r = await c.post("/v1/chat/completions", json={

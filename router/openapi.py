@@ -1,0 +1,134 @@
+"""The router's published OpenAPI document, generated from the models it enforces.
+
+Request bodies come from :mod:`kvcentric.router.api_models` (the same models that
+validate requests) and from the instance spec's fields; every response the router can
+give is listed with its content type: the OpenAI error body for 4xx/5xx, JSON or
+``text/event-stream`` for completions, Prometheus text for ``/metrics``. With API keys
+configured, the OpenAI operations and the admin operations declare bearer security.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvcentric.router.config import KV_EVENTS_RE, ROLES, RouterConfig
+
+_REF = "#/components/schemas/{model}"
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message"],
+    "properties": {"message": {"type": "string"}, "type": {"type": ["string", "null"]},
+                   "code": {"type": ["integer", "string", "null"]}}}}}
+COMPLETION = {"type": "object", "required": ["choices"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string"},
+    "choices": {"type": "array", "items": {"type": "object"}},
+    "usage": {"type": ["object", "null"]}}}
+MODELS = {"type": "object", "required": ["data"], "properties": {
+    "object": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["id"]}}}}
+HEALTH = {"type": "object", "required": ["status"], "properties": {
+    "status": {"type": "string", "enum": ["ok", "unavailable"]},
+    "prefill": {"type": "integer"}, "decode": {"type": "integer"},
+    "instances": {"type": "integer"}}}
+INSTANCE = {"type": "object", "required": ["url"], "additionalProperties": False, "properties": {
+    "url": {"type": "string", "pattern": "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"},
+    "role": {"type": "string", "enum": list(ROLES)},
+    "model": {"type": ["string", "null"]},
+    "name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
+    "kv_events": {"type": ["string", "null"], "pattern": f"^({KV_EVENTS_RE.pattern})$"},
+    "compute": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"}}}
+REASONS = {400: "Malformed request or a value out of bounds", 401: "Missing or invalid API key",
+           403: "The key may not use this operation", 404: "Unknown model or instance",
+           409: "An instance of that name exists, or the router cannot listen on its "
+                "kv_events address on this host (in use, not a local address)",
+           413: "Body too large",
+           429: "Overloaded (SLO) or too many requests in flight; see Retry-After",
+           502: "Every instance tried failed", 503: "No instance can serve it",
+           504: "The instance did not answer in time"}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _responses(ok: dict[int, tuple[str, dict[str, Any]]], errors: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {str(code): {"description": desc, "content": content}
+                           for code, (desc, content) in ok.items()}
+    for code in errors:
+        out[str(code)] = {"description": REASONS[code], "content": _json({"$ref": _REF.format(
+            model="Error")})}
+        if code == 429:
+            out[str(code)]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+    return out
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": _json(schema)}
+
+
+def _drop_null_defaults(node: Any) -> Any:
+    """pydantic writes ``default: null`` for fields that are optional but not nullable;
+    omitted is what such a field's default means, so the document leaves it out."""
+    if isinstance(node, dict):
+        return {k: _drop_null_defaults(v) for k, v in node.items()
+                if not (k == "default" and v is None)}
+    if isinstance(node, list):
+        return [_drop_null_defaults(v) for v in node]
+    return node
+
+
+def build_openapi(cfg: RouterConfig, completion: type[BaseModel],
+                  chat: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of a router with ``cfg`` and these request models."""
+    schemas: dict[str, Any] = {"Error": ERROR, "InstanceSpec": INSTANCE}
+    for model in (completion, chat):
+        one = _drop_null_defaults(model.model_json_schema(ref_template=_REF))
+        schemas.update(one.pop("$defs", {}))
+        schemas[model.__name__] = one
+    secured: list[dict[str, list[str]]] = [{"bearer": []}] if cfg.auth.enabled else []
+    auth_errors = [401] if cfg.auth.enabled else []
+    admin_errors = [401, 403] if cfg.auth.enabled or cfg.auth.admin_key else []
+    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    paths: dict[str, Any] = {}
+    for path, model in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        paths[path] = {"post": {
+            "summary": f"OpenAI {path}: routed to the instance pair with the lowest TTFT",
+            "requestBody": _body({"$ref": _REF.format(model=model.__name__)}),
+            "responses": _responses({200: ("Completion, or SSE chunks when stream is true",
+                                           {**_json(COMPLETION), **stream})},
+                                    [400, *auth_errors, 404, 413, 429, 502, 503, 504]),
+            "security": secured}}
+    paths["/v1/models"] = {"get": {"summary": "The served model", "security": secured,
+                                   "responses": _responses({200: ("Models", _json(MODELS))},
+                                                           auth_errors)}}
+    paths["/health"] = {"get": {"summary": "Ready when some instance can prefill and decode",
+                                "responses": {
+                                    "200": {"description": "Ready", "content": _json(HEALTH)},
+                                    "503": {"description": "Not ready",
+                                            "content": _json(HEALTH)}}}}
+    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+        "description": "Prometheus text format",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
+    admin: list[dict[str, list[str]]] = [{"bearer": []}] if cfg.auth.admin_key or \
+        cfg.auth.enabled else []
+    listing = {"type": "object", "required": ["instances"]}
+    paths["/instances"] = {
+        "get": {"summary": "Instances and what the router knows of them", "security": admin,
+                "responses": _responses({200: ("Instances", _json(listing))}, admin_errors)},
+        "post": {"summary": "Add an instance (admin)", "security": admin,
+                 "requestBody": _body({"$ref": _REF.format(model="InstanceSpec")}),
+                 "responses": _responses({201: ("Added", _json({"type": "object"}))},
+                                         [400, *admin_errors, 409, 413])}}
+    paths["/instances/{name}"] = {"delete": {
+        "summary": "Remove an instance (admin)", "security": admin,
+        "parameters": [{"name": "name", "in": "path", "required": True,
+                        "schema": {"type": "string"}}],
+        "responses": _responses({200: ("Removed", _json({"type": "object"}))},
+                                [*admin_errors, 404])}}
+    doc: dict[str, Any] = {"openapi": "3.1.0",
+                           "info": {"title": "kvcentric router", "version": "1"},
+                           "paths": paths, "components": {"schemas": schemas}}
+    if secured or admin:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
