@@ -88,8 +88,8 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                        "store (reachable, capacity vs /dev/shm, Mooncake master, RDMA), "
                        "the layout the engine at --url writes vs what the store holds (one "
                        "probe completion under a fresh cache_salt; $VLLM_API_KEY or "
-                       "$KVC_ROUTER_API_KEY is sent if set) and the router config vs its "
-                       "engines. Exit 1 on a problem.")
+                       "$KVCENTRIC_ROUTER_UPSTREAM_API_KEY is sent if set) and the router "
+                       "config vs its engines. Exit 1 on a problem.")
     d.add_argument("--store", default=None,
                    help="the store config as JSON (like the connector's 'store'), or @FILE; "
                         "default: the router config's store")

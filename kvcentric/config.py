@@ -137,8 +137,8 @@ def triton_interpret() -> bool:
 class EngineEnv:
     """What kvcentric's tools (``kvcentric doctor``) read of an engine's environment:
     vLLM's plugin allow-list (``VLLM_PLUGINS``; ``None`` = every plugin loads) and the API
-    key engines demand (``VLLM_API_KEY``, else the ``KVC_ROUTER_API_KEY`` deploy/kubernetes
-    gives the router pod)."""
+    key engines demand (``VLLM_API_KEY``, else the ``KVCENTRIC_ROUTER_UPSTREAM_API_KEY``
+    deploy/kubernetes gives the router pod)."""
 
     vllm_plugins: str | None = None
     api_key: str | None = None
@@ -147,7 +147,8 @@ class EngineEnv:
     def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
         env = os.environ if env is None else env
         return cls(env.get("VLLM_PLUGINS"),
-                   env.get("VLLM_API_KEY") or env.get("KVC_ROUTER_API_KEY") or None)
+                   env.get("VLLM_API_KEY") or env.get("KVCENTRIC_ROUTER_UPSTREAM_API_KEY")
+                   or None)
 
 
 def default_runtime_dir() -> Path:

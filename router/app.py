@@ -254,10 +254,13 @@ def _openai_routes(app: FastAPI, state: RouterState) -> None:
             body["cache_salt"] = salt  # the engines hash it into every block of the prompt
         hashes = state.conductor.hashes(tokens, salt)
         tail = state.conductor.tail(tokens, hashes, salt)
-        # a router key is the router's business: never forwarded to the engines
+        # a router key is the router's business: never forwarded to the engines, which get
+        # upstream.api_key when they check keys of their own
         forwarded = ("content-type", "accept", "x-request-id") if state.auth.enabled else \
             ("authorization", "content-type", "accept", "x-request-id")
         headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
+        if cfg.upstream.api_key:
+            headers["authorization"] = f"Bearer {cfg.upstream.api_key}"
         assert state.proxy is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail)

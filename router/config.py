@@ -3,8 +3,9 @@
 Every value is checked here (``ValueError`` names the bad field), so nothing later
 re-validates. This module is the router's only reader of files named by the user at
 start-up, and of environment variables: ``KVCENTRIC_ROUTER_API_KEYS``
-(``key=tenant,key2=tenant2``, added to ``auth.api_keys``) and ``KVCENTRIC_ROUTER_ADMIN_KEY``
-(``auth.admin_key``), read by :func:`load_config` only.
+(``key=tenant,key2=tenant2``, added to ``auth.api_keys``), ``KVCENTRIC_ROUTER_ADMIN_KEY``
+(``auth.admin_key``) and ``KVCENTRIC_ROUTER_UPSTREAM_API_KEY`` (``upstream.api_key``), read
+by :func:`load_config` only.
 
 Example (``configs/router.yaml``)::
 
@@ -28,7 +29,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -39,6 +40,7 @@ from kvcentric.config import StoreConfig, check_keys, parse_fields
 
 ENV_API_KEYS = "KVCENTRIC_ROUTER_API_KEYS"
 ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"
+ENV_UPSTREAM_KEY = "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"
 
 ROLES = ("prefill", "decode", "both")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -201,11 +203,15 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class UpstreamConfig:
-    """Proxying: ``timeout_s`` bounds one upstream call; ``retries`` other instances tried."""
+    """Proxying: ``timeout_s`` bounds one upstream call; ``retries`` other instances tried.
+    ``api_key``: sent to the engines as ``Authorization: Bearer`` (engines started with
+    ``--api-key``); ``None``: without router keys the client's own header is forwarded,
+    with router keys none is."""
 
     timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     retries: int = 1
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "timeout_s", "connect_timeout_s")
@@ -355,7 +361,10 @@ class RouterConfig:
             raise ValueError("instances must be a list of {url, role}")
         raw["instances"] = tuple(InstanceSpec.from_dict(i) for i in insts)
         raw["store"] = _store(raw.get("store"))
-        raw["auth"] = AuthConfig.parse(raw.get("auth"), env or {})
+        env = env or {}
+        raw["auth"] = AuthConfig.parse(raw.get("auth"), env)
+        if env.get(ENV_UPSTREAM_KEY):
+            raw["upstream"] = replace(raw["upstream"], api_key=env[ENV_UPSTREAM_KEY])
         raw["limits"] = LimitsConfig(**parse_fields(LimitsConfig, raw.get("limits"), "limits",
                                                     sizes={"max_body_bytes"}))
         return cls(**raw)

@@ -284,8 +284,10 @@ def test_secrets_and_configmaps_exist() -> None:
             key = env(c).get("VLLM_API_KEY") if "vllm" in c["name"] else flag(words,
                                                                                "--api-key")
             assert key == SECRET, f"{path}: {c['name']} takes no API key from a Secret"
-        for _, c, _ in routers(docs):
-            assert env(c).get("KVC_ROUTER_API_KEY") == SECRET, path
+        for _, c, _ in routers(docs):  # tenant keys, admin key, the engines' key
+            for name in ("KVCENTRIC_ROUTER_API_KEYS", "KVCENTRIC_ROUTER_ADMIN_KEY",
+                         "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"):
+                assert env(c).get(name) == SECRET, (path, name)
 
 
 def _router_flags() -> set[str]:

@@ -82,7 +82,8 @@ def test_router_keys_are_not_forwarded_to_engines(tiny_dir: str,
         assert (await c.post("/v1/completions", json=BODY, headers=A)).status_code == 200
 
     run(keyed(tiny_dir), tokenizer, ups, fn)
-    assert seen == [None]
+    run(keyed(tiny_dir, upstream={"api_key": "sk-engine-key"}), tokenizer, ups, fn)
+    assert seen == [None, "Bearer sk-engine-key"]
 
 
 def test_admin_endpoints_need_the_admin_key(tiny_dir: str, tokenizer: PromptTokenizer) -> None:
@@ -114,8 +115,10 @@ def test_keys_without_admin_key_close_the_admin_endpoints(tiny_dir: str,
 def test_keys_from_the_environment_and_bad_auth_config(tiny_dir: str) -> None:
     raw = {"model": "tiny", "tokenizer": tiny_dir}
     env = {"KVCENTRIC_ROUTER_API_KEYS": "sk-env-key-01=env-team, sk-env-key-02=other",
-           "KVCENTRIC_ROUTER_ADMIN_KEY": "sk-env-admin"}
+           "KVCENTRIC_ROUTER_ADMIN_KEY": "sk-env-admin",
+           "KVCENTRIC_ROUTER_UPSTREAM_API_KEY": "sk-engines"}
     cfg = RouterConfig.from_dict(raw, env)
+    assert cfg.upstream.api_key == "sk-engines"
     assert dict(cfg.auth.api_keys) == {"sk-env-key-01": "env-team", "sk-env-key-02": "other"}
     assert cfg.auth.admin_key == "sk-env-admin"
     for bad in ({"api_keys": {"short": "t"}}, {"api_keys": {"sk-long-enough": "a/b"}},
