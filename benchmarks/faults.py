@@ -13,9 +13,11 @@ request of a fault run has a known right answer. Each fault then gets a fresh st
 the same workload, and is injected (SIGKILL, then a supervisor's restart where one would
 restart it) once half the requests are done.
 
-Per fault: ``failed`` requests (HTTP error or no answer), ``wrong_tokens`` (answers that
-differ from the reference), ``hits_before``/``hits_after`` (mean fraction of a later-turn
-prompt served from cache -- engine or store -- before and after the fault, from vLLM's
+Clients retry a refused connection (nothing sent; a restarting router) for up to a minute,
+as any HTTP client would; nothing else is retried. Per fault: ``failed`` requests (HTTP
+error or no answer), ``wrong_tokens`` (answers that differ from the reference),
+``hits_before``/``hits_after`` (mean fraction of a later-turn prompt served from cache --
+engine or store -- before and after the fault, from vLLM's
 ``usage.prompt_tokens_details.cached_tokens``) and ``recovery_s`` (from the fault to the
 first later-turn request served at least half from cache; ``null``: never). Targets: zero
 wrong tokens everywhere; zero failed requests except for the router's own death.
@@ -45,6 +47,7 @@ from kvcentric.testing.models import build_model  # noqa: E402
 from kvcentric.testing.netns import NetNamespace  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+CONNECT_RETRY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,22 @@ class Run:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def request(url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
-    r = httpx.post(url + "/v1/completions", timeout=180, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True})
+def request(url: str, prompt: list[int], max_tokens: int,
+            connect_for_s: float = CONNECT_RETRY_S) -> tuple[list[int], int]:
+    """One greedy completion. A refused connection (nothing was sent: the router is
+    restarting) is retried for ``connect_for_s``, as any HTTP client or load balancer
+    would; every other failure is the request's."""
+    deadline = time.monotonic() + connect_for_s
+    while True:
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=180, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+            break
+        except httpx.ConnectError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
     r.raise_for_status()
     body = r.json()
     details = (body.get("usage") or {}).get("prompt_tokens_details") or {}

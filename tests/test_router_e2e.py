@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 
 from kvcentric.config import StoreConfig
+from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config, free_port, wait_http
@@ -46,6 +48,7 @@ class Cluster:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    store: dict[str, Any]
 
     def spec(self, name: str, role: str) -> dict[str, Any]:
         s: dict[str, Any] = {"url": self.servers[name].url, "role": role, "name": name}
@@ -126,7 +129,7 @@ def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                                 start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc, log, 60)
-        yield Cluster(servers, ev, url, proc, log)
+        yield Cluster(servers, ev, url, proc, log, store)
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -214,6 +217,24 @@ def test_prefill_decode_pair_matches_a_single_instance(cluster: Cluster) -> None
     assert hits(srv[chosen], external=True) - before[chosen] == hit
     keys = httpx.get(c.url + "/instances").json()["keys"]
     assert keys["block_size"] == BLOCK and keys["layout_sig"]
+
+
+def test_pd_handoff_survives_store_eviction_pressure(cluster: Cluster) -> None:
+    """The prefill's blocks are soft-pinned until the decode reads them: a flood of other
+    objects (1.5x the store) between the prefill and the decode evicts everything else,
+    and the decode still loads the whole prompt instead of recomputing it."""
+    srv = cluster.servers
+    prompt = token_prompt(31, 1100)
+    httpx.post(srv["p"].url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1}).raise_for_status()
+    junk = np.full(4 << 20, 3, np.uint8)
+    with open_store(cluster.store) as st:
+        codes = [st.batch_put_from([f"flood-{i}"], [junk.ctypes.data], [junk.nbytes])[0]
+                 for i in range(192)]  # 768 MiB through a 512 MiB store
+        assert codes.count(OK) >= 100
+    before = hits(srv["d"], external=True)
+    _complete(srv["d"].url, prompt, False)
+    assert hits(srv["d"], external=True) - before == len(prompt) - 1
 
 
 def test_overload_is_refused_with_429_not_timeouts(cluster: Cluster) -> None:

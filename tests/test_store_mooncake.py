@@ -334,3 +334,20 @@ def test_cli_master_with_http_metadata_and_node(mc: MooncakeCluster, tmp_path: P
     finally:
         end(master, signal.SIGKILL)
         c.stop()
+
+
+def test_soft_pinned_handoff_outlives_eviction_pressure(mc: MooncakeCluster) -> None:
+    """A P/D prefill's objects (committed with ``pin_s``) carry Mooncake's soft pin: the
+    master evicts every unpinned object before them."""
+    with open_store(mc.store_config(global_segment_size="32mb", no_space_wait_s=2.0)) as s:
+        s.clear()  # type: ignore[attr-defined]
+        obj = 4 << 20
+
+        def commit(keys: list[str], pin_s: float) -> list[int]:
+            slots = [x for x in s.batch_alloc(keys, [obj] * len(keys)) if x is not None]
+            return s.batch_commit(slots, pin_s)
+
+        assert commit(["pin-0", "pin-1"], 60.0) == [OK, OK]
+        for i in range(24):  # three times the pool: the master keeps evicting
+            commit([f"flood-{i}"], 0.0)
+        assert s.batch_exists(["pin-0", "pin-1"]) == 2

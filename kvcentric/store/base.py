@@ -189,8 +189,11 @@ class KVStore(ABC):
             out.append(WriteSlot(keys[i], ctypes.addressof(buf), sizes[i], (buf, parent)))
         return out
 
-    def batch_commit(self, slots: Sequence[WriteSlot]) -> list[int]:
-        """Make written slots visible; returns one code per slot."""
+    def batch_commit(self, slots: Sequence[WriteSlot], pin_s: float = 0.0) -> list[int]:
+        """Make written slots visible; returns one code per slot. ``pin_s`` > 0 soft-pins
+        the objects for a P/D handoff: not evicted for up to ``pin_s`` seconds or until
+        first read (local store; Mooncake: its soft pin, released at the TTL). Default:
+        no pins (the copy below is a plain put)."""
         if not slots:
             return []
         return self.batch_put_from(

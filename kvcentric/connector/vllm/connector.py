@@ -103,7 +103,9 @@ class KVCentricConnector(KVConnectorBase_V1):
                                                  saves=tcfg.is_kv_producer)
         else:
             names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-            self._worker = KVCentricWorker(self.settings, self.layout, store, names)
+            # a P/D prefill's blocks are soft-pinned until the decode reads them
+            pin_s = self.settings.handoff_pin_s if tcfg.kv_role == "kv_producer" else 0.0
+            self._worker = KVCentricWorker(self.settings, self.layout, store, names, pin_s)
         log.info("kvcentric %s: role %s, store %s/%s, stored block %d tokens (%d pages), "
                  "object %d B, keys %s", role.name.lower(), tcfg.kv_role,
                  self.settings.store.backend, self.settings.store.name,

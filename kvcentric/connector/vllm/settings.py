@@ -49,6 +49,9 @@ class ConnectorSettings:
         spare_cpu_threads: on a CPU engine whose worker is pinned to its compute cores, run
             the copy and commit threads and the store client's threads on the other cores
             (:mod:`kvcentric.connector.vllm.affinity`); no effect on GPU workers.
+        handoff_pin_s: on a P/D prefill (``kv_producer``), what it saves is soft-pinned in
+            the store for this long or until the decode's first read, so eviction pressure
+            between save and load cannot turn the handoff into a recompute (0: no pins).
         copy_impl: how pages are copied (:mod:`kvcentric.kernels.dispatch`): ``"auto"``
             (CPU: torch; CUDA: the fastest of Triton, per-page DMA and torch, measured
             once at start-up on the engine's own layer), ``"torch"``, ``"triton"``, ``"dma"``.
@@ -67,6 +70,7 @@ class ConnectorSettings:
     async_commit: bool = True
     spare_cpu_threads: bool = True
     min_fetch_bytes: int = 16 << 20
+    handoff_pin_s: float = 30.0
     copy_impl: str = "auto"
     pin_host_memory: bool = True
 
@@ -79,6 +83,8 @@ class ConnectorSettings:
             raise ValueError("load_timeout_s must be > 0")
         if self.min_fetch_bytes <= 0:
             raise ValueError("min_fetch_bytes must be > 0")
+        if not 0 <= self.handoff_pin_s <= 3600:
+            raise ValueError("handoff_pin_s must be in [0, 3600]")
         if self.copy_impl not in COPY_IMPLS:
             raise ValueError(f"copy_impl must be one of {COPY_IMPLS}, got {self.copy_impl!r}")
 

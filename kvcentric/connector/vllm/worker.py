@@ -58,8 +58,10 @@ class KVCentricWorker:
     """Moves pages between the paged KV cache and the store for one worker."""
 
     def __init__(self, settings: ConnectorSettings, layout: EngineLayout, store: KVStore,
-                 layer_names: list[str]) -> None:
+                 layer_names: list[str], pin_s: float = 0.0) -> None:
+        """``pin_s``: soft-pin what this worker saves (a P/D prefill's handoff)."""
         self.settings = settings
+        self._pin_s = pin_s
         self.layout = layout
         self.store = store
         self.stats = Counters()
@@ -329,7 +331,7 @@ class KVCentricWorker:
         try:
             if packed is not None:
                 packed.synchronize()
-            codes = self._timed("commit_seconds", self.store.batch_commit, slots)
+            codes = self._timed("commit_seconds", self.store.batch_commit, slots, self._pin_s)
         except Exception as exc:
             log.error("committing %d blocks failed: %s", len(slots), exc)
             self.store.batch_abort(slots)

@@ -185,14 +185,14 @@ class LocalStore(KVStore):
                  for k, s, off in zip(keys, sizes, codes)]
         return slots, codes
 
-    def batch_commit(self, slots: Sequence[WriteSlot]) -> list[int]:
+    def batch_commit(self, slots: Sequence[WriteSlot], pin_s: float = 0.0) -> list[int]:
         if not slots:
             return []
         if any(s.handle != self._rpc.generation for s in slots):
             return [ERR_UNAVAILABLE] * len(slots)  # reconnected: those slots were reclaimed
         sums = [checksum(s.ptr, s.size) if self.cfg.verify_checksums else None for s in slots]
         try:
-            return list(self._call("commit", [s.key for s in slots], sums))
+            return list(self._call("commit", [s.key for s in slots], sums, float(pin_s)))
         except StoreUnavailable:
             return [ERR_UNAVAILABLE] * len(slots)
 

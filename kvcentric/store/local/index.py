@@ -7,7 +7,11 @@ Eviction (docs/architecture.md §4.2): LRU over *leaves* of prefix chains. A chi
 parent when committed; a parent with resident children is not evictable, because a child is
 useless without its ancestors, and a prefix lookup touches a parent before its children,
 so a parent is never younger than its children. When a parent's last child is evicted, the
-parent becomes a leaf at the cold end of the LRU. Objects under a read lease are skipped.
+parent becomes a leaf at the cold end of the LRU. Objects under a read lease are skipped,
+and so are soft-pinned ones: a P/D prefill commits its blocks pinned for ``pin_s`` seconds,
+until the first read (the decode loading them) or the deadline, whichever comes first, so
+eviction pressure between the handoff's save and load cannot turn it into a recompute. A
+put that finds only leased or pinned objects to evict is refused (``ERR_NO_SPACE``).
 
 A child committed before its parent (two requests racing on one prefix) is an orphan
 until the parent commits; then it is linked. Each entry knows its depth and whether its
@@ -58,6 +62,10 @@ class Entry:
     disk_checksum: int = 0
     demoting: bool = False  # a disk write of its DRAM bytes is in flight (they are pinned)
     promo: int = -1  # DRAM extent a reader fills from disk, published at settle
+    pinned_until: float = 0.0  # soft pin (monotonic deadline); cleared by the first read
+
+    def evictable(self, now: float) -> bool:
+        return self.readers == 0 and self.pinned_until <= now
 
     @property
     def children(self) -> int:
@@ -76,6 +84,7 @@ class Counters:
     rejected_puts: int = 0
     lookups: int = 0  # answered by the coordinator; shared-index lookups are not counted
     expired_leases: int = 0
+    pinned: int = 0  # objects committed with a soft pin
 
 
 @dataclass
@@ -114,11 +123,15 @@ class ObjectIndex:
         self.entries[key] = Entry(key, offset, size, owner, parent)
         return offset
 
-    def commit(self, key: str, owner: int, checksum: int | None) -> int:
+    def commit(self, key: str, owner: int, checksum: int | None, pin_s: float = 0.0) -> int:
+        """Make a PENDING object visible; ``pin_s`` > 0 soft-pins it (module docstring)."""
         e = self.entries.get(key)
         if e is None or e.state != PENDING or e.owner != owner:
             return ERR_NOT_FOUND
         e.state, e.checksum = COMMITTED, checksum
+        if pin_s > 0:
+            e.pinned_until = time.monotonic() + pin_s
+            self.counters.pinned += 1
         parent = self.entries.get(e.parent) if e.parent else None
         if parent is not None and parent.state == COMMITTED:
             self._link(parent, e)
@@ -180,6 +193,7 @@ class ObjectIndex:
             if e is None or e.state != COMMITTED:
                 break
             e.readers += 1
+            e.pinned_until = 0.0  # read: the handoff it was pinned for is done
             if k in self._leaves:
                 self._leaves.move_to_end(k)
             got.append(e)
@@ -260,8 +274,9 @@ class ObjectIndex:
         return [[e.offset, e.size, e.checksum] for e in entries]
 
     def _evict_one(self) -> bool:
+        now = time.monotonic()
         for e in self._leaves.values():
-            if e.readers == 0:
+            if e.evictable(now):
                 self._drop(e)
                 self.counters.evictions += 1
                 return True

@@ -35,6 +35,7 @@ from kvcentric.store.local.shared_index import SharedIndexWriter, slots_for
 from kvcentric.store.local.tiered import TieredIndex
 from kvcentric.store.metrics import log_line
 
+MAX_PIN_S = 3600.0  # a soft pin bounds a handoff, not a retention policy
 log = logging.getLogger("kvcentric.store")
 STATS_LOG_INTERVAL_S = 30.0
 LEASE_SWEEP_INTERVAL_S = 1.0
@@ -267,7 +268,11 @@ class Coordinator:
                 raise ValueError("reserve: keys, sizes and parents differ in length")
             return [idx.reserve(k, s, p, owner) for k, s, p in zip(keys, sizes, parents)]
         if op == "commit":
-            return [idx.commit(k, owner, c) for k, c in zip(*args)]
+            keys, sums, pin_s = args
+            if len(keys) != len(sums) or not 0 <= pin_s <= MAX_PIN_S:
+                raise ValueError(f"commit: keys and checksums differ in length, or a pin "
+                                 f"outside [0, {MAX_PIN_S}] s")
+            return [idx.commit(k, owner, c, pin_s) for k, c in zip(keys, sums)]
         if op == "abort":
             for k in args[0]:
                 idx.abort(k, owner)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,8 +88,8 @@ class TieredIndex(ObjectIndex):
         self._seq = itertools.count()
 
     # ---- writes and eviction ----
-    def commit(self, key: str, owner: int, checksum: int | None) -> int:
-        code = super().commit(key, owner, checksum)
+    def commit(self, key: str, owner: int, checksum: int | None, pin_s: float = 0.0) -> int:
+        code = super().commit(key, owner, checksum, pin_s)
         e = self.entries[key] if code == OK else None
         if e is not None and e.offset >= 0:
             self._dirty[key] = e
@@ -96,11 +97,13 @@ class TieredIndex(ObjectIndex):
         return code
 
     def _evict_one(self) -> bool:
-        """Make DRAM room: drop a clean copy, else (counted) a dirty chain leaf outright."""
+        """Make DRAM room: drop a clean copy (a pinned object keeps its disk copy), else
+        (counted) a dirty, unpinned chain leaf outright."""
         if self._drop_clean():
             return True
+        now = time.monotonic()
         for e in self._leaves.values():
-            if e.readers == 0 and not e.demoting and e.offset >= 0 and e.disk_path is None:
+            if e.evictable(now) and not e.demoting and e.offset >= 0 and e.disk_path is None:
                 self._drop(e)
                 self.counters.evictions += 1
                 self.tiers.dram_evictions += 1

@@ -45,7 +45,7 @@ def decode(payload: bytes | memoryview) -> Any:
 SIGNATURES: dict[str, Any] = {
     "exists": tuple[list[str]],
     "reserve": tuple[list[str], list[int], list[str | None]],
-    "commit": tuple[list[str], list[int | None]],
+    "commit": tuple[list[str], list[int | None], float],  # keys, checksums, soft pin s
     "abort": tuple[list[str]],
     "acquire": tuple[list[str]],
     "release": tuple[int],

@@ -85,14 +85,14 @@ class Trailers:
 
 
 def put_sealed(store: MooncakeStore, keys: list[str], ptrs: list[list[int]],
-               sizes: list[list[int]]) -> list[int]:
+               sizes: list[list[int]], pin_s: float = 0.0) -> list[int]:
     """Put objects (given as buffer lists) each with its checksum trailer."""
     try:
         trailers = Trailers(store.staging, len(keys))
     except (MemoryError, StoreUnavailable):
         return [ERR_NO_SPACE] * len(keys)
     try:
-        return store._put_raw(keys, *trailers.seal(ptrs, sizes))
+        return store._put_raw(keys, *trailers.seal(ptrs, sizes), pin_s)
     finally:
         trailers.free()
 

@@ -222,26 +222,42 @@ class MooncakeStore(KVStore):
         self._count(skipped_puts=len(keys) - len(todo))
         return out
 
-    def _put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+    def _put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
+             pin_s: float = 0.0) -> list[int]:
         """Put objects given as buffer lists (one buffer: ``batch_put_from``), waiting a
         bounded time for eviction when space runs out (the master evicts asynchronously
-        once past its high watermark)."""
+        once past its high watermark); ``pin_s``: soft pin (:meth:`_config`)."""
         if self.cfg.verify_checksums and keys:
-            return put_sealed(self, keys, ptrs, sizes)
-        return self._put_raw(keys, ptrs, sizes)
+            return put_sealed(self, keys, ptrs, sizes, pin_s)
+        return self._put_raw(keys, ptrs, sizes, pin_s)
+
+    def _config(self, pin_s: float) -> Any:
+        """The ``ReplicateConfig`` of a put: soft-pinned for ``pin_s`` s when > 0 (the
+        master evicts soft-pinned objects only after every unpinned one)."""
+        if pin_s <= 0:
+            return self._replicate
+        from mooncake.store import ReplicateConfig, SoftPinAction
+
+        cfg = ReplicateConfig()
+        cfg.replica_num = self._replicate.replica_num
+        cfg.preferred_segment = self._replicate.preferred_segment
+        cfg.soft_pin_action = SoftPinAction.ENABLE
+        cfg.soft_pin_ttl_ms = int(pin_s * 1000)
+        return cfg
 
     def _put_raw(self, keys: list[str], ptrs: list[list[int]],
-                 sizes: list[list[int]]) -> list[int]:
+                 sizes: list[list[int]], pin_s: float = 0.0) -> list[int]:
         out = [ERR_UNAVAILABLE] * len(keys)
         todo = list(range(len(keys)))
         deadline = time.monotonic() + self.settings.no_space_wait_s
         single = all(len(p) == 1 for p in ptrs)
+        replicate = self._config(pin_s)
         while todo:
             k, p, n = [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
             try:
                 raw = (self.client.batch_put_from(k, [x[0] for x in p], [x[0] for x in n],
-                                                  self._replicate) if single else
-                       self.client.batch_put_from_multi_buffers(k, p, n, self._replicate))
+                                                  replicate) if single else
+                       self.client.batch_put_from_multi_buffers(k, p, n, replicate))
             except StoreUnavailable:
                 break
             for i, c in zip(todo, self._mapped(raw)):
@@ -328,12 +344,12 @@ class MooncakeStore(KVStore):
         self._count(skipped_puts=len(keys) - len(todo))
         return out
 
-    def batch_commit(self, slots: Sequence[WriteSlot]) -> list[int]:
+    def batch_commit(self, slots: Sequence[WriteSlot], pin_s: float = 0.0) -> list[int]:
         if not slots:
             return []
         try:
             return self._put([s.key for s in slots], [[s.ptr] for s in slots],
-                             [[s.size] for s in slots])
+                             [[s.size] for s in slots], pin_s)
         finally:
             self.batch_abort(slots)
 
