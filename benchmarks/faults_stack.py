@@ -43,7 +43,9 @@ FAULTS = {"local": ("coordinator", "engine", "router"),
 class Stack:
     """Store + engines ``e0``, ``e1`` + router, started by :meth:`start`."""
 
-    def __init__(self, backend: str, model: str, logs: Path, ns: NetNamespace | None) -> None:
+    def __init__(self, backend: str, model: str, logs: Path, ns: NetNamespace | None,
+                 capacity: str = "512mb") -> None:
+        """``capacity``: the local store's (small: eviction runs all the time)."""
         if backend not in FAULTS:
             raise ValueError(f"unknown backend {backend!r}")
         if backend == "mooncake" and ns is None:
@@ -56,7 +58,7 @@ class Stack:
         if backend == "local":
             rt = tempfile.mkdtemp(prefix="kvc-faults-", dir="/dev/shm")
             self.store: dict[str, Any] = {"name": f"f{uuid.uuid4().hex[:6]}",
-                                          "capacity": "512mb", "runtime_dir": rt}
+                                          "capacity": capacity, "runtime_dir": rt}
         else:
             self.store = {"backend": "mooncake", "mooncake": {
                 "master_server_address": MASTER, "metadata_server": "P2PHANDSHAKE",
