@@ -195,7 +195,9 @@ class DiskConfig:
         writers: demotion threads (each writes and fsyncs whole objects).
         high_watermark: demotion starts when DRAM holds more than this fraction of its
             capacity in objects with no disk copy, so a DRAM eviction finds a clean copy
-            to drop instead of waiting on the disk.
+            to drop instead of waiting on the disk. Low by default (0.25): one request
+            commits many objects at once, and at 0.8 a small DRAM tier dropped most of them
+            before their write started (bench_knee's disk arm).
 
     :meth:`from_dict` checks the file system once (``ValueError``): ``path`` must be a
     directory (or creatable under a writable one) and ``capacity_bytes`` must fit in its
@@ -205,7 +207,7 @@ class DiskConfig:
     path: Path
     capacity_bytes: int
     writers: int = 1
-    high_watermark: float = 0.8
+    high_watermark: float = 0.25
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:

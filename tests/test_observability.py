@@ -272,10 +272,13 @@ def stack(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _settled(s: Stack, timeout: float = 90) -> None:
-    """Until Prometheus holds the traffic: the rejection, the store hits, the rules."""
+    """Until Prometheus holds the traffic: the rejection, the store hits, and a first
+    evaluation of every recording rule (a ratio over rates needs two scrapes of traffic;
+    on a loaded machine that can take several evaluation rounds)."""
     checks = ["kvc_router_rejections_total", "vllm:kvcentric_hit_tokens_total > 0",
               "kvc_router_instance_healthy == 1", "kvcentric:store_used_ratio",
-              'rate(kvc_router_decisions_total[1m]) > 0']
+              'rate(kvc_router_decisions_total[1m]) > 0',
+              *(r["record"] for r in rules() if "record" in r)]
     deadline = time.monotonic() + timeout
     while not all(s.query(c) for c in checks):
         assert time.monotonic() < deadline, [c for c in checks if not s.query(c)]

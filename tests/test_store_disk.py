@@ -221,7 +221,10 @@ def test_disk_full_for_real_drops_counted_and_serves(store: LocalStore) -> None:
 
 
 def test_disk_capacity_bound_evicts_leaves_from_disk(disk_cfg: StoreConfig) -> None:
-    cfg = disk_cfg.with_(disk=DiskConfig(disk_cfg.disk.path, 8 * MB))  # type: ignore[union-attr]
+    # a disk (8 MiB) smaller than DRAM (16 MiB) and late write-back: the disk fills with
+    # disk-only objects, whose leaves are what the bound evicts
+    cfg = disk_cfg.with_(disk=DiskConfig(disk_cfg.disk.path, 8 * MB,  # type: ignore[union-attr]
+                                         high_watermark=0.8))
     with open_store(cfg) as s:
         assert isinstance(s, LocalStore)
         # one chain per batch: a disk-only chain leaf is what leaves the disk (leaf-first)
