@@ -10,7 +10,9 @@ coordinator, the router, each engine with its engine-core children), resident me
 open file descriptors, plus the store's usage, live leases and pending writes.
 
 Reported per process: the RSS slope in MiB per 1000 requests, fitted after the warm-up
-(the first ``--warmup`` fraction of requests), and the fd count at the start and end.
+(the first ``--warmup`` fraction of requests) and over the last quarter alone (a slope
+that keeps falling towards 0 is an allocator settling, one that holds is a leak), and the
+fd count at the start and end.
 Targets: slopes about 0 (no growth beyond warm-up), usage <= capacity at every sample,
 zero leases and pending writes once the load stops, zero failed requests.
 """
@@ -33,37 +35,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import results_writer as rw  # noqa: E402
 from benchmarks.faults_stack import Stack  # noqa: E402
+from benchmarks.procfs import group_pids, usage  # noqa: E402
 from kvcentric.store import open_store  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every live process in process group ``pgid`` (an engine and its children)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    out.append(int(entry))
-            except OSError:
-                continue
-    return out
-
-
-def usage(pids: list[int]) -> tuple[float, int]:
-    """(RSS MiB, open fds) summed over ``pids``."""
-    rss, fds = 0.0, 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    rss += int(line.split()[1]) / 1024
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            continue
-    return rss, fds
 
 
 @dataclass
@@ -123,10 +99,11 @@ def sample(stack: Stack, procs: dict[str, list[int]], soak: Soak, t0: float) -> 
     soak.samples.append(row)
 
 
-def slope(samples: list[dict[str, Any]], key: str, warmup: float) -> float:
-    """Least-squares MiB per 1000 requests of ``key`` after the warm-up."""
+def slope(samples: list[dict[str, Any]], key: str, since: float) -> float:
+    """Least-squares MiB per 1000 requests of ``key`` once ``since`` (a fraction) of the
+    requests were served."""
     last = samples[-1]["requests"]
-    pts = [(s["requests"], s[key]) for s in samples if s["requests"] >= warmup * last]
+    pts = [(s["requests"], s[key]) for s in samples if s["requests"] >= since * last]
     if len(pts) < 3:
         return float("nan")
     n = len(pts)
@@ -145,7 +122,7 @@ def run(args: argparse.Namespace) -> tuple[Soak, dict[str, Any]]:
         with open_store(stack.store) as st:
             procs = processes(stack, int(st.stats()["pid"]))
         t0 = time.monotonic()
-        with tqdm(desc="requests", unit="req") as bar:
+        with tqdm(desc="requests", unit="req", mininterval=10) as bar:
             threads = [threading.Thread(target=user, args=(stack.url, u, soak, bar))
                        for u in range(args.users)]
             for th in threads:
@@ -172,6 +149,8 @@ def summarize(soak: Soak, end: dict[str, Any], warmup: float) -> dict[str, Any]:
         "minutes": round(end["t"] / 60, 1),
         "rss_slope_mib_per_1k_requests": {n: round(slope(soak.samples, f"{n}_rss_mib",
                                                          warmup), 3) for n in names},
+        "rss_slope_last_quarter": {n: round(slope(soak.samples, f"{n}_rss_mib", 0.75), 3)
+                                   for n in names},
         "rss_mib_start_end": {n: [round(first[f"{n}_rss_mib"]), round(end[f"{n}_rss_mib"])]
                               for n in names},
         "fds_start_end": {n: [first[f"{n}_fds"], end[f"{n}_fds"]] for n in names},
@@ -189,10 +168,10 @@ def figure(samples: list[dict[str, Any]], png: Path) -> None:
 
     names = [k for k in samples[0] if k.endswith("_rss_mib")]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for k in names:
-        ax.plot([s["requests"] for s in samples], [s[k] for s in samples],
+    for k in names:  # growth: engines (GiB) and the coordinator (MiB) share one axis
+        ax.plot([s["requests"] for s in samples], [s[k] - samples[0][k] for s in samples],
                 label=k[:-len("_rss_mib")])
-    ax.set(xlabel="requests served", ylabel="RSS (MiB)", yscale="log",
+    ax.set(xlabel="requests served", ylabel="RSS growth since start (MiB)",
            title="Soak: resident memory per process under constant eviction")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -205,11 +184,13 @@ def table(summary: dict[str, Any]) -> str:
              f"{summary['failed']} failed, {summary['evictions']} evictions, max usage "
              f"{summary['max_usage_over_capacity']:.0%} of capacity, leases/pending at end "
              f"{summary['leases_at_end']}/{summary['pending_at_end']}",
-             f"{'process':<12} {'RSS start':>9} {'RSS end':>8} {'MiB/1k req':>10} {'fds':>9}"]
+             f"{'process':<12} {'RSS start':>9} {'RSS end':>8} {'MiB/1k req':>10} "
+             f"{'last 1/4':>8} {'fds':>9}"]
     for n, slope_ in summary["rss_slope_mib_per_1k_requests"].items():
         a, b = summary["rss_mib_start_end"][n]
         f0, f1 = summary["fds_start_end"][n]
-        lines.append(f"{n:<12} {a:>9} {b:>8} {slope_:>10.3f} {f0:>4}->{f1:<4}")
+        tail = summary["rss_slope_last_quarter"][n]
+        lines.append(f"{n:<12} {a:>9} {b:>8} {slope_:>10.3f} {tail:>8.3f} {f0:>4}->{f1:<4}")
     return "\n".join(lines)
 
 

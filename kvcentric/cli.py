@@ -1,6 +1,7 @@
 """``kvcentric`` command line: store service commands and the doctor.
 
     kvcentric store serve [--name N] [--capacity 4gb] [--idle-timeout S]
+                          [--disk-path DIR --disk-capacity 2tb]
     kvcentric store stop  [--name N]
     kvcentric store stats [--name N] [--prometheus]
     kvcentric store exporter [--name N] [--host 127.0.0.1] [--port 9464]
@@ -27,6 +28,10 @@ def _store_cfg(args: argparse.Namespace) -> StoreConfig:
         raw["idle_timeout_s"] = args.idle_timeout
     if args.runtime_dir:
         raw["runtime_dir"] = args.runtime_dir
+    disk_path, disk_capacity = getattr(args, "disk_path", None), getattr(args, "disk_capacity",
+                                                                          None)
+    if disk_path or disk_capacity:  # StoreConfig says what is missing or wrong
+        raw["disk"] = {k: v for k, v in (("path", disk_path), ("capacity", disk_capacity)) if v}
     return StoreConfig.from_dict(raw)
 
 
@@ -72,6 +77,10 @@ def _store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
             p.add_argument("--capacity", default="4gb", help="hard bound, e.g. 4gb")
             p.add_argument("--idle-timeout", type=float, default=0.0,
                            help="exit after this many seconds without clients (0: never)")
+            p.add_argument("--disk-path", default=None,
+                           help="SSD tier: directory for objects DRAM evicts (with "
+                                "--disk-capacity)")
+            p.add_argument("--disk-capacity", default=None, help="SSD tier bound, e.g. 2tb")
         if name == "stats":
             p.add_argument("--prometheus", action="store_true")
         if name == "exporter":
@@ -133,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "run"):  # doctor and the mooncake service commands
         return int(args.run(args))
-    cfg = _store_cfg(args)
+    try:
+        cfg = _store_cfg(args)
+    except ValueError as exc:  # a bad flag is the operator's to fix: say what, no traceback
+        print(f"kvcentric store {args.action}: {exc}", file=sys.stderr)
+        return 2
     if args.action == "serve":
         return _serve(cfg)
     if args.action == "exporter":

@@ -310,6 +310,9 @@ class StoreConfig:
             raise ValueError("op_timeout_s and start_timeout_s must be > 0")
         if self.disk is not None and not isinstance(self.disk, DiskConfig):
             raise ValueError("disk must be a DiskConfig (parse mappings with from_dict)")
+        if self.disk is not None and self.backend != "local":
+            raise ValueError("store.disk is the local store's SSD tier; for Mooncake set "
+                             "mooncake.ssd_offload_path (its own SSD offload)")
 
     @property
     def disk_dir(self) -> Path | None:

@@ -17,7 +17,7 @@ Example (``configs/router.yaml``)::
     slo: {ttft_ms: 2000, tbt_ms: 200}
     store: {backend: local, name: default}
     keys: {block_size: 256, layout_sig: null}
-    cost: {profile: profile.json, store_bandwidth_gbps: 5}
+    cost: {profile: profile.json, store_bandwidth_gbps: 5, disk_bandwidth_gbps: 2}
     auth: {api_keys: {sk-team-a: team-a}, admin_key: sk-admin}
     limits: {max_body_bytes: 4mb, max_prompt_tokens: 8192, max_tokens: 2048,
              max_concurrency_per_key: 64}
@@ -174,19 +174,21 @@ class CostConfig:
 
     ``profile``: JSON from ``kvcentric-router profile`` (``T_prefill`` fit and TBT model);
     ``None`` uses the conservative defaults of :class:`router.cost_model.Profile`.
-    ``store_bandwidth_gbps``: measured read bandwidth of the store tier (GB/s); a value in
-    the profile overrides it. ``kv_bytes_per_token``: ``None`` derives it from the model's
-    ``config.json``.
+    ``store_bandwidth_gbps``: measured read bandwidth of the store tier (GB/s, DRAM); a
+    value in the profile overrides it. ``disk_bandwidth_gbps``: read bandwidth of the local
+    store's disk tier (GB/s) for blocks the store holds only on disk (configured, not
+    profiled). ``kv_bytes_per_token``: ``None`` derives it from the model's ``config.json``.
     """
 
     profile: str | None = None
     store_bandwidth_gbps: float = 5.0
+    disk_bandwidth_gbps: float = 2.0
     kv_bytes_per_token: int | None = None
     kv_dtype: str | None = None
     correct_with_actual: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "store_bandwidth_gbps")
+        _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
         if self.kv_bytes_per_token is not None:
             _positive(self, "kv_bytes_per_token")
 

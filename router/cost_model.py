@@ -137,6 +137,13 @@ def load_s(num_bytes: float, bandwidth_bps: float) -> float:
     return num_bytes / bandwidth_bps if num_bytes > 0 else 0.0
 
 
+def tiered_load_s(dram_bytes: float, disk_bytes: float, dram_bps: float,
+                  disk_bps: float) -> float:
+    """Time to load ``dram_bytes`` from the store's DRAM tier and ``disk_bytes`` from its
+    disk tier: ``dram_bytes / dram_bps + disk_bytes / disk_bps``."""
+    return load_s(dram_bytes, dram_bps) + load_s(disk_bytes, disk_bps)
+
+
 def kv_bytes_per_token(model_dir: str | Path, kv_dtype: str | None = None) -> int:
     """KV bytes one token occupies across all layers (K and V), from ``config.json``.
 

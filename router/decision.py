@@ -5,7 +5,10 @@ For every prefill candidate ``p``::
     TTFT_p = T_queue(p) + T_load(global − local_p) + T_prefill(n, max(local_p, global))
 
 where ``local_p`` is the leading run of the prompt's blocks resident on ``p`` and ``global``
-the run in the store (loaded at the store tier's bandwidth). A ``both`` instance decodes
+the run in the store. ``T_load`` of store objects is ``dram_bytes / store bandwidth +
+disk_bytes / disk bandwidth``: objects the store holds only on its disk tier (``disk_only``,
+positions from :meth:`kvcentric.store.KVStore.batch_residency`) load at the disk's
+bandwidth, the rest at the DRAM tier's. A ``both`` instance decodes
 what it prefilled; a ``prefill`` instance hands over to the decode instance ``d`` that loads
 the prompt's KV from the store fastest and whose predicted TBT (running batch, KV usage)
 is lowest, adding ``T_load(prompt − local_d)`` and one decode step. Pairs breaking the TBT
@@ -24,21 +27,42 @@ directly.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcentric.router.config import SloConfig
-from kvcentric.router.cost_model import Profile, load_s
+from kvcentric.router.cost_model import Profile, tiered_load_s
 from kvcentric.router.instances import Instance
 
 
 @dataclass(frozen=True)
 class CostParams:
+    """``bandwidth_bps``: the store's (DRAM tier's) read bandwidth; ``disk_bandwidth_bps``:
+    its disk tier's (``None``: the same, i.e. no slower tier is modelled). Bytes/s."""
+
     profile: Profile
     block_size: int
     bytes_per_block: int
     bandwidth_bps: float
+    disk_bandwidth_bps: float | None = None
+
+    def load_time_s(self, objects: int, on_disk: int = 0) -> float:
+        """Time to load ``objects`` store objects (none when ``<= 0``), ``on_disk`` of
+        them (clamped to ``[0, objects]``) from the disk tier."""
+        objects = max(objects, 0)
+        on_disk = min(max(on_disk, 0), objects)
+        return tiered_load_s((objects - on_disk) * self.bytes_per_block,
+                             on_disk * self.bytes_per_block, self.bandwidth_bps,
+                             self.disk_bandwidth_bps or self.bandwidth_bps)
+
+
+def on_disk_in(disk_only: Sequence[int], start: int, stop: int) -> int:
+    """How many of the ascending positions ``disk_only`` lie in ``[start, stop)``."""
+    if stop <= start or not disk_only:
+        return 0
+    return bisect.bisect_left(disk_only, stop) - bisect.bisect_left(disk_only, start)
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,7 @@ class PrefillCost:
     queue_s: float
     load_s: float
     prefill_s: float
+    load_on_disk: int = 0  # objects of the load that come from the store's disk tier
 
     @property
     def ttft_s(self) -> float:
@@ -75,6 +100,7 @@ class Decision:
     replicated: bool  # p loads from the store a prefix another instance holds (hot spot)
     candidates: tuple[PrefillCost, ...]
     over_slo: bool = False  # predicted to miss the TTFT SLO even with no queue: best effort
+    load_on_disk: int = 0  # objects p loads from the store's disk tier (tail included)
 
     @property
     def disaggregated(self) -> bool:
@@ -99,38 +125,44 @@ def hit_tokens(local: int, global_run: int, global_tail: bool, n_tokens: int,
 
 
 def prefill_cost(p: Instance, local: int, global_run: int, n_tokens: int,
-                 params: CostParams, now: float, global_tail: bool = False) -> PrefillCost:
+                 params: CostParams, now: float, global_tail: bool = False,
+                 disk_only: Sequence[int] = ()) -> PrefillCost:
     """Algorithm 1's ``TTFT_p`` for one candidate: load what the store holds beyond ``p``'s
-    own blocks (a tail is one more object), compute the rest."""
+    own blocks (a tail is one more object, at position ``global_run``; those at positions
+    in ``disk_only`` from the disk tier), compute the rest."""
     hit = hit_tokens(local, global_run, global_tail, n_tokens, params.block_size)
-    load_objects = max(0, global_run + int(global_tail) - local)
-    t_load = load_s(load_objects * params.bytes_per_block, params.bandwidth_bps)
+    stop = global_run + int(global_tail)
+    on_disk = on_disk_in(disk_only, local, stop)
+    t_load = params.load_time_s(stop - local, on_disk)
     t_pre = params.profile.prefill_s(n_tokens, hit) * p.correction
-    return PrefillCost(p.name, local, p.queue_s(now), t_load, t_pre)
+    return PrefillCost(p.name, local, p.queue_s(now), t_load, t_pre, on_disk)
 
 
 def decode_cost(d: Instance, local: int, full_blocks: int, n_tokens: int,
-                params: CostParams) -> DecodeCost:
+                params: CostParams, disk_only: Sequence[int] = ()) -> DecodeCost:
     """Time for ``d`` to load the prompt's KV and take its first step, and its TBT with
     this request added to its batch. The prefill instance stores every full block and the
-    tail, so ``d`` loads all but the last token and computes that one."""
+    tail, so ``d`` loads all but the last token and computes that one. Objects at
+    ``disk_only`` positions count at the disk tier's bandwidth: the residency now, an upper
+    bound (the prefill's own reads may promote them to DRAM first)."""
     tail = n_tokens - full_blocks * params.block_size >= 2
-    t_load = load_s(max(0, full_blocks + int(tail) - local) * params.bytes_per_block,
-                    params.bandwidth_bps)
+    stop = full_blocks + int(tail)
+    t_load = params.load_time_s(stop - local, on_disk_in(disk_only, local, stop))
     first_step = params.profile.prefill_s(n_tokens, n_tokens - 1)
     tbt = params.profile.tbt_s(d.batch() + 1, d.stats.kv_usage)
     return DecodeCost(d.name, local, t_load + first_step, tbt)
 
 
 def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: int,
-                  params: CostParams, tbt_slo: float) -> tuple[float, Instance, DecodeCost] | None:
+                  params: CostParams, tbt_slo: float, disk_only: Sequence[int] = ()
+                  ) -> tuple[float, Instance, DecodeCost] | None:
     """The decode-role instance with the soonest first token within the TBT SLO."""
     full_blocks = n_tokens // params.block_size
     best: tuple[float, Instance, DecodeCost] | None = None
     for d in decode:
         if d.spec.role != "decode":
             continue  # a 'both' instance decodes only what it prefilled itself
-        dc = decode_cost(d, runs.get(d.slot, 0), full_blocks, n_tokens, params)
+        dc = decode_cost(d, runs.get(d.slot, 0), full_blocks, n_tokens, params, disk_only)
         if dc.tbt_s <= tbt_slo and (best is None or dc.load_s + dc.tbt_s < best[0]):
             best = (dc.load_s + dc.tbt_s, d, dc)
     return best
@@ -138,20 +170,23 @@ def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: in
 
 def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[int, int],
            global_run: int, n_tokens: int, params: CostParams, slo: SloConfig,
-           now: float, global_tail: bool = False) -> Decision | Rejection:
+           now: float, global_tail: bool = False, disk_only: Sequence[int] = ()
+           ) -> Decision | Rejection:
     """Algorithm 1 over the healthy candidates; ``runs`` maps slot -> local leading run;
-    ``global_tail``: the store holds the prompt's tail after its ``global_run`` blocks."""
+    ``global_tail``: the store holds the prompt's tail after its ``global_run`` blocks;
+    ``disk_only``: ascending positions of the stored run (blocks, then the tail) that the
+    store holds only on its disk tier."""
     if not prefill:
         return Rejection("no_instance", 1, math.inf, math.inf, "no healthy prefill instance")
     tbt_slo = slo.tbt_ms / 1000.0
-    best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo)
+    best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo, disk_only)
     costs: list[PrefillCost] = []
     best: tuple[float, float, Instance, Instance, PrefillCost] | None = None
     best_key: tuple[float, int, float] | None = None
     min_tbt = math.inf
     for p in prefill:
         pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
-                          global_tail)
+                          global_tail, disk_only)
         costs.append(pc)
         if p.spec.role == "both":
             tbt = params.profile.tbt_s(p.batch() + 1, p.stats.kv_usage)
@@ -188,4 +223,4 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         runs.get(o.slot, 0) > pc.local_blocks for o in prefill if o is not p)
     return Decision(p, d, ttft, tbt, pc.prefill_s, hit,
                     pc.local_blocks, max(0, global_run - pc.local_blocks), replicated,
-                    tuple(costs), over_slo=ttft > slo_s)
+                    tuple(costs), over_slo=ttft > slo_s, load_on_disk=pc.load_on_disk)

@@ -117,7 +117,7 @@ class _StateCollector(Collector):
             reps.add_metric([label], float(c.replicas(key)))
         yield heat
         yield reps
-        st = GaugeMetricFamily("kvc_router_store_queries", "batch_exists calls made "
+        st = GaugeMetricFamily("kvc_router_store_queries", "batch_residency calls made "
                                "(TTL cache misses)")
         st.add_metric([], float(c.store.queries))
         yield st

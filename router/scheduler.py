@@ -41,10 +41,12 @@ class Conductor:
         self.profile = profile
         self.kv_bytes_per_token = kv_bytes_per_token
         self.bandwidth = profile.store_bandwidth_bps or cfg.cost.store_bandwidth_gbps * 1e9
+        self.disk_bandwidth = cfg.cost.disk_bandwidth_gbps * 1e9
         self.block_size: int | None = None
         # until the engines' page size is known, costs assume 256-token blocks; no prefix
         # is hashed, so no decision counts on a hit it cannot verify
-        self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth)
+        self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
+                                 self.disk_bandwidth)
         self.clock = clock
         self._seeds: dict[str | None, bytes] = {}
         if cfg.keys.block_size is not None:
@@ -60,7 +62,7 @@ class Conductor:
                         self.block_size, block_size)
         self.block_size = block_size
         self.params = CostParams(self.profile, block_size, self.kv_bytes_per_token * block_size,
-                                 self.bandwidth)
+                                 self.bandwidth, self.disk_bandwidth)
         for inst in self.registry:
             self.index.clear(inst.slot)
             if inst.translator is not None:
@@ -91,10 +93,11 @@ class Conductor:
         return prompt_tail(tokens, self.block_size, self._seed(salt), hashes)
 
     def decide_local(self, hashes: Sequence[bytes], n_tokens: int, global_run: int,
-                     exclude: Collection[str] = (), global_tail: bool = False
-                     ) -> Decision | Rejection:
+                     exclude: Collection[str] = (), global_tail: bool = False,
+                     disk_only: Sequence[int] = ()) -> Decision | Rejection:
         """Algorithm 1 given the global run (no I/O); ``global_tail``: the store also holds
-        the prompt's tail after all of its blocks."""
+        the prompt's tail after all of its blocks; ``disk_only``: ascending positions of
+        that run (blocks, then the tail) held only on the store's disk tier."""
         model = self.cfg.model
         pre = [i for i in self.registry.candidates(model, prefill=True) if i.name not in exclude]
         dec = [i for i in self.registry.candidates(model, prefill=False)
@@ -107,7 +110,7 @@ class Conductor:
         runs = self.index.match(hashes, mask)
         now = self.clock()
         result = choose(pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
-                        global_tail)
+                        global_tail, disk_only)
         if log.isEnabledFor(logging.DEBUG):
             self._log(result, n_tokens, len(hashes), global_run)
         return result
@@ -116,13 +119,14 @@ class Conductor:
                      exclude: Collection[str] = (), tail: TailRef | None = None
                      ) -> Decision | Rejection:
         """Algorithm 1 with the store asked (through its TTL cache) for the global run of
-        the prompt's blocks and, after them, its tail (one lookup)."""
+        the prompt's blocks and, after them, its tail, and for which of them it holds only
+        on disk (one lookup)."""
         if not self.store.enabled:
             return self.decide_local(hashes, n_tokens, 0, exclude)
         items: list[bytes | TailRef] = [*hashes, *([tail] if tail is not None else [])]
-        run = await self.store.leading_run(items)
-        return self.decide_local(hashes, n_tokens, min(run, len(hashes)), exclude,
-                                 run > len(hashes))
+        res = await self.store.residency(items)
+        return self.decide_local(hashes, n_tokens, min(res.run, len(hashes)), exclude,
+                                 res.run > len(hashes), res.disk_only)
 
     def _log(self, result: Decision | Rejection, n: int, blocks: int, global_run: int) -> None:
         if isinstance(result, Rejection):
@@ -130,8 +134,9 @@ class Conductor:
                       result.message)
             return
         cands = ", ".join(f"{c.name}: local={c.local_blocks} q={c.queue_s * 1e3:.1f} "
-                          f"load={c.load_s * 1e3:.1f} pre={c.prefill_s * 1e3:.1f} "
-                          f"ttft={c.ttft_s * 1e3:.1f}ms" for c in result.candidates)
+                          f"load={c.load_s * 1e3:.1f} (disk {c.load_on_disk}) "
+                          f"pre={c.prefill_s * 1e3:.1f} ttft={c.ttft_s * 1e3:.1f}ms"
+                          for c in result.candidates)
         log.debug("decide n=%d blocks=%d global=%d -> (%s, %s) ttft=%.1fms tbt=%.1fms [%s]",
                   n, blocks, global_run, result.prefill.name, result.decode.name,
                   result.ttft_s * 1e3, result.tbt_s * 1e3, cands)

@@ -1,9 +1,12 @@
-"""The router's view of the global store: which leading blocks of a prompt it holds.
+"""The router's view of the global store: which leading blocks of a prompt it holds, and
+which of those only on its disk tier (slower to load).
 
-One batched ``batch_exists`` per request at most, behind a TTL cache keyed by block hash:
-a block seen present is trusted for ``ttl_s`` (an eviction meanwhile costs one predicted
-hit that the engine recomputes, never a wrong token), and the first missing block is
-remembered for ``negative_ttl_s`` so a burst of misses does not hammer the store.
+One batched ``batch_residency`` per request at most (``batch_exists`` plus each object's
+tier; one round trip at most), behind a TTL cache keyed by block hash: a block seen present
+is trusted, with the tier it was seen in, for ``ttl_s`` (an eviction or a tier move
+meanwhile costs one mispredicted load time or hit that the engine recomputes, never a wrong
+token), and the first missing block is remembered for ``negative_ttl_s`` so a burst of
+misses does not hammer the store.
 
 Keys: ``KeySpace(model_id, layout_sig, 0, tp_size)``, exactly the connector's rank-0 keys.
 The layout signature folds in engine details (ISA, KV layout, dtype, block size) the router
@@ -27,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KEY_PREFIX, KeySpace, TailRef
-from kvcentric.store import KVStore, StoreUnavailable, open_store
+from kvcentric.store import KVStore, Residency, StoreUnavailable, open_store
 
 log = logging.getLogger("router.store_view")
 _RETRY_S = 2.0  # how soon to retry opening the store or discovering the layout
@@ -49,6 +52,7 @@ class StoreView:
         self._keyspace = KeySpace(model_id, layout_sig, 0, tp_size) if layout_sig else None
         self._present: dict[bytes | TailRef, float] = {}
         self._absent: dict[bytes | TailRef, float] = {}
+        self._disk: set[bytes | TailRef] = set()  # of _present: last seen only on disk
         self._store: KVStore | None = None
         self._next_try = 0.0
         self._next_discover = 0.0
@@ -83,12 +87,23 @@ class StoreView:
             return i, True
         return i, self._absent.get(hashes[i], 0.0) >= now
 
+    def cached_disk(self, hashes: Sequence[bytes | TailRef], run: int) -> tuple[int, ...]:
+        """Ascending positions ``< run`` of ``hashes`` last seen only on the disk tier."""
+        disk = self._disk
+        if not disk:
+            return ()
+        return tuple(i for i, h in enumerate(hashes[:run]) if h in disk)
+
     def record(self, hashes: Sequence[bytes | TailRef], start: int, run: int,
-               now: float) -> None:
-        """Remember that ``hashes[start:start+run]`` are present and the next is not."""
+               now: float, disk_only: Sequence[int] = ()) -> None:
+        """Remember that ``hashes[start:start+run]`` are present, those at positions
+        ``disk_only`` (relative to ``start``) only on disk, and that the next is not."""
         exp = now + self.ttl_s
-        for h in hashes[start:start + run]:
+        seen = hashes[start:start + run]
+        for h in seen:
             self._present[h] = exp
+        self._disk.difference_update(seen)
+        self._disk.update(seen[i] for i in disk_only)
         if start + run < len(hashes):
             self._absent[hashes[start + run]] = now + self.negative_ttl_s
         if len(self._present) > 1_000_000 or len(self._absent) > 100_000:
@@ -98,15 +113,18 @@ class StoreView:
         """Forget cached answers (the block size changed, so hashes name other blocks)."""
         self._present = {}
         self._absent = {}
+        self._disk = set()
 
     def _expire(self, now: float) -> None:
         self._present = {h: e for h, e in self._present.items() if e >= now}
         self._absent = {h: e for h, e in self._absent.items() if e >= now}
+        self._disk = {h for h in self._disk if h in self._present}
 
     # ---- store calls (worker thread) ----
     def query(self, hashes: Sequence[bytes | TailRef], start: int = 0) -> int:
-        """Blocking: ask the store for the leading run of ``hashes[start:]``; returns the
-        total run (``start`` plus what the store holds). Never raises."""
+        """Blocking: ask the store for the leading run of ``hashes[start:]`` and its tiers
+        (recorded in the cache); returns the total run (``start`` plus what the store
+        holds). Never raises."""
         now = self._clock()
         store = self._open(now)
         ks = self._discover(store, now) if store is not None else None
@@ -114,13 +132,13 @@ class StoreView:
             return start
         self.queries += 1
         try:
-            run = store.batch_exists([ks.key_of(h) for h in hashes[start:]])
+            res = store.batch_residency([ks.key_of(h) for h in hashes[start:]])
         except (StoreUnavailable, OSError, ValueError) as exc:
             self.errors += 1
-            log.warning("store batch_exists failed: %s", exc)
+            log.warning("store batch_residency failed: %s", exc)
             return start
-        self.record(hashes, start, run, self._clock())
-        return start + run
+        self.record(hashes, start, res.run, self._clock(), res.disk_only)
+        return start + res.run
 
     def _open(self, now: float) -> KVStore | None:
         if self._store is not None or self.cfg is None or now < self._next_try:
@@ -156,20 +174,25 @@ class StoreView:
         return self._keyspace
 
     # ---- async front ----
-    async def leading_run(self, hashes: Sequence[bytes | TailRef]) -> int:
+    async def residency(self, hashes: Sequence[bytes | TailRef]) -> Residency:
         """Leading items of ``hashes`` (block hashes, then possibly the prompt's tail)
-        present in the store (cache first, then one store call)."""
+        present in the store, and the positions among them it holds only on disk (cache
+        first, then one store call)."""
         run, final = self.cached_run(hashes)
-        if final:
-            return run
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-router-store")
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, self.query, hashes, run)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
-        except TimeoutError:
-            return run  # the answer still lands in the cache for the next request
+        if not final:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-router-store")
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(self._pool, self.query, hashes, run)
+            try:
+                run = await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
+            except TimeoutError:
+                pass  # the answer still lands in the cache for the next request
+        return Residency(run, self.cached_disk(hashes, run))
+
+    async def leading_run(self, hashes: Sequence[bytes | TailRef]) -> int:
+        """:meth:`residency`'s run alone."""
+        return (await self.residency(hashes)).run
 
     def close(self) -> None:
         if self._pool is not None:

@@ -34,6 +34,9 @@ def test_store_config_from_dict() -> None:
         StoreConfig.from_dict({"capacity": 0})
     with pytest.raises(ValueError):
         StoreConfig.from_dict({"op_timeout_s": 0})
+    with pytest.raises(ValueError, match="ssd_offload_path"):  # not silently ignored
+        StoreConfig.from_dict({"backend": "mooncake", "disk": {"path": "/tmp/kvc-disk",
+                                                               "capacity": "1mb"}})
     with pytest.raises(AttributeError):
         cfg.name = "b"  # type: ignore[misc]
 

@@ -8,7 +8,14 @@ import pytest
 
 from kvcentric.router.config import InstanceSpec, SloConfig
 from kvcentric.router.cost_model import Profile, load_s
-from kvcentric.router.decision import CostParams, Decision, Rejection, choose
+from kvcentric.router.decision import (
+    CostParams,
+    Decision,
+    Rejection,
+    choose,
+    decode_cost,
+    prefill_cost,
+)
 from kvcentric.router.instances import Instance, Registry
 from kvcentric.router.prefix_index import PrefixIndex
 
@@ -165,6 +172,52 @@ def test_a_stored_tail_is_a_hit_of_all_but_the_last_token() -> None:
     assert pa.load_s == pytest.approx(load_s(33 * PARAMS.bytes_per_block, PARAMS.bandwidth_bps))
     assert pa.prefill_s == pytest.approx(PROFILE.prefill_s(N, N - 1))
     assert with_tail.ttft_s == pytest.approx(pa.load_s + pa.prefill_s)
+
+
+# the same store, its disk tier 4x slower than its DRAM
+TIERED = CostParams(PROFILE, BS, 4096 * BS, 1e9, 2.5e8)
+
+
+def test_a_prefix_on_disk_is_predicted_slower_by_the_bandwidth_difference() -> None:
+    a = inst("a", 0)
+    in_dram = prefill_cost(a, 0, 32, N, TIERED, 0.0, True)
+    on_disk = prefill_cost(a, 0, 32, N, TIERED, 0.0, True, tuple(range(10, 33)))
+    obj = TIERED.bytes_per_block
+    assert in_dram.load_s == pytest.approx(33 * obj / 1e9) and in_dram.load_on_disk == 0
+    assert on_disk.load_on_disk == 23  # blocks 10..31 and the tail
+    assert on_disk.ttft_s - in_dram.ttft_s == pytest.approx(23 * obj * (1 / 2.5e8 - 1 / 1e9))
+    assert (on_disk.queue_s, on_disk.prefill_s) == (in_dram.queue_s, in_dram.prefill_s)
+    # only what the instance loads counts: blocks it holds itself are not read from disk
+    mine = prefill_cost(a, 20, 32, N, TIERED, 0.0, True, tuple(range(10, 20)))
+    assert mine.load_on_disk == 0 and mine.load_s == pytest.approx(13 * obj / 1e9)
+    # without a disk bandwidth (PARAMS) the tier is not modelled: DRAM speed
+    flat = prefill_cost(a, 0, 32, N, PARAMS, 0.0, True, tuple(range(10, 33)))
+    assert flat.load_s == pytest.approx(in_dram.load_s)
+    d = inst("d", 1, "decode")
+    dram_d = decode_cost(d, 0, 32, N, TIERED)
+    disk_d = decode_cost(d, 0, 32, N, TIERED, tuple(range(33)))
+    assert disk_d.load_s - dram_d.load_s == pytest.approx(33 * obj * (1 / 2.5e8 - 1 / 1e9))
+
+
+def test_the_decision_prefers_dram_residency_where_it_matters() -> None:
+    """After a store restart every stored block is on disk only: an idle instance that
+    must load the whole prefix is then slower than a slightly busy one holding most of it,
+    which it is not when the prefix is in DRAM."""
+    a, b = inst("a", 0), inst("b", 1)
+    a.enqueue("x", 0.05, now=0.0)  # a holds 24 of the 32 blocks but has 50 ms queued
+    runs = {0: 24}
+    dram = choose([a, b], [a, b], runs, 32, N, TIERED, SLO, now=0.0)
+    disk = choose([a, b], [a, b], runs, 32, N, TIERED, SLO, now=0.0,
+                  disk_only=tuple(range(32)))
+    assert isinstance(dram, Decision) and isinstance(disk, Decision)
+    assert dram.prefill is b and dram.load_blocks == 32 and dram.load_on_disk == 0
+    assert disk.prefill is a and disk.load_blocks == 8 and disk.load_on_disk == 8
+    # the tier only moved the load times: b's by 32 objects, a's by its 8
+    cost = {c.name: c for c in disk.candidates}
+    obj, extra = TIERED.bytes_per_block, 1 / 2.5e8 - 1 / 1e9
+    base = {c.name: c for c in dram.candidates}
+    assert cost["b"].ttft_s - base["b"].ttft_s == pytest.approx(32 * obj * extra)
+    assert cost["a"].ttft_s - base["a"].ttft_s == pytest.approx(8 * obj * extra)
 
 
 def test_no_instances_and_no_decoder() -> None:

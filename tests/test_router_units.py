@@ -14,15 +14,19 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvcentric.config import StoreConfig
-from kvcentric.hashing import KeySpace, block_hashes, hash_seed
+from kvcentric.config import DiskConfig, StoreConfig
+from kvcentric.hashing import KeySpace, TailRef, block_hashes, hash_seed
 from kvcentric.router.config import InstanceSpec, RouterConfig, load_config
 from kvcentric.router.cost_model import Profile, fit, kv_bytes_per_token
+from kvcentric.router.decision import Rejection
 from kvcentric.router.heat import PrefixHeat
 from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch, router_binds
 from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.scheduler import Conductor
 from kvcentric.router.store_view import StoreView
-from kvcentric.store import open_store
+from kvcentric.store import Residency, open_store
+from kvcentric.store.local import launcher
+from tests.helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +42,7 @@ def test_example_config_parses() -> None:
     assert cfg.model == "tiny" and len(cfg.instances) == 2
     assert cfg.store is not None and cfg.store.autostart is False and not cfg.store.prefault
     assert cfg.instances[0].name == "127.0.0.1:8100" and cfg.instances[0].can_decode
+    assert cfg.cost.store_bandwidth_gbps == 5 and cfg.cost.disk_bandwidth_gbps == 2
 
 
 @pytest.mark.parametrize("raw, msg", [
@@ -51,6 +56,7 @@ def test_example_config_parses() -> None:
                                                     {"url": "http://a:1"}]}, "unique"),
     ({"model": "m", "tokenizer": "x", "keys": {"layout_sig": "nothex"}}, "layout_sig"),
     ({"model": "m", "tokenizer": "x", "store": {"backend": "redis"}}, "backend"),
+    ({"model": "m", "tokenizer": "x", "cost": {"disk_bandwidth_gbps": 0}}, "disk_bandwidth"),
 ])
 def test_bad_config_is_a_clear_error(raw: dict[str, object], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
@@ -250,6 +256,71 @@ def test_store_view_survives_a_missing_store(tmp_path: Path) -> None:
     hashes = block_hashes(toks(9, 512), 256, hash_seed("tiny"))
     assert view.query(hashes) == 0 and view.errors == 1
     assert StoreView(None, "tiny").cached_run(hashes) == (0, True)
+
+
+def test_store_view_caches_each_blocks_tier(store_cfg: StoreConfig, tmp_path: Path) -> None:
+    """A restarted disk-tier store holds everything on disk only (recovered): the view
+    reports and caches that per block; a read promotes a block, seen after the TTL."""
+    cfg = store_cfg.with_(capacity_bytes=16 << 20,
+                          disk=DiskConfig(tmp_path / "disk", 64 << 20, high_watermark=0.001))
+    hashes = block_hashes(toks(10, 256 * 5), 256, hash_seed("tiny"))
+    keys = KeySpace("tiny", "0123456789abcdef").keys(hashes[:3])
+    buf = np.zeros(64 << 10, np.uint8)  # each over 0.1% of DRAM: all demoted at once
+    with open_store(cfg) as store:
+        assert store.batch_put_from(keys, [buf.ctypes.data] * 3, [buf.nbytes] * 3,
+                                    [None, *keys[:2]]) == [0, 0, 0]
+        assert wait_until(lambda: store.stats()["demotions"] == 3, 20.0)
+    launcher.stop(cfg)  # the files stay; a new coordinator recovers them, disk-only
+    store = open_store(cfg)
+    clock = [100.0]
+    view = StoreView(cfg.with_(autostart=False, prefault=False), "tiny",
+                     layout_sig="0123456789abcdef", clock=lambda: clock[0])
+    try:
+        assert wait_until(lambda: store.stats()["recovered"] == 3, 20.0)
+        assert view.query(hashes) == 3 and view.queries == 1
+        assert asyncio.run(view.residency(hashes)) == Residency(3, (0, 1, 2))  # cached
+        assert view.queries == 1 and view.cached_disk(hashes[1:], 2) == (0, 1)
+        got = np.zeros_like(buf)
+        assert store.batch_get_into(keys[:1], [got.ctypes.data], [got.nbytes]) == [got.nbytes]
+        assert wait_until(lambda: store.stats()["promotions"] == 1, 10.0)
+        assert asyncio.run(view.residency(hashes)) == Residency(3, (0, 1, 2))  # within TTL
+        clock[0] += 3.0
+        assert asyncio.run(view.residency(hashes)) == Residency(3, (1, 2))
+        assert asyncio.run(view.leading_run(hashes)) == 3 and view.queries == 2
+    finally:
+        view.close()
+        store.close()
+
+
+def test_conductor_costs_store_blocks_by_their_tier(tmp_path: Path) -> None:
+    """One cached store lookup gives the run and each block's tier: blocks on disk only
+    load at disk_bandwidth_gbps, the rest at store_bandwidth_gbps."""
+    cfg = RouterConfig.from_dict({
+        "model": "tiny", "tokenizer": "x", "keys": {"block_size": 256},
+        "store": {"name": "unused", "runtime_dir": str(tmp_path), "autostart": False},
+        "cost": {"store_bandwidth_gbps": 1, "disk_bandwidth_gbps": 0.25}})
+    assert cfg.store is not None
+    view = StoreView(cfg.store, "tiny", layout_sig="0123456789abcdef", clock=lambda: 0.0)
+    c = Conductor(cfg, Profile(), 4096, view, clock=lambda: 0.0)
+    c.registry.add(InstanceSpec(url="http://a:1", name="a"))
+    tokens = toks(11, 256 * 8 + 10)
+    hashes = c.hashes(tokens)
+    tail = c.tail(tokens, hashes)
+    assert tail is not None and len(hashes) == 8
+    items: list[bytes | TailRef] = [*hashes, tail]
+    loads = {}
+    for disk_only in ((), (2, 3, 8)):  # two blocks and the tail on disk only
+        view.reset()
+        view.record(items, 0, 9, 0.0, disk_only)  # the whole answer: no store call
+        d = asyncio.run(c.decide(hashes, len(tokens), tail=tail))
+        assert not isinstance(d, Rejection) and d.hit_tokens == len(tokens) - 1
+        assert d.load_on_disk == len(disk_only)
+        loads[disk_only] = d.candidates[0].load_s
+    obj = 4096 * 256
+    assert loads[()] == pytest.approx(9 * obj / 1e9)
+    assert loads[(2, 3, 8)] - loads[()] == pytest.approx(3 * obj * (1 / 0.25e9 - 1 / 1e9))
+    assert view.queries == 0
+    view.close()
 
 
 # ---- heat ----

@@ -299,3 +299,30 @@ def test_tier_metrics_in_stats_log_and_prometheus(store: LocalStore) -> None:
                  "dram_evictions_total", "disk_evictions_total", "dropped_undemoted_total"):
         assert f'kvcentric_store_{name}{{store="s"}}' in text, name
     assert f'kvcentric_store_demotions_total{{store="s"}} {float(st["demotions"])}' in text
+
+
+def test_store_serve_command_runs_the_disk_tier(store_cfg: StoreConfig, tmp_path: Path) -> None:
+    """``kvcentric store serve --disk-path --disk-capacity`` as an operator runs it: the
+    foreground coordinator demotes what its DRAM cannot hold; a half-given tier is refused
+    with a message."""
+    base = [sys.executable, "-m", "kvcentric.cli", "store", "serve", "--name", store_cfg.name,
+            "--runtime-dir", str(store_cfg.runtime_dir), "--capacity", "16mb"]
+    bad = subprocess.run(base + ["--disk-capacity", "1gb"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "store.disk needs path and capacity" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    proc = subprocess.Popen(base + ["--disk-path", str(tmp_path / "d"), "--disk-capacity",
+                                    "256mb"], stderr=subprocess.DEVNULL, start_new_session=True)
+    cfg = store_cfg.with_(capacity_bytes=16 * MB, autostart=False)
+    try:
+        assert _wait(lambda: cfg.socket_path.exists() or proc.poll() is not None)
+        with open_store(cfg) as s:
+            assert isinstance(s, LocalStore)
+            keys = _fill(s, "serve", 256, paced=True)  # ~40 MiB through 16 MiB of DRAM
+            st = s.stats()
+            assert st["disk_capacity_bytes"] == 256 * MB and st["demotions"] > 0
+            assert all(b is not None for b in get(s, keys[:8]))  # from disk
+            assert s.stats()["disk_hits"] >= 8
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -351,3 +351,53 @@ def test_soft_pinned_handoff_outlives_eviction_pressure(mc: MooncakeCluster) -> 
         for i in range(24):  # three times the pool: the master keeps evicting
             commit([f"flood-{i}"], 0.0)
         assert s.batch_exists(["pin-0", "pin-1"]) == 2
+
+
+def _metric(c: MooncakeCluster, name: str) -> float:
+    import httpx
+    text = httpx.get(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in the master's metrics")
+
+
+def test_cli_ssd_offload_serves_what_memory_evicted(mc: MooncakeCluster, tmp_path: Path) -> None:
+    """``mooncake-master --offload`` + ``mooncake-node --ssd-offload-path`` as users run
+    them: objects written past the 16 MiB segment (twice over) reach the node's SSD
+    directory, and the ones memory evicted are served from there, byte for byte."""
+    c = MooncakeCluster(tmp_path, ns=mc.ns, port_offset=20)
+    base = [sys.executable, "-m", "kvcentric.store.mooncake.service"]
+    master = spawn(c, base + ["mooncake-master", "--offload", "--lease-ttl-ms", "500",
+                              "--port", str(c.rpc_port), "--metrics-port", str(c.metrics_port),
+                              "--metadata-port", "0", "--log", str(tmp_path / "m.log")],
+                   stdout=subprocess.PIPE)
+    assert master.stdout is not None
+    master.stdout.readline()  # up (it prints its addresses)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    node = spawn(c, base + ["mooncake-node", "--segment", "16mb", "--master",
+                            f"127.0.0.1:{c.rpc_port}", "--metadata", c.metadata_server,
+                            "--ssd-offload-path", str(ssd)], stdout=subprocess.PIPE,
+                 stderr=open(tmp_path / "node.log", "ab"))
+    try:
+        assert node.stdout is not None
+        line = node.stdout.readline()
+        assert "mooncake node ready" in line, (tmp_path / "node.log").read_text()[-2000:]
+        assert _metric(c, "master_total_file_capacity_bytes") > 0  # a disk segment mounted
+        with open_store(c.store_config()) as s:
+            keys = [f"offload-{i}" for i in range(200)]  # ~2x the segment
+            for k in keys:  # between two offload heartbeats a full segment refuses puts
+                deadline = time.monotonic() + 15
+                while (codes := put(s, [k])) != [OK]:
+                    assert codes == [ERR_NO_SPACE] and time.monotonic() < deadline, codes
+                    time.sleep(0.05)
+            assert any(p.suffix == ".bucket" for p in ssd.iterdir())
+            assert _metric(c, "master_allocated_file_size_bytes") > 0
+            got = get(s, keys[:40])  # the oldest: evicted from memory, kept on disk
+            for k, b in zip(keys[:40], got):
+                assert b is not None and np.array_equal(b, payload(k, b.nbytes)), k
+            assert s.stats()["capacity_bytes"] == 16 << 20
+    finally:
+        end(node, signal.SIGTERM)
+        end(master, signal.SIGTERM)

@@ -19,7 +19,13 @@ from kvcentric.store import (
     ERR_TRANSFER,
     ERR_UNAVAILABLE,
 )
-from kvcentric.store.mooncake.config import MooncakeSettings, engine_env, split_host_port
+from kvcentric.store.mooncake.config import (
+    MooncakeSettings,
+    engine_env,
+    offload_bucket_problem,
+    offload_env,
+    split_host_port,
+)
 from kvcentric.store.mooncake.rdma import (
     RdmaDevice,
     RdmaUnavailable,
@@ -81,6 +87,7 @@ def test_defaults_are_a_loopback_pure_client() -> None:
     ({"fallback_to_tcp": "maybe"}, "true or false"),
     ({"ranged_reads": "sometimes"}, "true or false"),
     ({"probe_interval_s": 0}, "probe_interval_s"),
+    ({"ssd_offload_path": "/tmp/ssd"}, "ssd_offload_path needs a global_segment_size"),
 ])
 def test_bad_values_raise(bad: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -231,3 +238,24 @@ def test_staging_runs_are_contiguous_and_refcounted() -> None:
         arena.close()
     with pytest.raises(RuntimeError, match="register_buffer"):
         StagingArena(4096, lambda p, n: -1)
+
+
+def test_ssd_offload_settings_reach_mooncake_and_small_segments_get_small_buckets() -> None:
+    from kvcentric.store.mooncake.service import OFFLOAD_FLAGS, master_command
+    assert set(OFFLOAD_FLAGS) <= set(master_command(offload=True))
+    assert not set(OFFLOAD_FLAGS) & set(master_command())
+    none = MooncakeSettings.load({"use_env": False, "global_segment_size": "64mb"})
+    assert offload_env(none, {}) == {} and offload_bucket_problem(none, {}) is None
+    node = MooncakeSettings.load({"use_env": False, "global_segment_size": "64mb",
+                                  "ssd_offload_path": "/nvme/mc"})
+    # Mooncake's 256 MiB buckets would wedge a 64 MiB segment: a clear error for clients...
+    assert "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES" in str(offload_bucket_problem(node, {}))
+    # ...and a node command sets buckets of 1/8 of its segment unless the user chose
+    env = offload_env(node, {})
+    assert env["MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES"] == str(8 << 20)
+    assert offload_bucket_problem(node, env) is None
+    assert "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES" not in offload_env(
+        node, {"MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": "4194304"})
+    big = MooncakeSettings.load({"use_env": False, "global_segment_size": "4gb",
+                                 "ssd_offload_path": "/nvme/mc"})
+    assert offload_bucket_problem(big, {}) is None

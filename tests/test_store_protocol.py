@@ -91,12 +91,15 @@ def test_bad_requests_get_errors_and_the_connection_lives(store: LocalStore,
                                                           store_cfg: StoreConfig) -> None:
     sock = _raw(store_cfg)
     for req in (["no-such-op"], ["exists"], ["exists", 5], ["acquire", [1, 2]],
-                ["reserve", ["k"], ["big"], [None]]):
+                ["reserve", ["k"], ["big"], [None]], ["residency", "ab"], ["residency", [1]],
+                ["residency", ["a"], ["b"]]):
         sock.sendall(wire.encode(req))
         reply = wire.recv_frame(sock)
         assert isinstance(reply, list) and reply[0] == "error", (req, reply)
     sock.sendall(wire.encode(["exists", ["a", "b"]]))
     assert wire.recv_frame(sock) == 2
+    sock.sendall(wire.encode(["residency", ["a", "b", "zz"]]))  # no disk tier: all in DRAM
+    assert wire.recv_frame(sock) == [2, []]
     sock.close()
 
 

@@ -18,6 +18,7 @@ from kvcentric.store.base import (
     OK,
     KVStore,
     ReadLease,
+    Residency,
     StoreUnavailable,
     WriteSlot,
     checksum,
@@ -26,7 +27,7 @@ from kvcentric.store.base import (
 __all__ = [
     "ERR_CORRUPT", "ERR_EXISTS", "ERR_HAS_LEASE", "ERR_INVALID", "ERR_NO_SPACE",
     "ERR_NOT_FOUND", "ERR_TRANSFER", "ERR_UNAVAILABLE", "OK", "KVStore", "ReadLease",
-    "StoreConfig", "StoreUnavailable", "WriteSlot", "checksum", "open_store",
+    "Residency", "StoreConfig", "StoreUnavailable", "WriteSlot", "checksum", "open_store",
 ]
 
 

@@ -7,6 +7,9 @@ Contract, common to all backends:
   semantics): keys after the first missing one are not counted. It is a hint: ``keys``
   are a chain (each key's ``parent`` at put time is the key before it), and the local
   store's shared-memory lookups may overcount a list that is not one; reads are exact.
+- ``batch_residency(keys)`` is ``batch_exists`` plus where the run lives: which of its
+  objects only a slower tier (the local store's disk) holds, so a router can predict the
+  load time per tier. One round trip at most; a hint, like ``batch_exists``.
 - ``batch_put_from(keys, ptrs, sizes)`` copies each ``sizes[i]`` bytes at address ``ptrs[i]``
   into the store and returns one code per key: ``0`` stored (or already present), negative
   on failure (``ERR_NO_SPACE`` when the capacity bound cannot be met).
@@ -97,6 +100,30 @@ class ReadLease:
                                              self.sizes[i]) == want
 
 
+@dataclass(frozen=True)
+class Residency:
+    """Where the leading run of a key chain lives (:meth:`KVStore.batch_residency`).
+
+    ``run``: the leading run of present keys over every tier, as ``batch_exists`` counts
+    it. ``disk_only``: the positions (ascending, each ``< run``) of the objects of that run
+    resident only on a slower tier (the local store's disk), i.e. not in DRAM; an object in
+    both tiers counts as DRAM. Empty for stores without such a tier.
+    """
+
+    run: int
+    disk_only: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.run < 0 or len(self.disk_only) > self.run or (
+                self.disk_only and not 0 <= self.disk_only[0] <= self.disk_only[-1] < self.run):
+            raise ValueError(f"bad residency: run {self.run}, disk-only {self.disk_only[:8]}")
+
+    @property
+    def on_disk(self) -> int:
+        """How many objects of the run are resident only on disk."""
+        return len(self.disk_only)
+
+
 def checksum(ptr: int, size: int) -> int:
     """The object checksum every backend and connector uses: xxh3_64 of ``size`` bytes at
     ``ptr`` (read in place, no copy)."""
@@ -138,6 +165,16 @@ class KVStore(ABC):
     def list_keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
         """Up to ``limit`` committed keys starting with ``prefix`` (administration and
         layout discovery; not on a hot path)."""
+
+    def batch_residency(self, keys: Sequence[str]) -> Residency:
+        """The leading run of ``keys`` (exactly what :meth:`batch_exists` would answer) and
+        which of its objects are resident only on disk (:class:`Residency`).
+
+        Same hint semantics as ``batch_exists`` (``keys`` a chain; the answer may be stale
+        by the time it is used). At most one round trip to the store. Default (stores
+        without a slower tier, e.g. Mooncake here): ``Residency(batch_exists(keys))``,
+        nothing on disk."""
+        return Residency(self.batch_exists(keys) if keys else 0)
 
     def lease_valid(self, lease: ReadLease) -> bool:
         """False when ``lease`` lapsed (e.g. the store reclaimed it after a dropped

@@ -26,8 +26,9 @@ def _eq(got: Any, want: Any, what: str) -> None:
     assert got == want, f"{what}: got {got!r}, want {want!r}"
 
 
-def written_pool(mla: bool, layout: str, pages: list[int], seed: int = 1) -> Any:
-    pool = make_pool(mla, layout)
+def written_pool(mla: bool, layout: str, pages: list[int], seed: int = 1,
+                 **geometry: Any) -> Any:
+    pool = make_pool(mla, layout, **geometry)
     fill_pages(pool, pages, seed)
     return pool
 
@@ -252,3 +253,65 @@ def check_shipped_config(store: dict[str, Any], path: str) -> None:
     backend.register_mem_pool_host(pool)
     _eq(backend.batch_set_v1(page_keys("shipped", 1), indices(pool, [1])), [True], "set")
     backend.close()
+
+
+# ---- the local store's disk tier (tests/test_sglang_disk.py) ----
+def check_disk_settings(store: dict[str, Any]) -> None:
+    """The ``store.disk`` section reaches the backend's store config as a ``DiskConfig``;
+    a bad one is a ``ValueError`` when SGLang's factory builds the backend."""
+    from kvcentric.config import DiskConfig
+
+    backend = create(store, model="disk-settings")
+    _eq(backend.settings.store.disk, DiskConfig.from_dict(store["disk"]), "store.disk")
+    _eq(backend.settings.store.disk_dir, StoreConfig.from_dict(store).disk_dir, "disk_dir")
+    backend.close()
+    disk = store["disk"]
+    for bad in ({**disk, "bogus": 1}, {"path": disk["path"]}, {**disk, "capacity": 0},
+                {**disk, "high_watermark": 1.5}, {**disk, "capacity": "1000000tb"}):
+        try:
+            create({**store, "disk": bad})
+        except ValueError:
+            continue
+        raise AssertionError(f"no ValueError for store.disk {bad}")
+
+
+def write_past_dram(store: dict[str, Any], cases: dict[str, Any],
+                    filler: dict[str, Any]) -> dict[str, Any]:
+    """Store pages 1-4 per case (``{"mla", "layout", "model", "pool"}``; one prefix chain
+    each, as ``write_cases``), then ``filler["batches"]`` chains of 8 MHA ``page_first``
+    pages (geometry ``filler["pool"]``) of another model, so the cases' pages leave DRAM
+    for the disk tier. After every batch it waits until the store has no demotion in
+    flight (writes no faster than the disk, as ``tests/test_store_disk.py`` does).
+    Returns per case the keys, set results and page digests, and the store's stats."""
+    from kvcentric.store import open_store
+    from tests.helpers.waiting import wait_until
+
+    out: dict[str, Any] = {}
+    with open_store(store) as probe:
+        def settle() -> None:
+            assert wait_until(lambda: probe.stats()["demoting"] == 0, 60), probe.stats()
+
+        for cid, case in cases.items():
+            pool = written_pool(case["mla"], case["layout"], [1, 2, 3, 4], seed=len(cid),
+                                **case.get("pool", {}))
+            backend = create(store, pool, mla=case["mla"], layout=case["layout"],
+                             model=case["model"])
+            keys = page_keys(f"disk-{cid}", 4)
+            ok = backend.batch_set_v1(keys, indices(pool, [1, 2, 3, 4]),
+                                      HiCacheStorageExtraInfo(prefix_keys=None))
+            backend.close()
+            settle()
+            out[cid] = {"keys": keys, "set": ok, "object_bytes": backend.geometry.object_bytes,
+                        "digests": [xxhash.xxh3_64_hexdigest(page_bytes(pool, p))
+                                    for p in (1, 2, 3, 4)]}
+        pool = written_pool(False, "page_first", list(range(8)), seed=7, **filler["pool"])
+        backend = create(store, pool, model="disk-filler")
+        filled = 0
+        for b in range(filler["batches"]):
+            ok = backend.batch_set_v1(page_keys(f"filler/{b}", 8), indices(pool, list(range(8))),
+                                      HiCacheStorageExtraInfo(prefix_keys=None))
+            _eq(ok, [True] * 8, f"filler batch {b}")
+            filled += 8 * backend.geometry.object_bytes
+            settle()
+        backend.close()
+        return {"cases": out, "filler_bytes": filled, "stats": probe.stats()}

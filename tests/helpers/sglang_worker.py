@@ -7,6 +7,10 @@
 through SGLang's ``StorageBackendFactory``, registers a fresh (zeroed) host pool, runs
 ``batch_exists`` and ``batch_get_v1`` into ``pages``, and prints one JSON object:
 ``{"ID": {"exists": n, "loaded": [bool...], "digests": [hex...], "others_zero": bool}}``.
+
+Optional per case: ``"pool"``, keyword arguments of ``make_pool`` (the writer's page
+geometry, when not the default); ``"exists_each": true`` adds ``"exists_each"``, the
+single-key ``exists`` of every key (asked before the load, like ``batch_exists``).
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from tests.helpers.sglang_setup import storage_config  # noqa: E402
 def read_case(store: dict, case: dict) -> dict:  # type: ignore[type-arg]
     cfg = storage_config(store, mla=case["mla"], layout=case["layout"], model=case["model"])
     backend = StorageBackendFactory.create_backend("dynamic", cfg, None)
-    pool = make_pool(case["mla"], case["layout"])
+    pool = make_pool(case["mla"], case["layout"], **case.get("pool", {}))
     backend.register_mem_pool_host(pool)
     pages, keys = case["pages"], case["keys"]
+    extra = {}
     try:
+        if case.get("exists_each"):
+            extra["exists_each"] = [backend.exists(k) for k in keys]
         exists = backend.batch_exists(keys)
         loaded = backend.batch_get_v1(keys, indices(pool, pages))
     finally:
@@ -37,7 +44,7 @@ def read_case(store: dict, case: dict) -> dict:  # type: ignore[type-arg]
     others = [p for p in range(pool.page_num) if p not in pages]
     return {"exists": exists, "loaded": loaded,
             "digests": [xxhash.xxh3_64_hexdigest(page_bytes(pool, p)) for p in pages],
-            "others_zero": all(not any(page_bytes(pool, p)) for p in others)}
+            "others_zero": all(not any(page_bytes(pool, p)) for p in others), **extra}
 
 
 def main() -> None:

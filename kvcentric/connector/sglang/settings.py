@@ -9,6 +9,11 @@ reads only the keys below and leaves every other key to SGLang::
      "class_name": "KVCentricHiCacheStorage", "interface_v1": 1,
      "store": {"backend": "local", "name": "sglang", "capacity": "32gb"},
      "model_id": "llama-3-8b"}
+
+``store`` is the :class:`~kvcentric.config.StoreConfig` every kvcentric connector takes,
+disk tier included: ``"disk": {"path": "/mnt/nvme/kvc", "capacity": "1tb"}`` in it gives
+the local store an SSD tier behind its DRAM, where pages evicted from DRAM stay findable
+and loadable (tests/test_sglang_disk.py).
 """
 
 from __future__ import annotations

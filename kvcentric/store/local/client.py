@@ -31,6 +31,7 @@ from kvcentric.store.base import (
     OK,
     KVStore,
     ReadLease,
+    Residency,
     StoreUnavailable,
     WriteSlot,
     checksum,
@@ -82,6 +83,7 @@ class LocalStore(KVStore):
         self._retry_at = 0.0
         self._index: SharedIndexReader | None = None
         self._lease_ttl_s = 0.0
+        self._disk_tier = False  # the coordinator runs a disk tier (its hello says)
         self._pinner: HostPinner | None = None
         try:
             self._connect()
@@ -112,6 +114,8 @@ class LocalStore(KVStore):
                     self._pinner.register(self._arena.base, self._arena.capacity)
             self._open_index(hello.get("index"))
             self._lease_ttl_s = float(hello.get("lease_ttl_s") or 0.0)
+            # a coordinator that does not say predates the residency op
+            self._disk_tier = bool(hello.get("disk_tier", False))
         except (StoreUnavailable, OSError, ValueError) as exc:
             self._rpc.close()
             self._retry_at = time.monotonic() + self.cfg.reconnect_interval_s
@@ -165,6 +169,22 @@ class LocalStore(KVStore):
             return int(self._call("exists", list(keys)))
         except StoreUnavailable:
             return 0
+
+    def batch_residency(self, keys: Sequence[str]) -> Residency:
+        """With a disk tier: the coordinator's exact answer, one round trip (the shared
+        index does not record tiers). Without one nothing is on disk: ``batch_exists``
+        (the shared index, no round trip). An unreachable store holds nothing (run 0)."""
+        if not keys:
+            return Residency(0)
+        try:
+            if not self._rpc.connected:
+                self._connect()
+            if not self._disk_tier:
+                return Residency(self.batch_exists(keys))
+            run, disk_only = self._call("residency", list(keys))
+        except StoreUnavailable:
+            return Residency(0)
+        return Residency(int(run), tuple(int(i) for i in disk_only))
 
     def batch_alloc(self, keys: Sequence[str], sizes: Sequence[int],
                     parents: Sequence[str | None] | None = None) -> list[WriteSlot | None]:

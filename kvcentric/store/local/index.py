@@ -185,6 +185,14 @@ class ObjectIndex:
             n += 1
         return n
 
+    def residency(self, keys: Sequence[str]) -> tuple[int, list[int]]:
+        """``(leading_run(keys), positions in that run of objects not in DRAM)``; only the
+        disk tier (:class:`~kvcentric.store.local.tiered.TieredIndex`) has such objects
+        (``offset`` -1), so without it the list is empty."""
+        n = self.leading_run(keys)
+        entries = self.entries
+        return n, [i for i in range(n) if entries[keys[i]].offset < 0]
+
     def acquire(self, keys: Sequence[str], owner: int) -> tuple[int, list[Entry]]:
         """Lease the leading run of committed ``keys``; returns (lease id, entries)."""
         got: list[Entry] = []

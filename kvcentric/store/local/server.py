@@ -41,7 +41,8 @@ STATS_LOG_INTERVAL_S = 30.0
 LEASE_SWEEP_INTERVAL_S = 1.0
 MAX_UNSENT = 64 << 20  # a client that stops reading its replies is dropped beyond this
 ONE_WAY = frozenset({"release", "settle"})  # requests that get no reply
-READ_ONLY = frozenset({"exists", "hello", "stats", "keys", "release"})  # no index writes
+# requests that never write the shared index
+READ_ONLY = frozenset({"exists", "residency", "hello", "stats", "keys", "release"})
 DISK_EVENT = "disk"  # selector data of the disk worker's wake-up pipe
 
 
@@ -262,6 +263,8 @@ class Coordinator:
         idx = self.index
         if op == "exists":
             return idx.leading_run(args[0])
+        if op == "residency":
+            return list(idx.residency(args[0]))
         if op == "reserve":
             keys, sizes, parents = args
             if not len(keys) == len(sizes) == len(parents):
@@ -304,7 +307,8 @@ class Coordinator:
             return {"arena": str(self.cfg.arena_path), "capacity": idx.alloc.capacity,
                     "arena_id": self.arena_id, "pid": os.getpid(),
                     "index": str(self.cfg.index_path) if shared and shared.enabled else None,
-                    "lease_ttl_s": self.cfg.lease_ttl_s}
+                    "lease_ttl_s": self.cfg.lease_ttl_s,
+                    "disk_tier": isinstance(idx, TieredIndex)}
         if op == "shutdown":
             self._running = False
             return None

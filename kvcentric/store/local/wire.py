@@ -44,6 +44,7 @@ def decode(payload: bytes | memoryview) -> Any:
 # The arguments of every op, checked before the coordinator acts on them.
 SIGNATURES: dict[str, Any] = {
     "exists": tuple[list[str]],
+    "residency": tuple[list[str]],  # -> [run, [positions of disk-only objects]]
     "reserve": tuple[list[str], list[int], list[str | None]],
     "commit": tuple[list[str], list[int | None], float],  # keys, checksums, soft pin s
     "abort": tuple[list[str]],

@@ -40,10 +40,12 @@ def join(s: MooncakeSettings, protocol: str, devices: str) -> tuple[Any, Any]:
     client = MooncakeDistributedStore()
     rc = client.setup(s.local_hostname, s.metadata_server, s.global_segment_size,
                       s.local_buffer_size, protocol, devices, s.master_server_address,
-                      None, False, "", s.tenant_id)
+                      None, bool(s.ssd_offload_path), s.ssd_offload_path, s.tenant_id)
     if rc != 0:  # a client whose setup failed must not be used (it crashes)
+        hint = (" (a client with ssd_offload_path needs a master run with --enable_offload,"
+                " e.g. kvcentric store mooncake-master --offload)" if s.ssd_offload_path else "")
         raise StoreUnavailable(f"cannot join mooncake at {s.master_server_address} "
-                               f"(metadata {s.metadata_server}, {protocol}): {rc}")
+                               f"(metadata {s.metadata_server}, {protocol}): {rc}{hint}")
     log.info("mooncake client up: master %s, %s, segment %d B, staging %d B",
              s.master_server_address, protocol, s.global_segment_size, s.staging_size)
     replicate = ReplicateConfig()

@@ -86,6 +86,12 @@ class MooncakeSettings:
         ranged_reads: serve streamed reads (``batch_acquire_streamed``) with Mooncake's
             get session and one ranged get per ``fetch_range``, so the connector loads
             layer by layer under compute; false: one whole ``batch_get_into`` up front.
+        ssd_offload_path: Mooncake's own SSD tier: a directory where this process's
+            segment offloads objects the master evicts from memory (its client setup's
+            ``enable_ssd_offload``/``ssd_offload_path``; the master must run with
+            ``--enable_offload``, e.g. ``kvcentric store mooncake-master --offload``).
+            Empty: no offload. Only meaningful with ``global_segment_size`` > 0, and that
+            segment must hold 4 offload buckets (:func:`offload_bucket_problem`).
     """
 
     master_server_address: str = DEFAULT_MASTER
@@ -105,6 +111,7 @@ class MooncakeSettings:
     tenant_id: str = "default"
     preferred_segment: str = ""
     ranged_reads: bool = True
+    ssd_offload_path: str = ""
 
     def __post_init__(self) -> None:
         host, _ = split_host_port(self.master_server_address)
@@ -118,6 +125,9 @@ class MooncakeSettings:
                              f"{MIN_SEGMENT >> 20} MiB (Mooncake's minimum)")
         if self.preferred_segment == "local" and not self.global_segment_size:
             raise ValueError("preferred_segment 'local' needs a global_segment_size > 0")
+        if self.ssd_offload_path and not self.global_segment_size:
+            raise ValueError("ssd_offload_path needs a global_segment_size > 0 (a pure "
+                             "client has no segment to offload)")
         if self.replica_num < 1:
             raise ValueError("replica_num must be >= 1")
         if self.staging_size <= 0:
@@ -191,6 +201,50 @@ def engine_env(settings: MooncakeSettings) -> dict[str, str]:
     if os.environ.get("MC_TCP_BIND_ADDRESS"):
         return {}
     return {"MC_TCP_BIND_ADDRESS": settings.local_hostname}
+
+
+OFFLOAD_BUCKET_ENV = "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES"
+OFFLOAD_BUCKET_DEFAULT = 256 << 20  # Mooncake's bucket backend default
+
+
+def offload_bucket_problem(settings: MooncakeSettings,
+                           env: Mapping[str, str] | None = None) -> str | None:
+    """Why ``settings``' SSD offload would wedge its segment, or None.
+
+    Mooncake's offload writes objects to disk in buckets and keeps a queued object in
+    memory, unevictable, until its bucket fills (``OFFLOAD_BUCKET_ENV``, 256 MiB by
+    default, read by Mooncake from the environment). A segment smaller than a few buckets
+    then fills with queued objects and refuses every put (measured on the CPU wheel with
+    a 16 MiB segment), so such a client must set a smaller bucket first.
+    """
+    if not settings.ssd_offload_path:
+        return None
+    env = os.environ if env is None else env
+    raw = env.get(OFFLOAD_BUCKET_ENV, "")
+    bucket = int(raw) if raw.isdigit() else OFFLOAD_BUCKET_DEFAULT
+    if settings.global_segment_size >= 4 * bucket:
+        return None
+    return (f"ssd_offload_path with a {settings.global_segment_size >> 20} MiB segment: "
+            f"Mooncake offloads in buckets of {bucket >> 20} MiB ({OFFLOAD_BUCKET_ENV}) and "
+            "keeps queued objects in memory until a bucket fills, so this segment would "
+            f"stop evicting; set {OFFLOAD_BUCKET_ENV} to at most a quarter of the segment "
+            "(and MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT to match) in the environment")
+
+
+def offload_env(settings: MooncakeSettings,
+                env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment a storage node's own process sets for its SSD offload (what is not set
+    yet): buckets of an eighth of the segment (at most Mooncake's 256 MiB), so no more than
+    that waits in memory for its disk write, and the offload heartbeat every second (10 s by
+    default: the segment can fill and refuse puts between two heartbeats)."""
+    if not settings.ssd_offload_path:
+        return {}
+    env = os.environ if env is None else env
+    bucket = min(OFFLOAD_BUCKET_DEFAULT, settings.global_segment_size // 8)
+    want = {OFFLOAD_BUCKET_ENV: str(bucket),
+            "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": str(min(500, max(1, bucket >> 16))),
+            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1"}
+    return {k: v for k, v in want.items() if not env.get(k)}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -46,7 +46,11 @@ from kvcentric.store.base import (
 from kvcentric.store.mooncake.checksums import get_checked, put_sealed
 from kvcentric.store.mooncake.client import check_installed, chunks, join
 from kvcentric.store.mooncake.codes import MC_NO_SPACE, map_code
-from kvcentric.store.mooncake.config import MooncakeSettings, engine_env
+from kvcentric.store.mooncake.config import (
+    MooncakeSettings,
+    engine_env,
+    offload_bucket_problem,
+)
 from kvcentric.store.mooncake.health import MasterMonitor
 from kvcentric.store.mooncake.http import fetch_keys, fetch_metrics
 from kvcentric.store.mooncake.rdma import resolve_transport
@@ -75,6 +79,9 @@ class MooncakeStore(KVStore):
                 "Mooncake's transfer engine would bind its listener to a non-loopback "
                 f"address; set {' '.join(f'{k}={v}' for k, v in missing.items())} in the "
                 "environment before opening the store (kvcentric never writes os.environ)")
+        problem = offload_bucket_problem(s)
+        if problem:
+            raise ValueError(problem)
         check_installed()
         self._replicate: Any = None
         self._client: Any = None

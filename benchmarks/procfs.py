@@ -1,0 +1,52 @@
+"""What ``/proc`` says about the processes a benchmark started (Linux only).
+
+Used by the soak (memory and descriptors per process) and the tier benchmark (bytes an
+engine really read from the block device, to tell an SSD read from a page-cache hit).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live process in process group ``pgid`` (an engine and its children)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def usage(pids: list[int]) -> tuple[float, int]:
+    """(RSS MiB, open fds) summed over ``pids``."""
+    rss, fds = 0.0, 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss += int(line.split()[1]) / 1024
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            continue
+    return rss, fds
+
+
+def device_read_bytes(pids: list[int]) -> int:
+    """Bytes ``pids`` caused to be fetched from the storage layer (``/proc/PID/io``
+    ``read_bytes``): page-cache hits do not count, so a read that found its pages cached
+    adds nothing here."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                if line.startswith("read_bytes:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
