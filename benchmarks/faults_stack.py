@@ -44,8 +44,9 @@ class Stack:
     """Store + engines ``e0``, ``e1`` + router, started by :meth:`start`."""
 
     def __init__(self, backend: str, model: str, logs: Path, ns: NetNamespace | None,
-                 capacity: str = "512mb") -> None:
-        """``capacity``: the local store's (small: eviction runs all the time)."""
+                 capacity: str = "512mb", connector: bool = True) -> None:
+        """``capacity``: the local store's (small: eviction runs all the time);
+        ``connector=False``: engines without kvcentric (a baseline: vLLM alone)."""
         if backend not in FAULTS:
             raise ValueError(f"unknown backend {backend!r}")
         if backend == "mooncake" and ns is None:
@@ -64,7 +65,8 @@ class Stack:
                 "master_server_address": MASTER, "metadata_server": "P2PHANDSHAKE",
                 "use_env": False, "global_segment_size": 0, "staging_size": "256mb"}}
         self.engines = [VllmServer(model, log_path=logs / f"faults-{backend}-e{i}.log",
-                                   kv_transfer=connector_config(self.store),
+                                   kv_transfer=connector_config(self.store) if connector
+                                   else None,
                                    args=("--enable-prompt-tokens-details",))
                         for i in range(2)]
 

@@ -1,6 +1,7 @@
 """Soak: hours-long behaviour in minutes -- memory, descriptors, leases under constant eviction.
 
     python benchmarks/soak.py [--minutes 22] [--users 6] [--capacity 64mb] [--out FILE]
+                              [--no-connector]   # baseline: vLLM alone, same stack and load
 
 One stack (:mod:`benchmarks.faults_stack`: the local store, two vLLM CPU engines with the
 connector, the router; ``tiny`` model) serves ``--users`` closed-loop conversations of
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> tuple[Soak, dict[str, Any]]:
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    stack = Stack("local", model, logs, None, capacity=args.capacity).start()
+    stack = Stack("local", model, logs, None, capacity=args.capacity,
+                  connector=not args.no_connector).start()
     soak = Soak()
     try:
         with open_store(stack.store) as st:
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", default="64mb")
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--warmup", type=float, default=0.2)
+    ap.add_argument("--no-connector", action="store_true",
+                    help="baseline: the same stack with vLLM alone (no kvcentric connector)")
     ap.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     args = ap.parse_args(argv)
     soak, end = run(args)
