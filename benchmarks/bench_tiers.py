@@ -26,7 +26,9 @@ Floors: the engine-hit TTFT plus the time the tier's bytes (the hit tokens x KV 
 token) take to move with nothing else in the way: a ``memcpy`` for DRAM, a plain sequential
 read of a cold file of that size on the same file system for disk (median of 3 each).
 TTFT is the latency of a ``max_tokens=1`` completion; medians over ``--reps``.
-Summary keys at the largest L (and per length in ``rows``): ``disk_hit_over_miss``,
+Per length, ``connector_ms`` splits the store hits' time by the connector's own counters
+(scheduler lookups, the worker's lease at step start, layer loads, the forward pass waiting
+for them). Summary keys at the largest L (and per length in ``rows``): ``disk_hit_over_miss``,
 ``disk_hit_over_floor``, ``dram_hit_over_floor``, ``dram_hit_over_engine_hit``.
 """
 
@@ -63,6 +65,7 @@ TIERS = ("miss", "engine", "dram", "disk")
 FLOOD_OBJECT = 4 << 20
 FLOOD_BATCH = 4
 CHUNK = 8 << 20
+PREFIX = "vllm:kvcentric_"  # the connector's counters: where a hit's time went
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
@@ -174,6 +177,9 @@ def timed(server: VllmServer, store: KVStore, prompt: list[int]) -> dict[str, An
             - m0.get("vllm:prefix_cache_hits_total", 0),
             "connector_tokens": m1.get("vllm:external_prefix_cache_hits_total", 0)
             - m0.get("vllm:external_prefix_cache_hits_total", 0),
+            "connector_s": {k[len(PREFIX):-len("_total")]: m1[k] - m0.get(k, 0.0)
+                            for k in m1 if k.startswith(PREFIX) and k.endswith("seconds_total")
+                            and "{" not in k},
             "dram_hits": s1["dram_hits"] - s0["dram_hits"],
             "disk_hits": s1["disk_hits"] - s0["disk_hits"],
             "device_bytes": io1 - io0}
@@ -253,6 +259,9 @@ def row_for(n: int, got: dict[str, list[dict[str, Any]]], problems: list[str], b
             "floor_read_device_fraction": round(device_fraction, 3),
             "disk_device_bytes": [r["device_bytes"] for r in got["disk"]],
             "connector_tokens": {t: [r["connector_tokens"] for r in got[t]] for t in TIERS},
+            "connector_ms": {t: {k: round(1e3 * statistics.median(r["connector_s"].get(k, 0.0)
+                                                                   for r in got[t]), 1)
+                                 for k in got[t][0]["connector_s"]} for t in ("dram", "disk")},
             "engine_tokens": {t: [r["engine_tokens"] for r in got[t]] for t in TIERS},
             "miss_over_disk": ms["miss"] / ms["disk"], "disk_over_dram": ms["disk"] / ms["dram"],
             "dram_over_engine": ms["dram"] / ms["engine"],
@@ -294,6 +303,9 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any], reps: int) -> str
             f"{r['floor_disk_ms']:7.0f} {r['miss_over_disk']:9.2f} {r['disk_over_dram']:9.2f} "
             f"{r['dram_over_engine']:8.2f} {r['disk_over_floor']:7.2f} "
             f"{r['dram_over_floor']:7.2f} {ok}")
+        lines.append("    connector ms: " + "; ".join(
+            f"{t} " + " ".join(f"{k.removesuffix('_seconds')} {v}" for k, v in parts.items())
+            for t, parts in r.get("connector_ms", {}).items()))
         lines += [f"    {p}" for p in r["problems"]]
     lines.append("summary: " + json.dumps(summary))
     return "\n".join(lines)
