@@ -58,6 +58,24 @@ class DiskReads:
     def __init__(self, n: int) -> None:
         self.objects: list[_DiskObject] = []
         self.codes_ = [0] * n  # per lease position; filled for failures and verifications
+        self._hinted = False
+
+    def _read_ahead(self, offset: int, stride: int) -> None:
+        """Ask the kernel for every object's bytes from ``offset`` on, range by range in
+        the order the reader will want them (range k of every object before range k + 1),
+        so the device reads all objects at once and each ``preadv`` finds its pages. Done
+        once, by the first read (the copy thread, not the step's lease)."""
+        if self._hinted:
+            return
+        self._hinted = True
+        for start in range(offset, max((o.size for o in self.objects), default=0), stride):
+            for obj in self.objects:
+                if start < obj.size:
+                    try:
+                        os.posix_fadvise(obj.fd, DATA_OFFSET + start,
+                                         min(stride, obj.size - start), os.POSIX_FADV_WILLNEED)
+                    except OSError:
+                        pass  # a hint: the read itself reports real errors
 
     def open(self, i: int, path: str, size: int, csum: int, ptr: int | None) -> int | None:
         """Open object ``i``'s file; returns where its bytes will be, or None (and a MISSING
@@ -67,11 +85,6 @@ class DiskReads:
         except OSError:
             self.codes_[i] = MISSING
             return None
-        try:  # start reading the whole object now, every object of the lease in parallel:
-            # the per-layer preadv calls then find their pages instead of waiting on the device
-            os.posix_fadvise(fd, DATA_OFFSET, size, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
         keep = None
         if ptr is None:
             keep = np.empty(size, np.uint8)  # no DRAM room to promote into: private memory
@@ -83,6 +96,7 @@ class DiskReads:
         """Read bytes ``[offset, offset + size)`` of every object (of the first ``upto``
         lease positions); ``OSError`` on an I/O error or a file shorter than its header
         says (torn or truncated under us)."""
+        self._read_ahead(offset, size)
         for obj in self.objects:
             if upto is not None and obj.index >= upto:
                 break
@@ -94,6 +108,7 @@ class DiskReads:
     def fetch_all(self) -> int:
         """Read every object whole and verify it; returns the lease position of the first
         object that failed (the lease's leading run ends there), or -1."""
+        self._read_ahead(0, max((o.size for o in self.objects), default=1))
         for obj in self.objects:
             try:
                 self.fetch_one(obj)
