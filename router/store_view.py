@@ -34,6 +34,7 @@ from kvcentric.store import KVStore, Residency, StoreUnavailable, open_store
 
 log = logging.getLogger("router.store_view")
 _RETRY_S = 2.0  # how soon to retry opening the store or discovering the layout
+SWEEP_TTLS = 5  # answers older than this many TTLs are swept out (bounded memory)
 
 
 class StoreView:
@@ -53,6 +54,7 @@ class StoreView:
         self._present: dict[bytes | TailRef, float] = {}
         self._absent: dict[bytes | TailRef, float] = {}
         self._disk: set[bytes | TailRef] = set()  # of _present: last seen only on disk
+        self._next_sweep = 0.0  # expired answers are dropped every SWEEP_TTLS x ttl_s
         self._store: KVStore | None = None
         self._next_try = 0.0
         self._next_discover = 0.0
@@ -106,8 +108,12 @@ class StoreView:
         self._disk.update(seen[i] for i in disk_only)
         if start + run < len(hashes):
             self._absent[hashes[start + run]] = now + self.negative_ttl_s
-        if len(self._present) > 1_000_000 or len(self._absent) > 100_000:
+        if (now >= self._next_sweep or len(self._present) > 1_000_000
+                or len(self._absent) > 100_000):
             self._expire(now)
+            # answers live ttl_s: without a sweep the cache grows with every prefix ever
+            # seen (a soak's router: ~0.35 MiB per 1000 requests until the size bound)
+            self._next_sweep = now + SWEEP_TTLS * max(self.ttl_s, self.negative_ttl_s)
 
     def reset(self) -> None:
         """Forget cached answers (the block size changed, so hashes name other blocks)."""
@@ -118,6 +124,7 @@ class StoreView:
     def _expire(self, now: float) -> None:
         self._present = {h: e for h, e in self._present.items() if e >= now}
         self._absent = {h: e for h, e in self._absent.items() if e >= now}
+        self._disk &= self._present.keys()
         self._disk = {h for h in self._disk if h in self._present}
 
     # ---- store calls (worker thread) ----

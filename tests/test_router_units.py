@@ -348,3 +348,13 @@ def test_cli_reports_bad_input_clearly(tmp_path: Path, capsys: pytest.CaptureFix
     assert "ttft_ms" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["profile", "--url", "http://x", "--model", "m", "--out", "o", "--hits", "1.5"])
+
+
+def test_store_view_sweeps_expired_answers_so_its_memory_stays_bounded() -> None:
+    view = StoreView(None, "tiny", ttl_s=2.0, negative_ttl_s=0.5)
+    old = [bytes([i % 256, i // 256]) for i in range(5000)]
+    view.record(old, 0, 4999, now=0.0, disk_only=(1, 2, 3))
+    assert len(view._present) == 4999 and len(view._disk) == 3
+    view.record([b"new", b"next"], 0, 1, now=5 * 2.0 + 0.1)  # five TTLs later: a sweep
+    assert set(view._present) == {b"new"} and set(view._absent) == {b"next"}
+    assert not view._disk  # disk marks go with their answers
