@@ -103,7 +103,6 @@ def drop_tree(root: Path) -> None:
                 drop_pages(p)
             except OSError:
                 continue  # unlinked under us by the store
-    return None
 
 
 def disk_read_s(nbytes: int, where: Path, reps: int = 3) -> tuple[float, float]:

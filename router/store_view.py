@@ -124,7 +124,6 @@ class StoreView:
     def _expire(self, now: float) -> None:
         self._present = {h: e for h, e in self._present.items() if e >= now}
         self._absent = {h: e for h, e in self._absent.items() if e >= now}
-        self._disk &= self._present.keys()
         self._disk = {h for h in self._disk if h in self._present}
 
     # ---- store calls (worker thread) ----
