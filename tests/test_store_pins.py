@@ -17,6 +17,7 @@ import pytest
 
 from kvcentric.config import DiskConfig, StoreConfig
 from kvcentric.store import ERR_NO_SPACE, OK, KVStore, open_store
+from kvcentric.store.local import launcher
 
 MB = 1 << 20
 OBJ = 4 * MB  # the store (64 MiB) holds 16
@@ -91,6 +92,13 @@ def test_with_a_disk_tier_a_pinned_object_stays_readable(store_cfg: StoreConfig,
                                                          tmp_path: Path) -> None:
     cfg = replace(store_cfg, name=store_cfg.name + "d",
                   disk=DiskConfig(tmp_path / "disk", 512 * MB))
+    try:
+        _pinned_survives_with_disk(cfg)
+    finally:
+        launcher.stop(cfg)  # its own name: the store_cfg fixture stops only the other one
+
+
+def _pinned_survives_with_disk(cfg: StoreConfig) -> None:
     with open_store(cfg) as s:
         chain = [f"h{i}" for i in range(4)]
         assert commit(s, chain, pin_s=60, fill=9) == [OK] * 4
