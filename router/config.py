@@ -70,9 +70,13 @@ class InstanceSpec:
     no connector). ``kv_events``: the ZMQ endpoint the engine publishes KV cache events to
     (``tcp://127.0.0.1:PORT``: the engine connects and the router binds; ``ipc://...``:
     the engine binds and the router connects); ``None``: the router's own bookkeeping.
+    ``kv_events_replay``: the engine's replay endpoint (vLLM's ``replay_endpoint``, which
+    the engine binds; the router connects): a router (re)starting, or seeing batches lost,
+    asks it for the engine's buffered event batches, so that its residency view is rebuilt
+    from the engine instead of starting empty. Needs ``kv_events``.
     ``compute``: instances naming the same compute share one processor (several engines
-    on one GPU, or vLLM CPU engines bound to the same cores); their prefills queue one
-    behind another in the cost model instead of running side by side.
+    on one GPU, or vLLM CPU engines bound to the same cores); the cost model splits it
+    fairly between those with prefills to do instead of counting each at full speed.
     """
 
     url: str
@@ -80,6 +84,7 @@ class InstanceSpec:
     model: str | None = None
     name: str | None = None
     kv_events: str | None = None
+    kv_events_replay: str | None = None
     compute: str | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +102,13 @@ class InstanceSpec:
                                                and KV_EVENTS_RE.fullmatch(self.kv_events)):
             raise ValueError(f"kv_events {self.kv_events!r} must be tcp://HOST:PORT, "
                              "ipc:///path or inproc://name")
+        if self.kv_events_replay is not None:
+            if not (isinstance(self.kv_events_replay, str)
+                    and KV_EVENTS_RE.fullmatch(self.kv_events_replay)):
+                raise ValueError(f"kv_events_replay {self.kv_events_replay!r} must be "
+                                 "tcp://HOST:PORT, ipc:///path or inproc://name")
+            if self.kv_events is None:
+                raise ValueError("kv_events_replay needs kv_events (the live stream)")
         if self.compute is not None and not _NAME_RE.fullmatch(self.compute):
             raise ValueError(f"instance compute {self.compute!r} must match {_NAME_RE.pattern}")
 

@@ -15,8 +15,10 @@ is lowest, adding ``T_load(prompt − local_d)`` and one decode step. Pairs brea
 SLO are never chosen; if the best pair's TTFT breaks the TTFT SLO because of queueing the
 request is refused (HTTP 429 with ``Retry-After``: the time for the predicted queue to
 drain by the excess), unless ``slo.reject`` is off (then it is served, flagged
-``over_slo``). ``T_queue`` and the profile's correction are per processor: instances
-sharing one (``compute``) share them; ties go to the instance running fewer sequences.
+``over_slo``). ``T_queue`` is the instance's own queued prefill work plus what busy
+instances on the same processor (``compute``) take of it meanwhile (fair share, see
+:class:`router.instances.Processor`); the profile's correction is per processor; ties go
+to the instance running fewer sequences.
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -135,7 +137,7 @@ def prefill_cost(p: Instance, local: int, global_run: int, n_tokens: int,
     on_disk = on_disk_in(disk_only, local, stop)
     t_load = params.load_time_s(stop - local, on_disk)
     t_pre = params.profile.prefill_s(n_tokens, hit) * p.correction
-    return PrefillCost(p.name, local, p.queue_s(now), t_load, t_pre, on_disk)
+    return PrefillCost(p.name, local, p.queue_s(now, t_pre), t_load, t_pre, on_disk)
 
 
 def decode_cost(d: Instance, local: int, full_blocks: int, n_tokens: int,

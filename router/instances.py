@@ -23,9 +23,6 @@ from kvcentric.router.kv_events import EventListener, EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
 
 log = logging.getLogger("router.instances")
-# A prefill not seen finishing is assumed done after this many times its prediction: the
-# signal is missed for non-streamed single-instance requests, whose end is the whole answer.
-_STALE_FACTOR = 2.0
 
 
 @dataclass
@@ -40,46 +37,66 @@ class EngineStats:
 
 
 class Processor:
-    """What an instance computes on, as the cost model sees it: the prefills dispatched to
-    it and not yet seen finishing (FIFO, predicted compute seconds each), and the
-    correction of the profile's prefill times measured on it. Instances sharing a processor
-    (the same ``compute`` in their spec) share one: their prefills run one after another,
-    at one speed."""
+    """What instances compute on, as the cost model sees it: per member instance, the
+    prefills dispatched to it and not yet seen finishing (FIFO, predicted seconds of work
+    left each, as if alone on the processor), and the correction of the profile's prefill
+    times measured on it. Instances sharing a processor (the same ``compute`` in their
+    spec: several engines on one GPU, vLLM CPU engines bound to the same cores) share one,
+    modelled as fair share: each member runs its own prefills one after another, and the
+    members with work split the processor equally (egalitarian processor sharing), so a
+    prefill on an idle member is slowed by its busy peers but does not wait behind them.
+    A prefill not reported done leaves when its predicted work is done."""
 
     def __init__(self) -> None:
-        self._q: OrderedDict[str, float] = OrderedDict()
-        self._head_start = 0.0
+        self._queues: dict[str, OrderedDict[str, float]] = {}
+        self._t: float | None = None  # when the work left was last advanced
         self.correction = 1.0  # EWMA of actual / predicted prefill time
 
-    def __len__(self) -> int:
-        return len(self._q)
+    def pending(self, member: str) -> int:
+        return len(self._queues.get(member, ()))
 
-    def queue_s(self, now: float) -> float:
-        """Predicted seconds until a new prefill can start: the predicted work queued, less
-        the time already spent on it."""
-        q = self._q
-        while q:
-            rid, pred = next(iter(q.items()))
-            if now - self._head_start <= pred * _STALE_FACTOR:
-                break
-            del q[rid]
-            self._head_start += pred
-        if not q:
-            return 0.0
-        return max(0.0, sum(q.values()) - (now - self._head_start))
+    def _advance(self, now: float) -> None:
+        """Serve the work left up to ``now``: the busy members share the processor."""
+        dt = 0.0 if self._t is None else now - self._t
+        self._t = now if self._t is None else max(self._t, now)
+        while dt > 0:
+            busy = [q for q in self._queues.values() if q]
+            if not busy:
+                return
+            step = min(next(iter(q.values())) for q in busy)  # the first head to finish
+            if step * len(busy) > dt:
+                step = dt / len(busy)
+            dt -= step * len(busy)
+            for q in busy:
+                head = next(iter(q))
+                q[head] -= step
+                if q[head] <= 1e-9:
+                    del q[head]
 
-    def add(self, rid: str, pred_s: float, now: float) -> None:
-        if not self._q:
-            self._head_start = now
-        self._q[rid] = pred_s
+    def queue_s(self, member: str, now: float, work_s: float = 0.0) -> float:
+        """Predicted seconds ``member`` spends before ``work_s`` more seconds of its own
+        prefill are done, beyond ``work_s`` itself: its own backlog ``W`` plus, from each
+        peer with backlog ``W_j``, ``min(W_j, W + work_s)`` (the share the peer takes
+        while both run)."""
+        self._advance(now)
+        own = sum(self._queues.get(member, {}).values())
+        mine = own + work_s
+        return own + sum(min(sum(q.values()), mine)
+                         for m, q in self._queues.items() if m != member and q)
+
+    def add(self, member: str, rid: str, pred_s: float, now: float) -> None:
+        self._advance(now)
+        self._queues.setdefault(member, OrderedDict())[rid] = pred_s
 
     def done(self, rid: str, now: float) -> None:
-        if rid not in self._q:
-            return
-        head = next(iter(self._q))
-        del self._q[rid]
-        if rid == head:
-            self._head_start = now
+        self._advance(now)
+        for q in self._queues.values():
+            if q.pop(rid, None) is not None:
+                return
+
+    def drop(self, member: str) -> None:
+        """``member`` left: its queued work is no longer the processor's."""
+        self._queues.pop(member, None)
 
     def observe(self, predicted_s: float, actual_s: float, weight: float = 0.2) -> None:
         """Fold an observed prefill time into the correction factor (bounded 0.25..4)."""
@@ -106,19 +123,20 @@ class Instance:
         return str(self.spec.name)
 
     # ---- the processor: prefill queue (T_queue) and speed, shared on one compute ----
-    def queue_s(self, now: float) -> float:
-        """Predicted seconds until this instance's processor can start a new prefill."""
-        return self.proc.queue_s(now)
+    def queue_s(self, now: float, work_s: float = 0.0) -> float:
+        """Predicted seconds, beyond ``work_s`` itself, until ``work_s`` seconds of prefill
+        sent here now are done (its own queue, and busy peers on its processor)."""
+        return self.proc.queue_s(self.name, now, work_s)
 
     def enqueue(self, rid: str, pred_s: float, now: float) -> None:
-        self.proc.add(rid, pred_s, now)
+        self.proc.add(self.name, rid, pred_s, now)
 
     def prefill_done(self, rid: str, now: float) -> None:
         self.proc.done(rid, now)
 
     @property
     def queued(self) -> int:
-        return len(self.proc)
+        return self.proc.pending(self.name)
 
     @property
     def correction(self) -> float:
@@ -144,6 +162,8 @@ class Instance:
             "cache_blocks": index.capacity(self.slot),
             "residency": "kv_events" if self.listener else "bookkeeping",
             "kv_event_batches": self.listener.batches if self.listener else 0,
+            "kv_event_gaps": self.listener.gaps if self.listener else 0,
+            "kv_event_batches_replayed": self.listener.replayed if self.listener else 0,
             "correction": round(self.correction, 3),
         }
 
@@ -183,6 +203,7 @@ class Registry:
 
     def remove(self, name: str) -> Instance:
         inst = self._by_name.pop(name)
+        inst.proc.drop(name)
         self.index.drop_slot(inst.slot)
         if inst.listener is not None:
             inst.listener.close()

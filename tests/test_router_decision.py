@@ -107,17 +107,21 @@ def test_reject_off_serves_late_requests_best_effort() -> None:
         SloConfig(reject="no")  # type: ignore[arg-type]
 
 
-def test_instances_on_one_compute_share_their_prefill_queue() -> None:
+def test_instances_on_one_compute_share_it_fairly() -> None:
     reg = Registry(PrefixIndex(), 64)
     a, b, c = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute=g))
                for n, g in (("a", "gpu0"), ("b", "gpu0"), ("c", None)))
     a.enqueue("x", 1.0, now=0.0)
-    assert b.queue_s(0.5) == pytest.approx(0.5) and b.queued == 1
-    assert c.queue_s(0.5) == 0.0
-    # b holds the prefix, a and b share a processor busy for 1 s: c (idle) is cheaper
+    # b does not wait behind a's prefill, but shares the processor with it while both run
+    assert b.queue_s(0.5) == 0.0 and (a.queued, b.queued) == (1, 0)
+    assert b.queue_s(0.5, work_s=0.2) == pytest.approx(0.2)  # a takes as much meanwhile
+    assert b.queue_s(0.5, work_s=2.0) == pytest.approx(0.5)  # ... until its 0.5 s are done
+    assert a.queue_s(0.5, work_s=0.1) == pytest.approx(0.5)  # a's own queue is FIFO
+    assert c.queue_s(0.5, work_s=1.0) == 0.0
+    # b holds the prefix, but shares a processor busy for 1 s: c (idle) is cheaper
     d = choose([a, b, c], [a, b, c], {1: 4}, 0, N, PARAMS, SLO, now=0.0)
     assert isinstance(d, Decision) and d.prefill is c
-    b.prefill_done("x", now=0.2)  # the shared queue drains whichever instance reports
+    b.prefill_done("x", now=0.2)  # the processor drops the prefill whichever instance reports
     assert a.queue_s(0.2) == 0.0
     a.observe(1.0, 2.0)  # one processor, one speed
     assert a.correction == b.correction > 1.0 and c.correction == 1.0
@@ -133,6 +137,21 @@ def test_instances_on_one_compute_share_their_prefill_queue() -> None:
     assert isinstance(d, Decision) and d.prefill is b and d.load_blocks == 0
     with pytest.raises(ValueError, match="compute"):
         InstanceSpec(url="http://d:1", compute="bad name")
+
+
+def test_busy_instances_on_one_processor_progress_at_half_speed() -> None:
+    reg = Registry(PrefixIndex(), 64)
+    a, b = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute="cpu")) for n in "ab")
+    a.enqueue("x", 1.0, now=0.0)
+    b.enqueue("y", 3.0, now=0.0)
+    # both run at half speed: at t=1 each has done 0.5 s of work
+    assert a.queue_s(1.0) == pytest.approx(0.5 + 0.5)
+    # x ends at t=2 (1 s of work at half speed); y then runs alone: 2 s left at t=2
+    assert b.queue_s(2.0) == pytest.approx(2.0) and a.queued == 0
+    assert b.queue_s(4.0) == 0.0 and b.queued == 0  # predicted done, never reported
+    reg.remove("b")
+    a.enqueue("z", 1.0, now=4.0)
+    assert a.queue_s(4.5) == pytest.approx(0.5)
 
 
 def test_tbt_slo_steers_and_rejects() -> None:
