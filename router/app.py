@@ -89,9 +89,11 @@ class RouterState:
 
         inst.translator = tr
         # "tcp://*:PORT": the engine binds every interface; the router reaches it by its host
-        endpoint = spec.kv_events.replace("*", urlparse(spec.url).hostname or "127.0.0.1")
+        host = urlparse(spec.url).hostname or "127.0.0.1"
+        endpoint = spec.kv_events.replace("*", host)
+        replay = spec.kv_events_replay.replace("*", host) if spec.kv_events_replay else None
         inst.listener = EventListener(self.zmq_ctx, endpoint, on_events,
-                                      bind=router_binds(spec.kv_events))
+                                      bind=router_binds(spec.kv_events), replay=replay)
         self.tasks[f"events:{inst.name}"] = asyncio.get_running_loop().create_task(
             inst.listener.run())
 

@@ -16,6 +16,7 @@ means the router listens on loopback and every engine connects to it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,18 +167,27 @@ class EventListener:
     """Receives one engine's event stream and hands each batch's events to ``on_events``.
 
     Runs as an asyncio task on the router's loop (:meth:`run`); ``gaps`` counts batches
-    lost on the way (sequence jumps), after which residency may be stale until the LRU
-    or later events correct it. A malformed message (wrong frame count, not msgpack, events
-    of the wrong shape) is logged, counted in ``malformed`` and dropped: nothing a peer
-    sends stops the listener. ZMQ drops the connection of a peer sending a message over
-    ``MAX_MESSAGE_BYTES``.
+    lost on the way (sequence jumps). With a ``replay`` endpoint (vLLM's
+    ``replay_endpoint``: it keeps its last ``buffer_steps`` batches) the listener first
+    asks for every buffered batch, so a (re)started router rebuilds the engine's residency
+    instead of starting empty, and asks again from the last batch it has whenever it sees
+    a gap; live batches already applied from a replay are skipped (``duplicates``).
+    Without one, residency after a gap may be stale until the LRU or later events correct
+    it. A replay that does not answer within ``replay_timeout_s`` is abandoned and
+    counted in ``replay_failures``; routing goes on with what the live stream brings.
+    A malformed message (wrong frame count, not msgpack, events of the wrong shape) is
+    logged, counted in ``malformed`` and dropped: nothing a peer sends stops the listener.
+    ZMQ drops the connection of a peer sending a message over ``MAX_MESSAGE_BYTES``.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
                  on_events: Callable[[list[dict[str, Any]]], None],
-                 bind: bool | None = None) -> None:
-        """``bind``: bind (True) or connect (False); None decides by :func:`router_binds`."""
+                 bind: bool | None = None, replay: str | None = None,
+                 replay_timeout_s: float = 5.0) -> None:
+        """``bind``: bind (True) or connect (False); None decides by :func:`router_binds`.
+        ``replay``: the engine's replay endpoint (connected to), or None."""
         self.endpoint = endpoint
+        self._ctx = ctx
         self._on_events = on_events
         self._sock = ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -187,28 +197,92 @@ class EventListener:
             self._sock.bind(endpoint)
         else:
             self._sock.connect(endpoint)
+        self.replay_endpoint = replay
+        self.replay_timeout_s = replay_timeout_s
         self.batches = 0
         self.gaps = 0
         self.malformed = 0
+        self.replayed = 0  # batches applied from replays
+        self.replay_failures = 0
+        self.duplicates = 0  # live batches skipped: a replay had applied them
         self._last_seq: int | None = None
+        self._replayed: tuple[int, int] | None = None  # seq range the last replay applied
 
     async def run(self) -> None:
         try:
+            if self.replay_endpoint is not None:
+                await self.replay(0)
             while True:
                 frames = await self._sock.recv_multipart()
+                seq = _seq_of(frames)
+                if seq is not None and self._replayed is not None:
+                    lo, hi = self._replayed
+                    if lo <= seq <= hi:
+                        self.duplicates += 1
+                        continue
+                    self._replayed = None
+                if (seq is not None and self.replay_endpoint is not None
+                        and self._last_seq is not None and seq > self._last_seq + 1):
+                    await self.replay(self._last_seq + 1)
+                    if self._replayed is not None and seq <= self._replayed[1]:
+                        self.duplicates += 1
+                        continue
                 self._handle(frames)
         except zmq.ZMQError as exc:  # the socket was closed under us: the instance is gone
             log.debug("%s: listener stopped: %s", self.endpoint, exc)
         finally:
             self._sock.close(linger=0)
 
-    def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) != 3 or len(frames[1]) != 8:
+    async def replay(self, start: int) -> int:
+        """Ask the engine for its buffered batches from ``start`` on and apply them in
+        order; returns how many were applied. A fresh DEALER socket per replay: a late
+        answer to an abandoned one can never be mistaken for the next."""
+        assert self.replay_endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        applied = 0
+        first: int | None = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.replay_timeout_s
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                left = deadline - loop.time()
+                if left <= 0 or not await sock.poll(left * 1000):
+                    raise TimeoutError(f"no end of replay in {self.replay_timeout_s:g} s")
+                frames = await sock.recv_multipart()
+                if len(frames) != 4 or frames[0] != b"":
+                    raise ValueError(f"a replay answer of {len(frames)} frames")
+                if frames[2] == _END_SEQ:
+                    break
+                seq = _seq_of(frames[1:])
+                if self._handle(frames[1:]) and seq is not None:
+                    applied += 1
+                    first = seq if first is None else first
+        except (TimeoutError, ValueError, zmq.ZMQError) as exc:
+            self.replay_failures += 1
+            log.warning("%s: replay from %s abandoned after %d batches: %s", self.endpoint,
+                        self.replay_endpoint, applied, exc)
+        finally:
+            sock.close(linger=0)
+        self.replayed += applied
+        if first is not None and self._last_seq is not None:
+            self._replayed = (first, self._last_seq)
+        if applied:
+            log.info("%s: replayed %d event batches from %s", self.endpoint, applied,
+                     self.replay_endpoint)
+        return applied
+
+    def _handle(self, frames: list[bytes]) -> bool:
+        """Apply one ``(topic, seq, payload)`` message; False when it was dropped."""
+        seq = _seq_of(frames)
+        if seq is None:
             self.malformed += 1
             log.warning("%s: dropped a message of %d frames (want topic, u64 seq, payload)",
                         self.endpoint, len(frames))
-            return
-        seq = int.from_bytes(frames[1], "big")
+            return False
         if self._last_seq is not None and seq != self._last_seq + 1:
             self.gaps += 1
         self._last_seq = seq
@@ -219,8 +293,19 @@ class EventListener:
             self.malformed += 1
             log.warning("%s: dropped a malformed event batch: %s: %s", self.endpoint,
                         type(exc).__name__, exc)
-            return
+            return False
         self.batches += 1
+        return True
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+_END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+
+
+def _seq_of(frames: list[bytes]) -> int | None:
+    """The sequence number of a ``(topic, seq: u64 BE, payload)`` message, else None."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big")

@@ -37,6 +37,8 @@ INSTANCE = {"type": "object", "required": ["url"], "additionalProperties": False
     "model": {"type": ["string", "null"]},
     "name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
     "kv_events": {"type": ["string", "null"], "pattern": f"^({KV_EVENTS_RE.pattern})$"},
+    "kv_events_replay": {"type": ["string", "null"],
+                         "pattern": f"^({KV_EVENTS_RE.pattern})$"},
     "compute": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"}}}
 REASONS = {400: "Malformed request or a value out of bounds", 401: "Missing or invalid API key",
            403: "The key may not use this operation", 404: "Unknown model or instance",
