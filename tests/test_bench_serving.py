@@ -158,11 +158,12 @@ def _rec(sid: str, **kw: Any) -> RequestRecord:
 def test_metrics_match_hand_computed_values() -> None:
     recs = [
         _rec("a", success=True, status=200, prompt_len=100, ttft_s=0.1, latency_s=0.5,
-             output_tokens=5, itl_s=[0.05, 0.15, 0.1, 0.1], cached_tokens=64),
+             output_tokens=5, itl_s=[0.05, 0.15, 0.1, 0.1], cached_tokens=64,
+             predicted_ttft_s=0.15),
         _rec("b", success=True, status=200, prompt_len=200, ttft_s=0.3, latency_s=1.3,
-             output_tokens=11, itl_s=[0.1] * 10, cached_tokens=128),
+             output_tokens=11, itl_s=[0.1] * 10, cached_tokens=128, predicted_ttft_s=0.3),
         _rec("c", success=True, status=200, prompt_len=50, ttft_s=0.2, latency_s=0.2,
-             output_tokens=1),
+             output_tokens=1, predicted_ttft_s=0.01, retries=1),
         _rec("d", status=500, error="HTTP 500: boom"),
         _rec("e", status=429, error="HTTP 429: busy"),
     ]
@@ -184,6 +185,8 @@ def test_metrics_match_hand_computed_values() -> None:
     # goodput (TTFT <= 250 ms): a and c out of 5 sent, over 2 s
     assert s["good_requests"] == 2 and s["goodput"] == ap(1.0) and s["slo_attainment"] == ap(0.4)
     assert s["hit_tokens"] == 192 and s["hit_rate"] == ap(192 / 350)
+    # |actual - predicted| / actual: a 0.5, b 0; c was retried (its TTFT counts the wait)
+    assert s["predicted_requests"] == 2 and s["prediction_error_median"] == ap(0.25)
     both = summarize(recs, 2.0, slo_ttft_ms=250, slo_tpot_ms=50, hit_tokens=7.0)
     assert both["goodput"] == ap(0.5) and both["hit_tokens"] == 7.0  # only c: TPOT 0
     none = summarize(recs[3:], 1.0)
@@ -211,6 +214,7 @@ class _BusyThenServe(BaseHTTPRequestHandler):
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
+        self.send_header("x-kvc-predicted-ttft-ms", "12.5")
         self.end_headers()
         for text in ("a", "b"):
             self.wfile.write(b"data: " + json.dumps({"choices": [{"text": text}]}).encode()
@@ -245,6 +249,7 @@ def test_429_is_retried_after_retry_after(busy: int, retries: int, ok: bool) -> 
     if ok:
         assert rec.success and rec.status == 200 and text == "ab"
         assert rec.ttft_s >= 0.4 and rec.output_tokens == 2
+        assert rec.predicted_ttft_s == pytest.approx(0.0125)
     else:
         assert not rec.success and rec.rejected and text == ""
         assert "exceeds the SLO" in rec.error

@@ -98,6 +98,7 @@ async def _attempt(client: httpx.AsyncClient, base_url: str, api: Api, prompt: A
         async with client.stream("POST", base_url.rstrip("/") + ENDPOINTS[api.endpoint],
                                  json=api.body(prompt, rec.max_tokens)) as r:
             rec.status = r.status_code
+            rec.predicted_ttft_s = _predicted(r)
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_message(body)}"
@@ -119,6 +120,14 @@ async def _attempt(client: httpx.AsyncClient, base_url: str, api: Api, prompt: A
     rec.latency_s = time.perf_counter() - t0
     _finish(rec, st)
     return None, "".join(st.text)
+
+
+def _predicted(r: httpx.Response) -> float | None:
+    """The TTFT the kvcentric router predicted for this request (its response header)."""
+    try:
+        return float(r.headers["x-kvc-predicted-ttft-ms"]) / 1e3
+    except (KeyError, ValueError):
+        return None
 
 
 def _retry_after(r: httpx.Response) -> float:

@@ -44,6 +44,7 @@ class RequestRecord:
     server_prompt_tokens: int | None = None
     cached_tokens: int | None = None
     retries: int = 0  # 429s answered by waiting Retry-After and sending again
+    predicted_ttft_s: float | None = None  # the kvcentric router's prediction (its header)
 
     @property
     def rejected(self) -> bool:
@@ -76,6 +77,17 @@ def _reason(rec: RequestRecord) -> str:
     return rec.error.splitlines()[0][:160] if rec.error else f"HTTP {rec.status}"
 
 
+def prediction_error(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """|actual - predicted| / actual TTFT over the successful first tries the router
+    predicted (a retried request's TTFT counts its waits, which no prediction covers)."""
+    errs = [abs(r.ttft_s - r.predicted_ttft_s) / r.ttft_s for r in records
+            if r.predicted_ttft_s is not None and r.retries == 0 and r.ttft_s > 0]
+    arr = np.asarray(errs, dtype=float)
+    return {"predicted_requests": len(errs),
+            "prediction_error_median": float(np.median(arr)) if arr.size else None,
+            "prediction_error_p90": float(np.percentile(arr, 90)) if arr.size else None}
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: float,
               slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
               hit_tokens: float | None = None) -> dict[str, Any]:
@@ -101,6 +113,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         "total_token_throughput": (n_in + n_out) / duration_s,
     }
     out |= _stats("ttft", [r.ttft_s for r in ok])
+    out |= prediction_error(ok)
     out |= _stats("tpot", [r.tpot_s for r in ok if r.output_tokens > 1])
     out |= _stats("itl", [x for r in ok for x in r.itl_s])
     out |= _stats("e2e", [r.latency_s for r in ok])
@@ -138,6 +151,8 @@ def format_table(s: dict[str, Any], title: str = "Serving Benchmark Result") -> 
     row("Output token throughput (tok/s):", s["output_throughput"])
     row("Total token throughput (tok/s):", s["total_token_throughput"])
     row("Prefix cache hit tokens:", s["hit_tokens"], "{:<10.0f}")
+    if s.get("prediction_error_median") is not None:
+        row("Router TTFT prediction error, median:", s["prediction_error_median"], "{:<10.1%}")
     names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
              "itl": "Inter-token Latency", "e2e": "End-to-end Latency"}
     short = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2EL"}

@@ -50,8 +50,8 @@ def arm_table(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """Markdown lines: one row of headline metrics per bench_serving result."""
     head = ("| arm | TTFT mean (ms) | TTFT p50 | TTFT p90 | TTFT p99 | TPOT mean (ms) | "
             "goodput (req/s) | SLO met | req/s | output tok/s | hit tokens (engine / "
-            "external) | completed / failed / rejected |")
-    lines = [head, "|" + "---|" * 12]
+            "external) | completed / failed / rejected | TTFT prediction error (median) |")
+    lines = [head, "|" + "---|" * 13]
     for r in results:
         s, m = r["summary"], r["server_metrics"]
         lines.append(
@@ -60,7 +60,8 @@ def arm_table(results: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{fmt(s['goodput'], '.3f')} | {fmt(s['slo_attainment'], '.0%')} | "
             f"{fmt(s['request_throughput'], '.3f')} | {fmt(s['output_throughput'], '.1f')} | "
             f"{fmt(m['hit_tokens_local'])} / {fmt(m['hit_tokens_external'])} | "
-            f"{s['completed']} / {s['failed']} / {s['rejected']} |")
+            f"{s['completed']} / {s['failed']} / {s['rejected']} | "
+            f"{fmt(s.get('prediction_error_median'), '.0%')} |")
     return lines
 
 
@@ -107,7 +108,11 @@ def write(out_dir: Path, name: str, title: str, results: list[dict[str, Any]], b
     base = next(r for r in results if r["label"] == baseline)
     cmp = {"baseline": baseline, "ratios": {r["label"]: ratios(base, r) for r in results
                                             if r is not base}}
+    predicted = {r["label"]: r["summary"].get("prediction_error_median") for r in results
+                 if r["summary"].get("predicted_requests")}
     doc = {"comparison": name, "title": title, **extra, **cmp, "arms": results}
+    if predicted:  # the arms behind the kvcentric router: how good its TTFT predictions were
+        doc["summary"] = {"prediction_error_median": predicted}
     text = markdown(title, results, cmp, notes)
     figs = [results_writer.Figure("ttft_cdf", "TTFT CDF per arm",
                                   lambda p: plot.ttft_cdf(results, p, title)),
