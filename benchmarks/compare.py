@@ -3,6 +3,7 @@
     python benchmarks/compare.py reuse   [--quick] [--users N] [--turns N] ...
     python benchmarks/compare.py routing [--quick] ...
     python benchmarks/compare.py trace   [--quick] [--sample-sessions F] ...
+    python benchmarks/compare.py hotprefix [--quick] [--groups N] [--rate R] ...
 
 Each writes ``benchmarks/results/compare_<name>{_quick}.json`` (every arm's full result),
 ``.md`` (table and ratios over the baseline arm) and ``_ttft_cdf.png`` /
@@ -24,8 +25,11 @@ either instance computed, prompts and answers, is loadable by both).
 client-side round-robin, ``sglang-router`` ``round_robin`` and ``cache_aware``, and our
 router (cost profile fitted on the instances first; the benchmark's SLO as its admission
 SLO). ``trace``: the conversation trace, a seeded sample of whole conversations, scaled
-down in tokens and time, behind ``sglang-router`` ``cache_aware`` and our router. Store
-and engine prefix caches are emptied before every arm.
+down in tokens and time, behind ``sglang-router`` ``cache_aware`` and our router.
+``hotprefix``: one (or a few) long shared prefixes, many users' questions after it at a
+Poisson rate, behind round-robin, ``sglang-router`` ``cache_aware``, our router, and our
+router with hot-prefix replication. Store and engine prefix caches are emptied before
+every arm.
 """
 
 from __future__ import annotations
@@ -283,11 +287,58 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
                         args.cmdline)
 
 
+# ------------------------------------------------------------------------ hot prefix
+
+def hotprefix_args(ap: argparse.ArgumentParser) -> None:
+    common_args(ap)
+    ap.add_argument("--groups", type=int, default=1, help="hot shared prefixes")
+    ap.add_argument("--prompts", type=int, default=None, help="requests per prefix")
+    ap.add_argument("--system-len", type=int, default=3072)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=None, help="requests per second")
+
+
+HOTPREFIX_ARMS = [Arm("round-robin"), Arm("sglang-cache_aware", gateway="sglang:cache_aware"),
+                  OUR_ROUTER,
+                  Arm("kvcentric-replicate", gateway="kvcentric",
+                      gateway_opts={**OUR_ROUTER.gateway_opts, "replication": True})]
+
+
+def hotprefix(args: argparse.Namespace) -> dict[str, Any]:
+    """Hot shared prefix, many users: with and without hot-prefix replication."""
+    q = args.quick
+    spec = WorkloadSpec(workload="shared-prefix", seed=args.seed, num_groups=args.groups,
+                        prompts_per_group=args.prompts or (24 if q else 120),
+                        shared_system_prompt_len=args.system_len,
+                        turn_input_len=args.question_len, output_len=args.output_len,
+                        request_rate=args.rate or (1.0 if q else 1.5))
+    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    fspec = fleet_spec(args, model, args.system_len + args.question_len + args.output_len)
+    src = TokenSource(model)
+    workload = build(spec, src)
+    logs = Path(tempfile.mkdtemp(prefix="kvc-compare-hotprefix-"))
+    print(f"{workload.num_requests} requests over {spec.num_groups} prefixes; logs in {logs}")
+    t0 = time.monotonic()
+    results = behind_gateways(args, fspec, HOTPREFIX_ARMS, workload, src, "completions", logs)
+    notes = [f"Workload: {asdict(spec)}.",
+             fleet_note(fspec, args, "all arms on the same instances with the kvcentric "
+                        "connector over one local store, emptied before every arm"),
+             OUR_ROUTER_NOTE + " kvcentric-replicate: the same with `replication.enabled`.",
+             slo_note(args, t0)]
+    return report.write(RESULTS, "compare_hotprefix" + ("_quick" if q else "") + args.tag,
+                        "Hot shared prefix: routers, with and without hot-prefix replication",
+                        results, "round-robin",
+                        {"workload": asdict(spec), "fleet": asdict(fspec)}, notes,
+                        args.cmdline)
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], dict[str, Any]]]] = {
     "reuse": (multi_turn_args, reuse),
     "routing": (multi_turn_args, routing),
     "trace": (trace_args, trace),
+    "hotprefix": (hotprefix_args, hotprefix),
 }
 
 

@@ -39,6 +39,7 @@ from kvcentric.router.kv_events import EventListener, EventTranslator, router_bi
 from kvcentric.router.metrics import RouterMetrics
 from kvcentric.router.openapi import build_openapi
 from kvcentric.router.proxy import Proxy
+from kvcentric.router.replication import Replicator
 from kvcentric.router.scheduler import Conductor
 from kvcentric.router.store_view import StoreView
 from kvcentric.router.tokenize import PromptTokenizer
@@ -59,6 +60,7 @@ class RouterState:
     chat_model: type[BaseModel]
     transport: httpx.AsyncBaseTransport | None = None
     proxy: Proxy | None = None
+    replicator: Replicator | None = None
     client: httpx.AsyncClient | None = None
     zmq_ctx: zmq.asyncio.Context | None = None
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -159,10 +161,16 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
         state.zmq_ctx = zmq.asyncio.Context()
         for spec in cfg.instances:
             state.add_instance(spec)
-        state.tasks["health"] = asyncio.get_running_loop().create_task(state.health_loop())
+        loop = asyncio.get_running_loop()
+        state.tasks["health"] = loop.create_task(state.health_loop())
+        if cfg.replication.enabled:
+            state.replicator = Replicator(state.conductor, state.metrics, state.client)
+            state.tasks["replication"] = loop.create_task(state.replicator.run())
         try:
             yield
         finally:
+            if state.replicator is not None:
+                await state.replicator.close()
             for task in state.tasks.values():
                 task.cancel()
             await asyncio.gather(*state.tasks.values(), return_exceptions=True)
@@ -256,6 +264,8 @@ def _openai_routes(app: FastAPI, state: RouterState) -> None:
             body["cache_salt"] = salt  # the engines hash it into every block of the prompt
         hashes = state.conductor.hashes(tokens, salt)
         tail = state.conductor.tail(tokens, hashes, salt)
+        if state.replicator is not None:
+            state.replicator.observe(hashes, tokens, salt)
         # a router key is the router's business: never forwarded to the engines, which get
         # upstream.api_key when they check keys of their own
         forwarded = ("content-type", "accept", "x-request-id") if state.auth.enabled else \

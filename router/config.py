@@ -18,6 +18,7 @@ Example (``configs/router.yaml``)::
     store: {backend: local, name: default}
     keys: {block_size: 256, layout_sig: null}
     cost: {profile: profile.json, store_bandwidth_gbps: 5, disk_bandwidth_gbps: 2}
+    replication: {enabled: true, min_heat: 4, max_replicas: 4}
     auth: {api_keys: {sk-team-a: team-a}, admin_key: sk-admin}
     limits: {max_body_bytes: 4mb, max_prompt_tokens: 8192, max_tokens: 2048,
              max_concurrency_per_key: 64}
@@ -249,6 +250,37 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class ReplicationConfig:
+    """Hot-prefix replication (:mod:`router.replication`), off unless ``enabled``.
+
+    A prefix is hot from ``min_heat`` (its decayed request count, ``cache.heat_half_life_s``).
+    An idle instance is warmed with it when its predicted TTFT for the prefix's requests,
+    once it holds the prefix, beats the best holder's by more than ``min_gain`` (a
+    fraction). Bounds: ``max_inflight`` warm requests at a time, one started per
+    ``interval_s``, at most ``max_replicas`` holders per prefix, the ``top_prefixes``
+    hottest looked at, and one instance warmed with one prefix at most once per
+    ``cooldown_s`` (a replica the engine evicted is not kept warm)."""
+
+    enabled: bool = False
+    interval_s: float = 0.5
+    min_heat: float = 4.0
+    min_gain: float = 0.2
+    max_inflight: int = 1
+    max_replicas: int = 8
+    top_prefixes: int = 8
+    cooldown_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"replication.enabled must be true or false, got {self.enabled!r}")
+        _positive(self, "interval_s", "min_heat", "max_inflight", "max_replicas",
+                  "top_prefixes", "cooldown_s")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) \
+                or self.min_gain < 0:
+            raise ValueError(f"replication.min_gain must be >= 0, got {self.min_gain!r}")
+
+
+@dataclass(frozen=True)
 class AuthConfig:
     """Who may call the router.
 
@@ -334,6 +366,7 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     log_level: str = "info"
@@ -368,7 +401,8 @@ class RouterConfig:
         raw = dict(raw)
         for name, cls_ in (("slo", SloConfig), ("listen", ListenConfig), ("keys", KeysConfig),
                            ("cost", CostConfig), ("health", HealthConfig),
-                           ("upstream", UpstreamConfig), ("cache", CacheConfig)):
+                           ("upstream", UpstreamConfig), ("cache", CacheConfig),
+                           ("replication", ReplicationConfig)):
             raw[name] = _section(cls_, name, raw.get(name))
         insts = raw.get("instances") or []
         if not isinstance(insts, list):

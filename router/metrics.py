@@ -61,6 +61,9 @@ class RouterMetrics:
         self.decision_seconds = Histogram("kvc_router_decision_seconds", "Time to decide "
                                           "(hash, match, store view, cost model)",
                                           buckets=_DECISION_BUCKETS, registry=r)
+        self.warmups = Counter("kvc_router_warmups", "Hot-prefix warm-up requests sent to "
+                               "idle instances (replication), by result", ["result"],
+                               registry=r)
         r.register(_StateCollector(conductor))
 
     def observe_ttft(self, predicted_s: float, actual_s: float) -> None:

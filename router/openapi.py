@@ -39,7 +39,11 @@ INSTANCE = {"type": "object", "required": ["url"], "additionalProperties": False
     "kv_events": {"type": ["string", "null"], "pattern": f"^({KV_EVENTS_RE.pattern})$"},
     "kv_events_replay": {"type": ["string", "null"],
                          "pattern": f"^({KV_EVENTS_RE.pattern})$"},
-    "compute": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"}}}
+    "compute": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"}},
+    # a replay endpoint is asked only for what a live stream missed
+    "if": {"required": ["kv_events_replay"],
+           "properties": {"kv_events_replay": {"type": "string"}}},
+    "then": {"required": ["kv_events"], "properties": {"kv_events": {"type": "string"}}}}
 REASONS = {400: "Malformed request or a value out of bounds", 401: "Missing or invalid API key",
            403: "The key may not use this operation", 404: "Unknown model or instance",
            409: "An instance of that name exists, or the router cannot listen on its "
