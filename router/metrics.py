@@ -14,11 +14,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvcentric.router.decision import Decision
     from kvcentric.router.scheduler import Conductor
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _DECISION_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
+_ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0)
+TIERS = ("engine", "store_dram", "store_disk")
 TOP_PREFIXES = 10
 
 
@@ -49,12 +52,21 @@ class RouterMetrics:
         self.local_hit_tokens = Counter("kvc_router_predicted_local_hit_tokens", "Prompt "
                                         "tokens predicted resident on the chosen instance",
                                         ["instance"], registry=r)
+        self.tier_hits = Counter("kvc_router_predicted_hit_tokens_by_tier", "Prompt tokens "
+                                 "predicted reused, by where they come from: the chosen "
+                                 "engine's cache or the store's DRAM or disk tier", ["tier"],
+                                 registry=r)
+        for tier in TIERS:  # every tier exported from the start, 0 until it hits
+            self.tier_hits.labels(tier)
         self.ttft_predicted = Histogram("kvc_router_ttft_predicted_seconds", "Predicted TTFT",
                                         buckets=_TTFT_BUCKETS, registry=r)
         self.ttft_actual = Histogram("kvc_router_ttft_actual_seconds", "Measured TTFT "
                                      "(streamed requests)", buckets=_TTFT_BUCKETS, registry=r)
         self.ttft_ratio = Histogram("kvc_router_ttft_actual_over_predicted", "Measured / "
                                     "predicted TTFT", buckets=_RATIO_BUCKETS, registry=r)
+        self.ttft_error = Histogram("kvc_router_ttft_relative_error", "|measured - predicted| "
+                                    "/ measured TTFT (streamed requests)",
+                                    buckets=_ERROR_BUCKETS, registry=r)
         self.prefill_actual = Histogram("kvc_router_prefill_seconds", "Measured prefill "
                                         "calls (disaggregated)", buckets=_TTFT_BUCKETS,
                                         registry=r)
@@ -70,9 +82,27 @@ class RouterMetrics:
         self.ttft_actual.observe(actual_s)
         if predicted_s > 0:
             self.ttft_ratio.observe(actual_s / predicted_s)
+        if actual_s > 0:
+            self.ttft_error.observe(abs(actual_s - predicted_s) / actual_s)
+
+    def count_hits(self, engine: int, dram: int, disk: int) -> None:
+        """Count one decision's predicted hit tokens by tier (see :func:`hit_tiers`)."""
+        for tier, n in zip(TIERS, (engine, dram, disk)):
+            self.tier_hits.labels(tier).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def hit_tiers(d: Decision, n_tokens: int, block_size: int) -> tuple[int, int, int]:
+    """``d.hit_tokens`` split into (engine, store DRAM, store disk) tokens: the engine's
+    leading resident blocks first, the rest loaded from the store, ``d.load_on_disk``
+    objects of it from the disk tier. Each is >= 0 and they sum to ``d.hit_tokens`` (the
+    engine share is capped there too: a fully resident prompt still computes one token)."""
+    engine = min(d.local_blocks * block_size, n_tokens, d.hit_tokens)
+    store = max(d.hit_tokens - engine, 0)
+    disk = min(store, d.load_on_disk * block_size)
+    return engine, store - disk, disk
 
 
 class _StateCollector(Collector):
@@ -93,6 +123,8 @@ class _StateCollector(Collector):
                                          "through the router", labels=["instance"]),
             "running": GaugeMetricFamily("kvc_router_instance_running", "Engine's running "
                                          "requests (its /metrics)", labels=["instance"]),
+            "waiting": GaugeMetricFamily("kvc_router_instance_waiting", "Engine's waiting "
+                                         "requests (its /metrics)", labels=["instance"]),
             "kv": GaugeMetricFamily("kvc_router_instance_kv_usage", "Engine's KV cache "
                                     "usage (0..1)", labels=["instance"]),
             "resident": GaugeMetricFamily("kvc_router_instance_resident_blocks", "Blocks "
@@ -106,6 +138,7 @@ class _StateCollector(Collector):
             fams["queue"].add_metric([n], inst.queue_s(now))
             fams["decodes"].add_metric([n], float(inst.decodes))
             fams["running"].add_metric([n], inst.stats.running)
+            fams["waiting"].add_metric([n], inst.stats.waiting)
             fams["kv"].add_metric([n], inst.stats.kv_usage)
             fams["resident"].add_metric([n], float(c.index.resident(inst.slot)))
             fams["corr"].add_metric([n], inst.correction)

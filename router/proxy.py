@@ -29,7 +29,7 @@ from kvcentric.hashing import TailRef
 from kvcentric.router.decision import Decision, Rejection
 from kvcentric.router.errors import error_response
 from kvcentric.router.instances import Instance
-from kvcentric.router.metrics import RouterMetrics
+from kvcentric.router.metrics import RouterMetrics, hit_tiers
 from kvcentric.router.scheduler import Conductor
 
 log = logging.getLogger("router.proxy")
@@ -134,6 +134,7 @@ class Proxy:
         m.hit_tokens.labels(d.prefill.name).inc(d.hit_tokens)
         m.local_hit_tokens.labels(d.prefill.name).inc(
             min(d.local_blocks * self.c.params.block_size, n_tokens))
+        m.count_hits(*hit_tiers(d, n_tokens, self.c.params.block_size))
         if d.replicated:
             m.replications.inc()
         if d.over_slo:
