@@ -5,8 +5,8 @@ upstream HTTP client, one KV event listener per instance that publishes events, 
 health/metrics poll loop, and stops them on shutdown.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET/POST /instances``,
-``DELETE /instances/{name}``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /dashboard`` (a live HTML
+status page over ``/metrics``), ``GET/POST /instances``, ``DELETE /instances/{name}``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from kvcentric.router import instances as inst_mod
 from kvcentric.router.auth import CLIENT_SALT_MAX, SALT_MAX, Authenticator, Caller
 from kvcentric.router.config import InstanceSpec, RouterConfig
 from kvcentric.router.cost_model import Profile, kv_bytes_per_token
+from kvcentric.router.dashboard import dashboard_routes
 from kvcentric.router.errors import Refused, error_response
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
@@ -184,6 +185,7 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
     app.openapi = lambda: schema  # type: ignore[method-assign]
     _openai_routes(app, state)
     _admin_routes(app, state)
+    dashboard_routes(app, state)
     return app
 
 

@@ -3,8 +3,9 @@
 Request bodies come from :mod:`kvcentric.router.api_models` (the same models that
 validate requests) and from the instance spec's fields; every response the router can
 give is listed with its content type: the OpenAI error body for 4xx/5xx, JSON or
-``text/event-stream`` for completions, Prometheus text for ``/metrics``. With API keys
-configured, the OpenAI operations and the admin operations declare bearer security.
+``text/event-stream`` for completions, Prometheus text for ``/metrics``, HTML for
+``/dashboard``. With API keys configured, the OpenAI operations and the admin operations
+declare bearer security.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ def build_openapi(cfg: RouterConfig, completion: type[BaseModel],
     paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {"200": {
         "description": "Prometheus text format",
         "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
+    paths["/dashboard"] = {"get": {"summary": "Live status page (reads /metrics every 2 s)",
+                                   "responses": {"200": {
+                                       "description": "A self-contained HTML page",
+                                       "content": {"text/html": {"schema": {"type": "string"}}}}}}}
     admin: list[dict[str, list[str]]] = [{"bearer": []}] if cfg.auth.admin_key or \
         cfg.auth.enabled else []
     listing = {"type": "object", "required": ["instances"]}
