@@ -28,11 +28,13 @@ import numpy as np
 import pytest
 import yaml
 
+from benchmarks.dashboard_screenshot import PNG_MAGIC, chromium_path, dump_dom, screenshot
 from kvcentric.config import StoreConfig
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config, free_port, wait_http
+from tests.helpers.dashboard import check, read_page, scrape
 
 pytestmark = pytest.mark.vllm
 SLO_TTFT_MS = 1500
@@ -313,6 +315,41 @@ def test_tenants_never_share_kv_but_share_within_a_tenant(cluster: Cluster,
         assert hits(srv["b"], external=True) == ext and hits(srv["b"]) == local
         complete(url, "team-a").raise_for_status()  # same tenant on b: from the store
         assert hits(srv["b"], external=True) - ext >= 5 * BLOCK
+
+
+def test_dashboard_shows_what_metrics_says(cluster: Cluster, tmp_path: Path) -> None:
+    """The live page, rendered by headless Chromium over real traffic, shows the numbers
+    /metrics gives (tests/helpers/dashboard.py: counts exactly, the rest to the precision
+    shown). ``KVC_DASHBOARD_SCREENSHOT=PATH`` also writes the screenshot there (the
+    committed benchmarks/results/dashboard.png)."""
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed (make setup installs it)")
+    c = cluster
+    c.use(a="both", b="both")
+    for i in range(6):  # each prompt twice: the second lands where its prefix is
+        _complete(c.url, token_prompt(600 + i % 3, 2 * BLOCK + 40), stream=i % 2 == 1)
+    chat(c.url, [{"role": "user", "content": text(6)}])
+    last: dict[str, int] = {}
+    deadline = time.monotonic() + 10
+    while True:  # KV events trail the answers: wait until residency stops changing
+        now = {n: i["resident_blocks"] for n, i in c.instances().items()}
+        if now == last or time.monotonic() > deadline:
+            break
+        last = now
+        time.sleep(0.5)
+    page = read_page(dump_dom(c.url + "/dashboard"))
+    samples = scrape(httpx.get(c.url + "/metrics").text)  # no request in between
+    check(page, samples)
+    assert [r[:3] for r in page.rows["instances"]] == [["a", "both", "up"],
+                                                       ["b", "both", "up"]]
+    assert samples["kvc_router_ttft_actual_seconds_count"] >= 3
+    assert samples["kvc_router_predicted_hit_tokens_by_tier_total{tier=engine}"] >= 2 * BLOCK
+    outs = [tmp_path / "dashboard.png"]
+    if os.environ.get("KVC_DASHBOARD_SCREENSHOT"):
+        outs.append(Path(os.environ["KVC_DASHBOARD_SCREENSHOT"]))
+    for out in outs:
+        png = screenshot(c.url + "/dashboard", out).read_bytes()
+        assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
 
 def test_killing_an_instance_mid_run_keeps_requests_succeeding(cluster: Cluster) -> None:
