@@ -96,7 +96,8 @@ class RouterState:
         endpoint = spec.kv_events.replace("*", host)
         replay = spec.kv_events_replay.replace("*", host) if spec.kv_events_replay else None
         inst.listener = EventListener(self.zmq_ctx, endpoint, on_events,
-                                      bind=router_binds(spec.kv_events), replay=replay)
+                                      bind=router_binds(spec.kv_events), replay=replay,
+                                      ready=lambda: tr.block_bytes > 0)
         self.tasks[f"events:{inst.name}"] = asyncio.get_running_loop().create_task(
             inst.listener.run())
 

@@ -183,9 +183,13 @@ class EventListener:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
                  on_events: Callable[[list[dict[str, Any]]], None],
                  bind: bool | None = None, replay: str | None = None,
-                 replay_timeout_s: float = 5.0) -> None:
+                 replay_timeout_s: float = 5.0,
+                 ready: Callable[[], bool] | None = None) -> None:
         """``bind``: bind (True) or connect (False); None decides by :func:`router_binds`.
-        ``replay``: the engine's replay endpoint (connected to), or None."""
+        ``replay``: the engine's replay endpoint (connected to), or None. ``ready``: no
+        batch is received before it returns True (e.g. until the block size that names
+        our blocks is known: applied earlier, a replay would be skipped and wasted); live
+        batches wait in the socket meanwhile."""
         self.endpoint = endpoint
         self._ctx = ctx
         self._on_events = on_events
@@ -199,6 +203,7 @@ class EventListener:
             self._sock.connect(endpoint)
         self.replay_endpoint = replay
         self.replay_timeout_s = replay_timeout_s
+        self._ready = ready
         self.batches = 0
         self.gaps = 0
         self.malformed = 0
@@ -210,6 +215,8 @@ class EventListener:
 
     async def run(self) -> None:
         try:
+            while self._ready is not None and not self._ready():
+                await asyncio.sleep(0.05)
             if self.replay_endpoint is not None:
                 await self.replay(0)
             while True:

@@ -234,3 +234,31 @@ def test_a_replay_that_fails_is_abandoned_and_live_events_still_land(answer: str
             eng.close()
 
     asyncio.run(run())
+
+
+def test_no_replay_before_the_listener_is_ready() -> None:
+    """Until the router knows the block size, a replay would only be skipped: it waits."""
+    async def run() -> None:
+        eng = Engine()
+        eng.publish(0, live=False)
+        server = asyncio.get_running_loop().create_task(eng.serve())
+        seen = Residency()
+        ready = [False]
+        lctx = zmq.asyncio.Context()
+        lst = EventListener(lctx, eng.live, seen, bind=False, replay=eng.replay,
+                            ready=lambda: ready[0])
+        task = asyncio.get_running_loop().create_task(lst.run())
+        try:
+            await asyncio.sleep(0.3)
+            assert eng.requests == [] and lst.batches == 0
+            ready[0] = True
+            await until(lambda: lst.replayed == 1)
+            assert ours(tokens(0)) <= seen.blocks
+        finally:
+            task.cancel()
+            server.cancel()
+            await asyncio.gather(task, server, return_exceptions=True)
+            lctx.term()
+            eng.close()
+
+    asyncio.run(run())
