@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ import yaml
 
 from benchmarks.dashboard_screenshot import PNG_MAGIC, chromium_path, dump_dom, screenshot
 from kvcentric.config import StoreConfig
+from kvcentric.router.cost_model import Profile
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
@@ -47,16 +49,28 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
 class Cluster:
     servers: dict[str, VllmServer]
     events: dict[str, str]
+    replay: dict[str, str]
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
     store: dict[str, Any]
+    config: Path
 
     def spec(self, name: str, role: str) -> dict[str, Any]:
         s: dict[str, Any] = {"url": self.servers[name].url, "role": role, "name": name}
         if name in self.events:
             s["kv_events"] = self.events[name]
+            s["kv_events_replay"] = self.replay[name]
         return s
+
+    def kill_router(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def start_router(self, config: Path | None = None) -> None:
+        """Start the router (its own config, or ``config``: same port) and wait for it."""
+        self.proc = start_router(config or self.config, self.log)
+        wait_http(self.url + "/health", self.proc, self.log, 60)
 
     def use(self, **roles: str) -> None:
         """Make the router's instances exactly ``name=role, ...``."""
@@ -86,9 +100,16 @@ def token_prompt(seed: int, n: int) -> list[int]:
     return [rnd.randrange(4, 4000) for _ in range(n)]
 
 
-def _events_cfg(port: int) -> str:
+def _events_cfg(endpoint: str, replay: str) -> str:
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                       "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"})
+                       "endpoint": endpoint, "replay_endpoint": replay, "topic": "kv"})
+
+
+def start_router(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
+                             str(config), "--log-level", "debug"],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +117,12 @@ def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
     tmp = tmp_path_factory.mktemp("router-e2e")
     store = {"name": "router-e2e", "capacity": "512mb", "runtime_dir": str(runtime_dir)}
-    ev = {"a": f"tcp://127.0.0.1:{free_port()}", "b": f"tcp://127.0.0.1:{free_port()}"}
+    ev = {n: f"tcp://127.0.0.1:{free_port()}" for n in "ab"}
+    rp = {n: f"tcp://127.0.0.1:{free_port()}" for n in "ab"}  # the engines' replay buffers
     roles = {"a": "kv_both", "b": "kv_both", "p": "kv_producer", "d": "kv_consumer"}
     servers = {n: VllmServer(model, log_path=tmp / f"{n}.log",
                              kv_transfer=connector_config(store, role=r),
-                             args=["--kv-events-config", _events_cfg(int(ev[n].rsplit(":")[-1]))]
+                             args=["--kv-events-config", _events_cfg(ev[n], rp[n])]
                              if n in ev else ())
                for n, r in roles.items()}
     proc = None
@@ -117,7 +139,8 @@ def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         port = free_port()
         cfg = {"model": "tiny", "tokenizer": model, "listen": {"port": port},
                "instances": [{"url": servers[n].url, "role": "both", "name": n,
-                              "kv_events": ev[n]} for n in ("a", "b")],
+                              "kv_events": ev[n], "kv_events_replay": rp[n]}
+                             for n in ("a", "b")],
                "slo": {"ttft_ms": SLO_TTFT_MS, "tbt_ms": 1000}, "store": store,
                "cost": {"profile": str(profile), "store_bandwidth_gbps": 1.0,
                         "correct_with_actual": False},
@@ -125,15 +148,14 @@ def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                "upstream": {"timeout_s": 120}}
         (tmp / "router.yaml").write_text(yaml.safe_dump(cfg))
         log = tmp / "router.log"
-        proc = subprocess.Popen([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
-                                 str(tmp / "router.yaml"), "--log-level", "debug"],
-                                stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start_router(tmp / "router.yaml", log)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc, log, 60)
-        yield Cluster(servers, ev, url, proc, log, store)
+        cluster = Cluster(servers, ev, rp, url, proc, log, store, tmp / "router.yaml")
+        yield cluster
+        proc = cluster.proc  # the router a test restarted last
     finally:
-        if proc is not None:
+        if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
         for s in servers.values():
@@ -248,10 +270,15 @@ def test_overload_is_refused_with_429_not_timeouts(cluster: Cluster) -> None:
             "model": "tiny", "prompt": token_prompt(1000 + i, 3000), "max_tokens": 4})
         return r.status_code, time.perf_counter() - t0, r.headers.get("retry-after", "")
 
+    # enough prompts that the router's own profile predicts twice the SLO of queue on each
+    # of the two instances (a fast profile, fitted on an idle machine, must still see it)
+    prefill_s = Profile.load(c.config.parent / "profile.json").prefill_s(3000)
+    n = min(256, max(64, math.ceil(2 * 2 * SLO_TTFT_MS / 1000 / prefill_s) + 4))
+
     async def burst() -> list[tuple[int, float, str]]:
         async with httpx.AsyncClient(base_url=c.url, timeout=120,
-                                     limits=httpx.Limits(max_connections=100)) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
+                                     limits=httpx.Limits(max_connections=300)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(n)))
 
     t0 = time.perf_counter()
     res = asyncio.run(burst())
@@ -315,6 +342,59 @@ def test_tenants_never_share_kv_but_share_within_a_tenant(cluster: Cluster,
         assert hits(srv["b"], external=True) == ext and hits(srv["b"]) == local
         complete(url, "team-a").raise_for_status()  # same tenant on b: from the store
         assert hits(srv["b"], external=True) - ext >= 5 * BLOCK
+
+
+def _homes(url: str, prompts: list[list[int]]) -> list[str]:
+    """The prefill instance the router picks for each prompt, one after the other."""
+    out = []
+    for p in prompts:
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": p, "max_tokens": 2, "temperature": 0.0})
+        r.raise_for_status()
+        out.append(r.headers["x-kvc-prefill"])
+    return out
+
+
+def test_a_restarted_router_routes_by_prefix_at_once(cluster: Cluster) -> None:
+    """SIGKILL the router mid-run and restart it: replaying the engines' event buffers, it
+    sends every conversation back to the engine holding its prefix within seconds. The
+    same restart without the replay routes blind (the control: the test can fail)."""
+    c, srv = cluster, cluster.servers
+    c.use(a="both", b="both")
+    prompts = [token_prompt(900 + i, 3 * BLOCK + 17) for i in range(8)]
+    homes = ["ab"[i % 2] for i in range(8)]
+    before = {n: i["kv_event_batches"] for n, i in c.instances().items()}
+    for p, home in zip(prompts, homes):  # behind the router's back: only events tell it
+        _complete(srv[home].url, p, False)
+    deadline = time.monotonic() + 10
+    while any(i["kv_event_batches"] < before[n] + 4 for n, i in c.instances().items()):
+        assert time.monotonic() < deadline, "no KV events from the engines"
+        time.sleep(0.2)
+    follow = [p + token_prompt(950 + i, 40) for i, p in enumerate(prompts)]
+    assert _homes(c.url, follow[:2]) == homes[:2]  # before the kill: by prefix
+    blind = c.config.with_name("router-no-replay.yaml")
+    raw = yaml.safe_load(c.config.read_text())
+    for inst in raw["instances"]:
+        inst.pop("kv_events_replay")
+    blind.write_text(yaml.safe_dump(raw))
+    try:
+        c.kill_router()
+        c.start_router(blind)
+        assert _homes(c.url, follow[4:]) != homes[4:]  # no residency: ties go one way
+        c.kill_router()
+        t0 = time.monotonic()
+        c.start_router()
+        ready = time.monotonic() - t0
+        got = _homes(c.url, follow[:4])
+        routed = time.monotonic() - t0
+    finally:
+        if c.proc.poll() is not None:
+            c.start_router()
+    assert got == homes[:4], (got, homes)
+    inst = c.instances()
+    assert all(inst[n]["kv_event_batches_replayed"] > 0 for n in "ab"), inst
+    assert routed - ready <= 10.0, (ready, routed)
+    print(f"router restart: ready in {ready:.1f} s, prefix routing back after {routed:.1f} s")
 
 
 def test_dashboard_shows_what_metrics_says(cluster: Cluster, tmp_path: Path) -> None:
