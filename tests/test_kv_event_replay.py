@@ -5,8 +5,9 @@ before the router listens), and a raw engine-like peer for the gap and hostile c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -173,15 +174,28 @@ class Engine:
         self.ctx.term()
 
 
+@contextlib.asynccontextmanager
+async def listening(eng: Engine, seen: Residency, **kw: Any) -> AsyncIterator[EventListener]:
+    """``eng`` serving replays and a listener on it, both stopped on exit."""
+    server = asyncio.get_running_loop().create_task(eng.serve())
+    lctx = zmq.asyncio.Context()
+    lst = EventListener(lctx, eng.live, seen, bind=False, replay=eng.replay, **kw)
+    task = asyncio.get_running_loop().create_task(lst.run())
+    try:
+        yield lst
+        assert not task.done()
+    finally:
+        task.cancel()
+        server.cancel()
+        await asyncio.gather(task, server, return_exceptions=True)
+        lctx.term()
+        eng.close()
+
+
 def test_a_gap_in_the_live_stream_is_filled_from_the_replay() -> None:
     async def run() -> None:
-        eng = Engine()
-        server = asyncio.get_running_loop().create_task(eng.serve())
-        seen = Residency()
-        lctx = zmq.asyncio.Context()
-        lst = EventListener(lctx, eng.live, seen, bind=False, replay=eng.replay)
-        task = asyncio.get_running_loop().create_task(lst.run())
-        try:
+        eng, seen = Engine(), Residency()
+        async with listening(eng, seen) as lst:
             await until(lambda: eng.requests == [0])  # the start-up replay (empty buffer)
             for _ in range(200):  # a SUB misses what is sent before its connection is up
                 eng.publish(0)
@@ -198,12 +212,6 @@ def test_a_gap_in_the_live_stream_is_filled_from_the_replay() -> None:
             assert [h // 10 for h in seen.order][-4:] == [1, 2, 3, 4]  # in order, once each
             assert lst.duplicates == 1
             assert seen.blocks == set().union(*(ours(tokens(s)) for s in range(5)))
-        finally:
-            task.cancel()
-            server.cancel()
-            await asyncio.gather(task, server, return_exceptions=True)
-            lctx.term()
-            eng.close()
 
     asyncio.run(run())
 
@@ -211,27 +219,15 @@ def test_a_gap_in_the_live_stream_is_filled_from_the_replay() -> None:
 @pytest.mark.parametrize("answer", ["silent", "garbage"])
 def test_a_replay_that_fails_is_abandoned_and_live_events_still_land(answer: str) -> None:
     async def run() -> None:
-        eng = Engine(answer)
-        server = asyncio.get_running_loop().create_task(eng.serve())
-        seen = Residency()
-        lctx = zmq.asyncio.Context()
-        lst = EventListener(lctx, eng.live, seen, bind=False, replay=eng.replay,
-                            replay_timeout_s=0.5)
-        task = asyncio.get_running_loop().create_task(lst.run())
-        try:
+        eng, seen = Engine(answer), Residency()
+        async with listening(eng, seen, replay_timeout_s=0.5) as lst:
             await until(lambda: lst.replay_failures == 1)
             for _ in range(200):
                 eng.publish(0)
                 await asyncio.sleep(0.02)
                 if lst.batches:
                     break
-            assert ours(tokens(0)) <= seen.blocks and not task.done()
-        finally:
-            task.cancel()
-            server.cancel()
-            await asyncio.gather(task, server, return_exceptions=True)
-            lctx.term()
-            eng.close()
+            assert ours(tokens(0)) <= seen.blocks
 
     asyncio.run(run())
 
@@ -239,26 +235,13 @@ def test_a_replay_that_fails_is_abandoned_and_live_events_still_land(answer: str
 def test_no_replay_before_the_listener_is_ready() -> None:
     """Until the router knows the block size, a replay would only be skipped: it waits."""
     async def run() -> None:
-        eng = Engine()
+        eng, seen, ready = Engine(), Residency(), [False]
         eng.publish(0, live=False)
-        server = asyncio.get_running_loop().create_task(eng.serve())
-        seen = Residency()
-        ready = [False]
-        lctx = zmq.asyncio.Context()
-        lst = EventListener(lctx, eng.live, seen, bind=False, replay=eng.replay,
-                            ready=lambda: ready[0])
-        task = asyncio.get_running_loop().create_task(lst.run())
-        try:
+        async with listening(eng, seen, ready=lambda: ready[0]) as lst:
             await asyncio.sleep(0.3)
             assert eng.requests == [] and lst.batches == 0
             ready[0] = True
             await until(lambda: lst.replayed == 1)
             assert ours(tokens(0)) <= seen.blocks
-        finally:
-            task.cancel()
-            server.cancel()
-            await asyncio.gather(task, server, return_exceptions=True)
-            lctx.term()
-            eng.close()
 
     asyncio.run(run())

@@ -97,20 +97,14 @@ def test_an_idle_instance_is_warmed_when_the_holder_is_busy() -> None:
     clock[0] += 31.0
     a.enqueue("busy2", 2.0, clock[0])
     assert [w.target.name for w in rep.candidates(clock[0])] == ["c"]
-    c2, clock2 = conductor(max_replicas=1)
-    rep2 = Replicator(c2, RouterMetrics(c2))
-    hot(c2, rep2, "a")
-    a2 = c2.registry.get("a")
-    assert a2 is not None
-    a2.enqueue("busy", 2.0, clock2[0])
-    assert rep2.candidates(clock2[0]) == []
-    c3, clock3 = conductor(min_heat=50)
-    rep3 = Replicator(c3, RouterMetrics(c3))
-    hot(c3, rep3, "a")
-    a3 = c3.registry.get("a")
-    assert a3 is not None
-    a3.enqueue("busy", 2.0, clock3[0])
-    assert rep3.candidates(clock3[0]) == []
+    for bound in ({"max_replicas": 1}, {"min_heat": 50}):  # one holder is enough; not hot
+        c2, clock2 = conductor(**bound)
+        rep2 = Replicator(c2, RouterMetrics(c2))
+        hot(c2, rep2, "a")
+        a2 = c2.registry.get("a")
+        assert a2 is not None
+        a2.enqueue("busy", 2.0, clock2[0])
+        assert rep2.candidates(clock2[0]) == [], bound
 
 
 def test_the_app_warms_an_idle_instance_with_a_hot_prefix(tiny_dir: str,
