@@ -131,7 +131,8 @@ def main() -> None:
         for s in kvc:
             s.reset_prefix_cache()
         router, url = start_router(model, kvc, store, logs)
-        print(f"router at {url} (its /metrics and /instances show the decisions)", flush=True)
+        print(f"router at {url}: live status page {url}/dashboard (open it while the "
+              "conversation runs; /metrics and /instances show the decisions)", flush=True)
         arms["+ kvcentric router"] = conversation(
             lambda t, p: stream_completion(url, "bench", p, args.output_len, 300.0),
             args.turns, system, 2)
