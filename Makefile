@@ -64,6 +64,7 @@ compare: setup
 	$(BIN)/python benchmarks/compare.py reuse
 	$(BIN)/python benchmarks/compare.py routing
 	$(BIN)/python benchmarks/compare.py trace
+	$(BIN)/python benchmarks/compare.py hotprefix
 
 # Every JSON under benchmarks/results/ -> benchmarks/results/REPORT.md, and README's results
 # block (between <!-- results:begin --> and <!-- results:end -->). Reads files only: no setup.
