@@ -10,8 +10,9 @@ registered with CUDA, and measures in the same run:
 * ``pinned_copy``: one contiguous ``copy_`` of the same bytes between HBM and pinned host
   memory, each direction (what the page gather/scatter is compared with);
 * ``floor``: the best contiguous pinned copy of 1 GiB each way (the PCIe / C2C floor);
-* ``kernels``: pack/unpack of one layer's pages into pinned rows with Triton, per-page DMA
-  and torch (which one the worker picked is its measured choice);
+* ``kernels``: one layer's pages of the step between the cache and object-like pinned
+  rows: staged (gather in HBM, one DMA per object; what the worker runs, ``picked`` is its
+  measured device-side gather) against Triton, per-page DMA and torch page by page;
 * ``overlap``: a forward stand-in (matmuls per layer, waiting for each layer's load as
   vLLM does) with and without a step's loads running under it.
 
@@ -48,7 +49,8 @@ from kvcentric.connector.vllm.settings import ConnectorSettings  # noqa: E402
 from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec  # noqa: E402
 from kvcentric.connector.vllm.worker import KVCentricWorker  # noqa: E402
 from kvcentric.hashing import KeySpace  # noqa: E402
-from kvcentric.kernels.autotune import candidates, time_impls  # noqa: E402
+from kvcentric.kernels import explain_impl, pack_blocks, unpack_blocks  # noqa: E402
+from kvcentric.kernels.staged import staged_pack, staged_unpack  # noqa: E402
 from kvcentric.store import open_store  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.stored_layout import KVLayout  # noqa: E402
@@ -145,18 +147,62 @@ def best_copy(nbytes: int, repeats: int) -> dict[str, float]:
 
 
 def kernels(case: Case, repeats: int) -> dict[str, dict[str, float]]:
-    """GB/s of packing / unpacking one layer's pages into pinned rows, per impl."""
+    """GB/s of moving one layer's pages of the step between the cache and object-like
+    pinned host rows (``[objects, k * page_bytes]``, strided like objects in the arena):
+    ``staged`` (gather in HBM, one DMA per object: what the worker runs) against each
+    impl copying across PCIe page by page (``direct-<impl>``: k calls per layer)."""
     layer = case.src["l0"]
-    ids = torch.tensor([p for ps in case.pages for p in ps])
+    g, k = len(case.pages), len(case.pages[0])
     page_bytes = case.engine.geometry.page_bytes
-    rows = torch.empty((ids.numel(), page_bytes), dtype=torch.uint8, pin_memory=True)
-    impls = candidates(layer, ids, rows, case.block_dim)
-    out = {}
-    for direction, pack in (("pack", True), ("unpack", False)):
-        secs = time_impls(layer, ids, rows, block_dim=case.block_dim, pack=pack, impls=impls,
-                          repeats=repeats)
-        out[direction] = {k: round(ids.numel() * page_bytes / v / 1e9, 2) for k, v in secs.items()}
+    buf = torch.empty((g, 2 * k * page_bytes), dtype=torch.uint8, pin_memory=True)
+    host = buf[:, : k * page_bytes]
+    flat = torch.tensor([p for ps in case.pages for p in ps]).pin_memory()
+    by_page = flat.view(g, k).t().contiguous()
+    pages = host.view(g, k, page_bytes)
+    nbytes = g * k * page_bytes
+    moves: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {"staged": (
+        lambda: staged_pack(layer, flat, host, block_dim=case.block_dim),
+        lambda: staged_unpack(host, flat, layer, block_dim=case.block_dim))}
+    if "triton" in candidates(layer, flat[:1].cuda(), pages[:1, 0].cuda(), case.block_dim):
+        moves["staged-triton"] = (  # the validating generic kernel on the HBM side
+            lambda: staged_pack(layer, flat, host, block_dim=case.block_dim, impl="triton"),
+            lambda: staged_unpack(host, flat, layer, block_dim=case.block_dim, impl="triton"))
+    for impl in candidates(layer, by_page[0], pages[:, 0], case.block_dim):
+        moves[f"direct-{impl}"] = (
+            lambda i=impl: [pack_blocks(layer, by_page[j], pages[:, j], block_dim=case.block_dim,
+                                        impl=i) for j in range(k)],
+            lambda i=impl: [unpack_blocks(pages[:, j], by_page[j], layer,
+                                          block_dim=case.block_dim, impl=i) for j in range(k)])
+    out: dict[str, dict[str, float]] = {"pack": {}, "unpack": {}}
+    for name, (pack, unpack) in moves.items():
+        out["pack"][name] = round(nbytes / _best(pack, repeats) / 1e9, 2)
+        out["unpack"][name] = round(nbytes / _best(unpack, repeats) / 1e9, 2)
     return out
+
+
+def candidates(layer: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+               block_dim: int) -> list[str]:
+    """The impls that really run for these arguments (not a torch fallback)."""
+    out = []
+    for impl in ("triton", "dma", "torch"):
+        try:
+            if explain_impl(layer, ids, rows, block_dim=block_dim, impl=impl).name == impl:
+                out.append(impl)
+        except ValueError:  # e.g. triton without CUDA or the interpreter
+            continue
+    return out
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    """Best seconds of ``fn`` (device synchronised around it), after one warm-up."""
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
 
 
 def measure(case: Case, repeats: int) -> dict[str, Any]:

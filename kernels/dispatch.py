@@ -16,8 +16,11 @@ Implementations (``impl``):
 * ``"dma"``: :mod:`kvcentric.kernels.dma`, one ``copy_`` (``cudaMemcpyAsync``) per
   contiguous piece of a page: any devices;
 * ``"auto"``: Triton when the layers are on CUDA or ``TRITON_INTERPRET=1`` and
-  Triton is installed, torch otherwise. (Which of Triton and DMA is faster depends on the
-  shape: :mod:`kvcentric.kernels.autotune` measures it; the CUDA worker asks it once.)
+  Triton is installed, torch otherwise.
+
+These copy page by page. Between a CUDA layer and host objects, the connector uses
+:mod:`kvcentric.kernels.staged` instead (gather in HBM, one 2-D DMA per layer): page by
+page across PCIe is 5-30x slower there (``benchmarks/bench_gpu_path.py``).
 
 CUDA work is enqueued on the current stream and not synchronised; with
 pinned host rows the caller must synchronise before reading/reusing them.

@@ -1,10 +1,9 @@
 """Per-page copies: one ``copy_`` (on CUDA: one ``cudaMemcpyAsync``) per contiguous piece.
 
 The alternative to a gather kernel when pages are big: a DMA engine moves a contiguous
-page between HBM and pinned host memory at PCIe speed without occupying SMs, while a
-kernel reading host memory through UVA issues PCIe reads from the SMs. Which wins
-depends on the page size and count, so the worker measures both per shape
-(:mod:`kvcentric.kernels.autotune`).
+page between HBM and pinned host memory without occupying SMs, while a kernel reading
+host memory through UVA issues PCIe reads from the SMs. Each page still costs a launch;
+the connector's CUDA path moves whole object spans instead (:mod:`kvcentric.kernels.staged`).
 
 Arguments are validated by :mod:`kvcentric.kernels.dispatch`:
 

@@ -392,3 +392,17 @@ def test_triton_on_cpu_without_interpreter_is_rejected() -> None:
     with pytest.raises(ValueError, match="triton"):
         pack_blocks(layer, [0], torch.zeros(1, BS, D), impl="triton")
     assert explain_impl(layer, [0], torch.zeros(1, BS, D)).name == "torch"
+
+
+def test_staged_copies_need_a_cuda_layer() -> None:
+    from kvcentric.kernels.staged import staged_pack, staged_unpack
+
+    layer, bd = make_layer("nhd", torch.float32, "contig")
+    page_bytes = layer[0].numel() * layer.element_size()
+    host = torch.zeros((1, 2 * page_bytes), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="CUDA layer"):
+        staged_pack(layer, torch.tensor([0, 1]), host, block_dim=bd)
+    with pytest.raises(ValueError, match="CUDA layer"):
+        staged_unpack(host, torch.tensor([0, 1]), layer, block_dim=bd)
+    with pytest.raises(ValueError, match="uint8 CPU tensor"):
+        staged_pack(layer, torch.tensor([0, 1]), host.float(), block_dim=bd)

@@ -1,28 +1,34 @@
 """Order the worker's copies against the forward pass with CUDA streams and events.
 
-One dedicated *copy stream* per worker carries every pack and unpack; the *compute
-stream* is whatever stream is current when vLLM calls the connector's layer hooks.
+Two *copy lanes* (streams) per worker carry every pack and unpack, layers alternating
+between them, so that one layer's gather/scatter in HBM overlaps the previous layer's
+DMA across PCIe (one stream would run them back to back); the *compute stream* is
+whatever stream is current when vLLM calls the connector's layer hooks.
 
 Saves (after layer ``l``'s attention wrote its pages)::
 
-    compute: ... attn(l) --record e_l-->   attn(l+1) ...
-    copy:                  wait e_l -> pack(l) -> ... -> record s   (commit waits for s)
+    compute: ... attn(l) --record e_l-->   attn(l+1) --record e_l+1--> ...
+    lane l%2:              wait e_l -> pack(l)
+    lane (l+1)%2:                     wait e_l+1 -> pack(l+1)   ... -> record s (both lanes)
 
 Loads (before layer ``l``'s attention reads its pages)::
 
-    copy:    unpack(0) -> record l_0 -> unpack(1) -> record l_1 ...
+    lane 0:  unpack(0) -> record l_0      unpack(2) -> record l_2 ...
+    lane 1:        unpack(1) -> record l_1 ...
     compute: wait l_0 -> attn(0) -> wait l_1 -> attn(1) ...
 
 No host synchronisation on the hot path: the host waits only where host memory is
 involved -- before a read lease is released (its bytes are being DMA'd) and before saved
 objects are committed (their bytes must be complete). After the saves the compute stream
 waits for ``s``, so no later kernel can overwrite a page before its pack has read it.
+Scratch memory a lane allocates is reused only on that lane (the caching allocator is
+stream-ordered), so it outlives its copies.
 
 CUDA graphs: the layer hooks run in vLLM's attention ops, which piecewise CUDA graphs
 leave outside the captured graphs, so the events are recorded and waited eagerly; a full
 graph would capture them once and is not supported with the connector (enforce eager or
 piecewise). ``torch.cuda.stream`` is per thread, so the copy thread's unpacks go to the
-copy stream while the compute thread's current stream is untouched.
+copy lanes while the compute thread's current stream is untouched.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 
 
 class CopyOrdering:
-    """A copy stream on ``device`` and the events that order it (see module docstring).
+    """The copy lanes on ``device`` and the events that order them (module docstring).
 
     Load calls for one step: :meth:`begin_loads`, :meth:`run_load` per layer (any
     thread), :meth:`wait_layer` per layer (compute thread, after ``run_load`` returned
@@ -42,32 +48,41 @@ class CopyOrdering:
     of the step; the returned event is what a commit waits for.
     """
 
+    LANES = 2
+
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"CopyOrdering needs a CUDA device, got {device}")
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.lanes = [torch.cuda.Stream(device) for _ in range(self.LANES)]
         self._loaded: list[torch.cuda.Event | None] = []
+        self._saves = 0  # packs enqueued this step (picks the lane)
 
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
+
+    def _after_compute(self) -> None:
+        """Every lane waits for what the compute stream has enqueued so far."""
+        event = torch.cuda.Event()
+        event.record(self._compute())
+        for lane in self.lanes:
+            lane.wait_event(event)
 
     def begin_loads(self, num_layers: int) -> None:
         """Start a step's loads (compute thread): the unpacks run after everything the
         compute stream has enqueued so far, which may still read pages that vLLM freed
         and now hands to the loading requests."""
         self._loaded = [None] * num_layers
-        before = torch.cuda.Event()
-        before.record(self._compute())
-        self.stream.wait_event(before)
+        self._after_compute()
 
     def run_load(self, layer: int, enqueue: Callable[[], None]) -> None:
-        """Enqueue layer ``layer``'s unpack (``enqueue``) on the copy stream and record
-        its event. Runs on the copy thread once the layer's bytes are in host memory."""
-        with torch.cuda.stream(self.stream):
+        """Enqueue layer ``layer``'s unpack (``enqueue``) on its lane and record its
+        event. Runs on the copy thread once the layer's bytes are in host memory."""
+        lane = self.lanes[layer % self.LANES]
+        with torch.cuda.stream(lane):
             enqueue()
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(lane)
         self._loaded[layer] = event
 
     def wait_layer(self, layer: int) -> None:
@@ -85,17 +100,26 @@ class CopyOrdering:
         self._loaded = []
 
     def run_save(self, enqueue: Callable[[], None]) -> None:
-        """Enqueue a layer's pack (``enqueue``) on the copy stream after everything the
+        """Enqueue a layer's pack (``enqueue``) on the next lane, after everything the
         compute stream has enqueued so far (that layer's attention included)."""
+        lane = self.lanes[self._saves % self.LANES]
+        self._saves += 1
         written = torch.cuda.Event()
         written.record(self._compute())
-        self.stream.wait_event(written)
-        with torch.cuda.stream(self.stream):
+        lane.wait_event(written)
+        with torch.cuda.stream(lane):
             enqueue()
 
     def saves_enqueued(self) -> torch.cuda.Event:
-        """Event after every pack enqueued so far; later compute waits for it too."""
+        """Event after every pack enqueued so far (on every lane); later compute waits
+        for it too."""
+        self._saves = 0
+        first = self.lanes[0]
+        for lane in self.lanes[1:]:
+            done = torch.cuda.Event()
+            done.record(lane)
+            first.wait_event(done)
         packed = torch.cuda.Event()
-        packed.record(self.stream)
+        packed.record(first)
         self._compute().wait_event(packed)
         return packed

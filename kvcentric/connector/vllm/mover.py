@@ -11,7 +11,10 @@ bytes as FlashAttention), MLA's ``[num_blocks, block_size, 576]`` (0).
 Objects that sit at a constant stride in memory (the store usually allocates a batch
 back to back) form a *run*, viewed as one strided tensor ``[n, L, k, page_bytes]``, so a
 layer moves with ``k`` calls of :func:`kernels.pack_blocks` / :func:`kernels.unpack_blocks`
-per run rather than one per object.
+per run rather than one per object. With CUDA layers (``PageKernel.staged``) a layer of a
+run moves with one :func:`kernels.staged.staged_pack` / ``staged_unpack`` call instead:
+the pages are gathered in HBM and cross PCIe as one DMA per object (``[k, page_bytes]``
+is contiguous in an object).
 
 Memory: object pointers belong to the store (slots / leases) and must stay valid while a
 plan is used; the plan holds tensor views over them, never copies.
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcentric import kernels
+from kvcentric.kernels.staged import staged_pack, staged_unpack
 
 SKIP = -1  # a page id that must not be written (already computed by the engine)
 
@@ -33,14 +37,20 @@ SKIP = -1  # a page id that must not be written (already computed by the engine)
 @dataclass(frozen=True)
 class PageKernel:
     """How pages move: the layers' block dim and the kernel implementation per direction
-    (see :mod:`kvcentric.kernels.dispatch`; a CUDA worker measures which is fastest).
+    (see :mod:`kvcentric.kernels.dispatch`; on CUDA the HBM side of the staged copies).
     ``pin_ids``: keep the block-id tensors in pinned memory so moving them to the GPU
-    never synchronises the host."""
+    never synchronises the host. ``staged``: CUDA layers, host objects: move a layer's
+    pages through a device scratch (see the module docstring); the impls then name the
+    device-side gather/scatter. ``ids_device``: move a plan's block ids there once, when
+    the plan is made (on the current stream, which the copies are ordered after), rather
+    than once per layer."""
 
     block_dim: int = 0
     pack_impl: str = "auto"
     unpack_impl: str = "auto"
     pin_ids: bool = False
+    staged: bool = False
+    ids_device: torch.device | None = None
 
 
 def block_dim_of(kv_layer: torch.Tensor, page_bytes: int) -> int:
@@ -96,6 +106,39 @@ def find_runs(ptrs: Sequence[int], min_stride: int) -> list[tuple[int, int, int]
     return runs
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Objects at a constant stride: ``view`` ``[n, L, k, page_bytes]`` over their memory;
+    ``by_page`` ``[k, n]`` (row ``j``: page ``j`` of every object, contiguous for one
+    kernel call per page); ``flat_ids`` the non-SKIP ids object-major, and ``positions``
+    their places among the ``n * k`` pages (None when no page is SKIP)."""
+
+    view: torch.Tensor
+    by_page: torch.Tensor
+    masked: bool
+    flat_ids: torch.Tensor
+    positions: torch.Tensor | None
+
+    @classmethod
+    def of(cls, view: torch.Tensor, ids: torch.Tensor, kernel: PageKernel) -> _Run:
+        """``ids``: ``[n, k]`` engine block ids (SKIP allowed)."""
+        flat = ids.flatten()
+        keep = (flat != SKIP).nonzero().flatten()
+        masked = len(keep) < len(flat)
+        positions = keep if masked else None
+        if masked:
+            flat = flat[keep]
+        by_page, flat = ids.t().contiguous(), flat.contiguous()
+        if kernel.pin_ids:
+            by_page, flat = by_page.pin_memory(), flat.pin_memory()
+            positions = positions.pin_memory() if positions is not None else None
+        if kernel.ids_device is not None:
+            flat = flat.to(kernel.ids_device, non_blocking=True)
+            if positions is not None:
+                positions = positions.to(kernel.ids_device, non_blocking=True)
+        return cls(view, by_page, masked, flat, positions)
+
+
 class PagePlan:
     """Views and page ids for moving pages of a fixed set of objects.
 
@@ -115,38 +158,51 @@ class PagePlan:
             raise ValueError(f"every object has exactly {k} pages")
         self.geometry = geometry
         self.kernel = kernel
-        self._runs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        self._runs: list[_Run] = []
         size = geometry.object_bytes
         for start, end, stride in find_runs(ptrs, size):
             n = end - start
             mem = host_bytes(ptrs[start], (n - 1) * stride + size)
             view = mem.as_strided((n, geometry.num_layers, k, geometry.page_bytes),
                                   (stride, k * geometry.page_bytes, geometry.page_bytes, 1))
-            # [k, n]: row j holds page j of every object, contiguous for the kernels
             ids = torch.tensor([list(p) for p in page_ids[start:end]], dtype=torch.int64)
-            ids = ids.t().contiguous()
-            ids = ids.pin_memory() if kernel.pin_ids else ids
-            self._runs.append((view, ids, bool((ids == SKIP).any())))
+            self._runs.append(_Run.of(view, ids, kernel))
 
     def page_ids(self) -> list[int]:
         """Every engine block id this plan writes or reads (SKIP excluded)."""
-        return [int(p) for _, ids, _ in self._runs for p in ids.flatten() if int(p) != SKIP]
+        return [int(p) for run in self._runs for p in run.by_page.flatten() if int(p) != SKIP]
 
     @property
     def num_objects(self) -> int:
-        return sum(v.shape[0] for v, _, _ in self._runs)
+        return sum(run.view.shape[0] for run in self._runs)
 
     def pack_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
-        """Copy this layer's pages from ``kv_layer`` (blocks on dim 0) into the objects."""
-        for view, ids, masked in self._runs:
+        """Copy this layer's pages from ``kv_layer`` into the objects."""
+        k = self.kernel
+        for run in self._runs:
+            if k.staged and not run.masked:
+                staged_pack(kv_layer, run.flat_ids, run.view[:, layer].flatten(1),
+                            block_dim=k.block_dim, impl=k.pack_impl)
+                continue
             for j in range(self.geometry.pages_per_object):
-                self._move(view[:, layer, j], ids[j], kv_layer, masked, pack=True)
+                self._move(run.view[:, layer, j], run.by_page[j], kv_layer, run.masked,
+                           pack=True)
 
     def unpack_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
-        """Copy this layer's pages from the objects into ``kv_layer``."""
-        for view, ids, masked in self._runs:
+        """Copy this layer's pages from the objects into ``kv_layer`` (SKIP pages are
+        left alone)."""
+        k = self.kernel
+        for run in self._runs:
+            if k.staged and not len(run.flat_ids):
+                continue  # every page of the run is the engine's own
+            if k.staged:
+                staged_unpack(run.view[:, layer].flatten(1), run.flat_ids, kv_layer,
+                              block_dim=k.block_dim, impl=k.unpack_impl,
+                              positions=run.positions)
+                continue
             for j in range(self.geometry.pages_per_object):
-                self._move(view[:, layer, j], ids[j], kv_layer, masked, pack=False)
+                self._move(run.view[:, layer, j], run.by_page[j], kv_layer, run.masked,
+                           pack=False)
 
     def _move(self, rows: torch.Tensor, ids: torch.Tensor, kv_layer: torch.Tensor,
               masked: bool, pack: bool) -> None:

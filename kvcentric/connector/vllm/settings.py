@@ -53,11 +53,12 @@ class ConnectorSettings:
             the store for this long or until the decode's first read, so eviction pressure
             between save and load cannot turn the handoff into a recompute (0: no pins).
         copy_impl: how pages are copied (:mod:`kvcentric.kernels.dispatch`): ``"auto"``
-            (CPU: torch; CUDA: the fastest of Triton, per-page DMA and torch, measured
-            once at start-up on the engine's own layer), ``"torch"``, ``"triton"``, ``"dma"``.
+            (CPU: torch; CUDA: staged through HBM with torch index ops and one 2-D DMA
+            per layer, :mod:`kvcentric.kernels.staged`), ``"torch"``, ``"triton"``,
+            ``"dma"`` (on CUDA: the kernel that gathers/scatters in HBM).
         pin_host_memory: on a CUDA worker, register the store's host memory with CUDA so
-            copies run as DMA and the Triton kernels can address it (refusals are logged
-            and counted; the copies then go through the driver's staging).
+            copies run as asynchronous DMA (refusals are logged and counted; the copies
+            then go through the driver's staging, synchronously).
     """
 
     store: StoreConfig = field(default_factory=StoreConfig)
