@@ -1,12 +1,13 @@
 """Screenshot of a running router's ``/dashboard`` with headless Chromium.
 
     python benchmarks/dashboard_screenshot.py --url http://127.0.0.1:8000 \
-        [--out benchmarks/results/dashboard.png]
+        [--out benchmarks/results/dashboard.json]
 
-Refreshes the committed ``benchmarks/results/dashboard.png`` (take it after sending some
-traffic through the router, or the page shows zeros). ``tests/test_router_e2e.py`` writes
-the same screenshot from its populated cluster when ``KVC_DASHBOARD_SCREENSHOT`` names a
-path. The Chromium helpers here are shared with the dashboard tests.
+Refreshes the committed ``benchmarks/results/dashboard.json`` (the command and machine)
+and its figure ``dashboard_page.png`` (take it after sending some traffic through the
+router, or the page shows zeros). ``tests/test_router_e2e.py`` writes the same pair from
+its populated cluster when ``KVC_DASHBOARD_SCREENSHOT`` names the JSON path. The Chromium
+helpers here are shared with the dashboard tests.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import results_writer as rw  # noqa: E402
 
 # virtual time: timers run at once, but the page's fetches of /metrics are real; 5 s of
 # it covers the first render and two refreshes
@@ -60,14 +65,24 @@ def screenshot(url: str, out: Path, size: str = "1280,900") -> Path:
     return out
 
 
+def record(url: str, out: Path, size: str = "1280,900",
+           command: str | None = None) -> list[Path]:
+    """Write ``out`` (JSON: the page's URL, the command and machine) and its figure
+    ``<stem>_page.png``, the screenshot of ``url``'s ``/dashboard``."""
+    page = url.rstrip("/") + "/dashboard"
+    return rw.write(out, {"url": page, "window_size": size},
+                    figures=[rw.Figure("page", "the router's /dashboard, rendered by "
+                                       "headless Chromium", lambda p: screenshot(page, p, size))],
+                    command=command)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", required=True, help="the router's base URL")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/dashboard.png"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/dashboard.json"))
     ap.add_argument("--window-size", default="1280,900")
     args = ap.parse_args(argv)
-    path = screenshot(args.url.rstrip("/") + "/dashboard", args.out, args.window_size)
-    print(f"wrote {path} ({path.stat().st_size} bytes)")
+    record(args.url, args.out, args.window_size, rw.command_line(__file__, argv))
     return 0
 
 

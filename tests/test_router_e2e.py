@@ -29,7 +29,13 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks.dashboard_screenshot import PNG_MAGIC, chromium_path, dump_dom, screenshot
+from benchmarks.dashboard_screenshot import (
+    PNG_MAGIC,
+    chromium_path,
+    dump_dom,
+    record,
+    screenshot,
+)
 from kvcentric.config import StoreConfig
 from kvcentric.router.cost_model import Profile
 from kvcentric.store import OK, open_store
@@ -400,8 +406,8 @@ def test_a_restarted_router_routes_by_prefix_at_once(cluster: Cluster) -> None:
 def test_dashboard_shows_what_metrics_says(cluster: Cluster, tmp_path: Path) -> None:
     """The live page, rendered by headless Chromium over real traffic, shows the numbers
     /metrics gives (tests/helpers/dashboard.py: counts exactly, the rest to the precision
-    shown). ``KVC_DASHBOARD_SCREENSHOT=PATH`` also writes the screenshot there (the
-    committed benchmarks/results/dashboard.png)."""
+    shown). ``KVC_DASHBOARD_SCREENSHOT=PATH.json`` also records it there (the committed
+    benchmarks/results/dashboard.json and its dashboard_page.png)."""
     if chromium_path() is None:
         pytest.skip("chromium is not installed (make setup installs it)")
     c = cluster
@@ -424,12 +430,12 @@ def test_dashboard_shows_what_metrics_says(cluster: Cluster, tmp_path: Path) -> 
                                                        ["b", "both", "up"]]
     assert samples["kvc_router_ttft_actual_seconds_count"] >= 3
     assert samples["kvc_router_predicted_hit_tokens_by_tier_total{tier=engine}"] >= 2 * BLOCK
-    outs = [tmp_path / "dashboard.png"]
+    png = screenshot(c.url + "/dashboard", tmp_path / "dashboard.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
     if os.environ.get("KVC_DASHBOARD_SCREENSHOT"):
-        outs.append(Path(os.environ["KVC_DASHBOARD_SCREENSHOT"]))
-    for out in outs:
-        png = screenshot(c.url + "/dashboard", out).read_bytes()
-        assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+        record(c.url, Path(os.environ["KVC_DASHBOARD_SCREENSHOT"]),
+               command="KVC_DASHBOARD_SCREENSHOT=benchmarks/results/dashboard.json "
+               "python -m pytest tests/test_router_e2e.py -k dashboard")
 
 
 def test_killing_an_instance_mid_run_keeps_requests_succeeding(cluster: Cluster) -> None:
