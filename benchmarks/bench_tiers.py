@@ -54,7 +54,7 @@ from benchmarks import results_writer as rw  # noqa: E402
 from benchmarks.procfs import device_read_bytes, group_pids  # noqa: E402
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.store import OK, KVStore  # noqa: E402
-from kvcentric.store.local import launcher  # noqa: E402
+from kvcentric.store.local import disk_probe, launcher  # noqa: E402
 from kvcentric.store.local.client import LocalStore  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
 from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
@@ -64,7 +64,6 @@ RESULTS = Path(__file__).parent / "results"
 TIERS = ("miss", "engine", "dram", "disk")
 FLOOD_OBJECT = 4 << 20
 FLOOD_BATCH = 4
-CHUNK = 8 << 20
 PREFIX = "vllm:kvcentric_"  # the connector's counters: where a hit's time went
 
 
@@ -87,48 +86,13 @@ def memcpy_s(nbytes: int, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def drop_pages(path: Path) -> None:
-    """Evict ``path``'s clean pages from the page cache (its next read goes to the device)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def drop_tree(root: Path) -> None:
     for p in root.rglob("*"):
         if p.is_file():
             try:
-                drop_pages(p)
+                disk_probe.drop_pages(p)
             except OSError:
                 continue  # unlinked under us by the store
-
-
-def disk_read_s(nbytes: int, where: Path, reps: int = 3) -> tuple[float, float]:
-    """(median seconds, device bytes / file bytes) of a plain sequential read of a cold
-    ``nbytes`` file in ``where``: ``CHUNK``-sized ``preadv`` calls into one buffer."""
-    path = where / f"floor-{uuid.uuid4().hex[:8]}.bin"
-    buf = np.random.default_rng(0).integers(0, 256, nbytes, np.uint8)
-    with open(path, "wb") as f:
-        f.write(memoryview(buf))
-        f.flush()
-        os.fdatasync(f.fileno())
-    times, fetched = [], []
-    try:
-        for _ in range(reps):
-            drop_pages(path)
-            before = device_read_bytes([os.getpid()])
-            fd = os.open(path, os.O_RDONLY)
-            t0 = time.perf_counter()
-            for off in range(0, nbytes, CHUNK):
-                os.preadv(fd, [memoryview(buf)[off:off + CHUNK]], off)
-            times.append(time.perf_counter() - t0)
-            os.close(fd)
-            fetched.append((device_read_bytes([os.getpid()]) - before) / nbytes)
-    finally:
-        path.unlink()
-    return statistics.median(times), min(fetched)
 
 
 # ---- the store ----
@@ -248,7 +212,8 @@ def row_for(n: int, got: dict[str, list[dict[str, Any]]], problems: list[str], b
     """Medians per tier, the floors for the bytes the store hits loaded, and the ratios."""
     ms = {t: 1e3 * statistics.median(r["s"] for r in got[t]) for t in TIERS}
     loaded = int(statistics.median(r["connector_tokens"] for r in got["dram"])) * bpt
-    read_s, device_fraction = disk_read_s(loaded, disk_dir)
+    cold = disk_probe.cold_read(disk_dir, loaded)
+    read_s, device_fraction = cold.seconds, cold.device_fraction
     floor_dram = ms["engine"] + 1e3 * memcpy_s(loaded)
     floor_disk = ms["engine"] + 1e3 * read_s
     same = all(len({tuple(r["token"]) for r in (got[t][i] for t in TIERS)}) == 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvcentric.store.local import disk_probe
+
 
 def group_pids(pgid: int) -> list[int]:
     """Every live process in process group ``pgid`` (an engine and its children)."""
@@ -41,12 +43,4 @@ def device_read_bytes(pids: list[int]) -> int:
     """Bytes ``pids`` caused to be fetched from the storage layer (``/proc/PID/io``
     ``read_bytes``): page-cache hits do not count, so a read that found its pages cached
     adds nothing here."""
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-                if line.startswith("read_bytes:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total
+    return sum(disk_probe.device_read_bytes(pid) for pid in pids)

@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 
 def _ints(text: str) -> list[int]:
@@ -59,16 +60,22 @@ def _profile(args: argparse.Namespace) -> int:
     from kvcentric.router.profile import run_profile
 
     kvb = kv_bytes_per_token(args.model_dir, args.kv_dtype) if args.model_dir else None
+    if args.disk_path is not None and not args.disk_path.is_dir():
+        raise ValueError(f"--disk-path {args.disk_path} is not a directory")
     prof = run_profile(args.url, args.model, lengths=args.lengths, hits=args.hits,
                        repeats=args.repeats, page=args.page, kv_bytes_per_token=kvb,
-                       block_size=args.block_size or args.page, store_n=args.store_tokens)
+                       block_size=args.block_size or args.page, store_n=args.store_tokens,
+                       disk_path=args.disk_path, disk_probe_bytes=args.disk_probe_mib << 20)
     prof.save(args.out)
-    bw = (f"{prof.store_bandwidth_bps / 1e9:.2f} GB/s" if prof.store_bandwidth_bps
-          else "not measured")
     print(f"T_prefill(n, h) = {prof.a:.3e}·(n²−h²) + {prof.b:.3e}·(n−h) + {prof.c:.4f} s "
           f"(R² {prof.r2:.3f}, {len(prof.points)} points); TBT {prof.tbt_base_s * 1e3:.1f} ms "
-          f"+ {prof.tbt_per_seq_s * 1e3:.2f} ms/seq; store {bw} -> {args.out}")
+          f"+ {prof.tbt_per_seq_s * 1e3:.2f} ms/seq; store {_gbps(prof.store_bandwidth_bps)}, "
+          f"disk {_gbps(prof.disk_bandwidth_bps)} -> {args.out}")
     return 0
+
+
+def _gbps(bps: float | None) -> str:
+    return f"{bps / 1e9:.2f} GB/s" if bps else "not measured"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-dtype", default=None)
     p.add_argument("--store-tokens", type=int, default=0,
                    help="prompt length for the store bandwidth probe (0: skip)")
+    p.add_argument("--disk-path", type=Path, default=None,
+                   help="the local store's disk-tier directory: measure its cold-read "
+                        "bandwidth (the cost of disk-only blocks)")
+    p.add_argument("--disk-probe-mib", type=int, default=256,
+                   help="size of the disk probe's scratch file (MiB)")
     args = ap.parse_args(argv)
     import httpx
 

@@ -189,8 +189,9 @@ class CostConfig:
     ``None`` uses the conservative defaults of :class:`router.cost_model.Profile`.
     ``store_bandwidth_gbps``: measured read bandwidth of the store tier (GB/s, DRAM); a
     value in the profile overrides it. ``disk_bandwidth_gbps``: read bandwidth of the local
-    store's disk tier (GB/s) for blocks the store holds only on disk (configured, not
-    profiled). ``kv_bytes_per_token``: ``None`` derives it from the model's ``config.json``.
+    store's disk tier (GB/s) for blocks the store holds only on disk; the profile's
+    (``kvcentric-router profile --disk-path``) overrides it. ``kv_bytes_per_token``:
+    ``None`` derives it from the model's ``config.json``.
     """
 
     profile: str | None = None

@@ -34,7 +34,9 @@ class Profile:
 
     ``a`` (s/token²), ``b`` (s/token), ``c`` (s): the prefill fit. ``tbt_base_s`` and
     ``tbt_per_seq_s``: time per output token at batch size 1 and its growth per running
-    sequence. ``store_bandwidth_bps``: measured store read bandwidth (bytes/s) or ``None``.
+    sequence. ``store_bandwidth_bps``: measured store read bandwidth (bytes/s) or ``None``;
+    ``disk_bandwidth_bps``: measured cold-read bandwidth of the store's disk tier (bytes/s,
+    :mod:`kvcentric.store.local.disk_probe`) or ``None``.
     """
 
     a: float = 1e-9
@@ -43,6 +45,7 @@ class Profile:
     tbt_base_s: float = 0.02
     tbt_per_seq_s: float = 0.001
     store_bandwidth_bps: float | None = None
+    disk_bandwidth_bps: float | None = None
     model: str = ""
     r2: float | None = None
     points: tuple[tuple[int, int, float], ...] = field(default=(), compare=False)
@@ -52,8 +55,10 @@ class Profile:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v):
                 raise ValueError(f"profile.{name} must be a finite number >= 0, got {v!r}")
-        if self.store_bandwidth_bps is not None and self.store_bandwidth_bps <= 0:
-            raise ValueError("profile.store_bandwidth_bps must be > 0")
+        for name in ("store_bandwidth_bps", "disk_bandwidth_bps"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or not 0 < v < math.inf):
+                raise ValueError(f"profile.{name} must be > 0, got {v!r}")
 
     def prefill_s(self, n: int, hit: int = 0) -> float:
         """Predicted prefill time of an ``n``-token prompt whose first ``hit`` tokens are

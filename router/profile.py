@@ -11,20 +11,31 @@ Store bandwidth (optional, instances with the kvcentric connector): after a prom
 computed, ``/reset_prefix_cache`` (vLLM dev mode) drops it from the engine, so the next
 run loads it from the store; (T_store_hit − T_local_hit) over the bytes of its full blocks
 is the tier's effective bandwidth.
+
+Disk bandwidth (optional, a local store with a disk tier): engines cannot be made to read
+from the disk tier on demand, so :func:`disk_bandwidth` measures what bounds a disk hit,
+a cold sequential read on the tier's own file system
+(:func:`kvcentric.store.local.disk_probe.cold_read`), and records it only when the read
+really reached a block device (a tmpfs or page-cache read would promise memory speed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvcentric.router.cost_model import Profile, fit
+from kvcentric.store.local.disk_probe import cold_read
+
+log = logging.getLogger("kvcentric.router.profile")
 
 
 class Profiler:
@@ -106,10 +117,27 @@ class Profiler:
         self.client.close()
 
 
+MIN_DEVICE_FRACTION = 0.5  # of the probe's bytes fetched from the device, to count
+
+
+def disk_bandwidth(path: Path, nbytes: int, reps: int = 3) -> float | None:
+    """Cold-read bandwidth (bytes/s) of the disk tier's directory ``path``; None (with a
+    warning) when the read did not reach a block device. OSError when ``path`` is not a
+    writable directory with room for ``nbytes``."""
+    cold = cold_read(path, nbytes, reps=reps)
+    if cold.device_fraction < MIN_DEVICE_FRACTION:
+        log.warning("disk probe in %s read %.0f%% of its bytes from a device (tmpfs or "
+                    "cached?): disk bandwidth not recorded", path, cold.device_fraction * 100)
+        return None
+    return cold.bandwidth_bps
+
+
 def run_profile(url: str, model: str, *, lengths: Sequence[int], hits: Sequence[float],
                 repeats: int = 2, page: int = 128, kv_bytes_per_token: int | None = None,
-                block_size: int = 256, store_n: int = 0) -> Profile:
-    """Measure ``url`` and return the fitted profile (see the module docstring)."""
+                block_size: int = 256, store_n: int = 0, disk_path: Path | None = None,
+                disk_probe_bytes: int = 256 << 20) -> Profile:
+    """Measure ``url`` (and the disk tier at ``disk_path``) and return the fitted profile
+    (see the module docstring)."""
     prof = Profiler(url, model, page=page)
     try:
         points = prof.prefill_points(lengths, hits, repeats)
@@ -119,6 +147,7 @@ def run_profile(url: str, model: str, *, lengths: Sequence[int], hits: Sequence[
             bw = prof.store_bandwidth(store_n, kv_bytes_per_token, block_size, repeats)
     finally:
         prof.close()
+    disk = disk_bandwidth(disk_path, disk_probe_bytes, repeats) if disk_path else None
     extra: dict[str, Any] = {"model": model, "tbt_base_s": tbt_base, "tbt_per_seq_s": tbt_slope,
-                             "store_bandwidth_bps": bw}
+                             "store_bandwidth_bps": bw, "disk_bandwidth_bps": disk}
     return fit(points, **extra)

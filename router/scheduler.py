@@ -41,7 +41,7 @@ class Conductor:
         self.profile = profile
         self.kv_bytes_per_token = kv_bytes_per_token
         self.bandwidth = profile.store_bandwidth_bps or cfg.cost.store_bandwidth_gbps * 1e9
-        self.disk_bandwidth = cfg.cost.disk_bandwidth_gbps * 1e9
+        self.disk_bandwidth = profile.disk_bandwidth_bps or cfg.cost.disk_bandwidth_gbps * 1e9
         self.block_size: int | None = None
         # until the engines' page size is known, costs assume 256-token blocks; no prefix
         # is hashed, so no decision counts on a hit it cannot verify

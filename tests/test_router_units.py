@@ -16,12 +16,14 @@ import zmq.asyncio
 
 from kvcentric.config import DiskConfig, StoreConfig
 from kvcentric.hashing import KeySpace, TailRef, block_hashes, hash_seed
+from kvcentric.router import cli as router_cli
 from kvcentric.router.config import InstanceSpec, RouterConfig, load_config
 from kvcentric.router.cost_model import Profile, fit, kv_bytes_per_token
 from kvcentric.router.decision import Rejection
 from kvcentric.router.heat import PrefixHeat
 from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch, router_binds
 from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.profile import disk_bandwidth
 from kvcentric.router.scheduler import Conductor
 from kvcentric.router.store_view import StoreView
 from kvcentric.store import Residency, open_store
@@ -104,6 +106,33 @@ def test_profile_round_trip_and_validation(tmp_path: Path) -> None:
         Profile(a=-1.0)
     assert math.isinf(Profile().tbt_s(1, kv_usage=0.99))
     assert Profile(tbt_base_s=0.01, tbt_per_seq_s=0.002).tbt_s(6) == pytest.approx(0.02)
+    with_disk = fit([(100, 0, 0.1), (200, 0, 0.2), (400, 0, 0.4)], disk_bandwidth_bps=1.5e9)
+    with_disk.save(tmp_path / "d.json")
+    assert Profile.load(tmp_path / "d.json").disk_bandwidth_bps == 1.5e9
+    for bad in (0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="disk_bandwidth_bps must be > 0"):
+            Profile(disk_bandwidth_bps=bad)
+
+
+def test_disk_probe_counts_only_reads_that_reach_a_device(tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """tmpfs never reaches a device: no bandwidth is recorded (it would promise memory
+    speed for the disk tier); a block device gives a finite one, its file removed."""
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        with caplog.at_level("WARNING"):
+            assert disk_bandwidth(shm, 4 << 20, reps=1) is None
+        assert "not recorded" in caplog.text
+    bw = disk_bandwidth(tmp_path, 16 << 20, reps=2)
+    if bw is None:
+        pytest.skip("the test's tmp dir is not on a block device with I/O accounting")
+    assert 0 < bw < math.inf and not list(tmp_path.iterdir())
+
+
+def test_profile_command_refuses_a_missing_disk_path(capsys: pytest.CaptureFixture[str]) -> None:
+    code = router_cli.main(["profile", "--url", "http://127.0.0.1:9", "--model", "m",
+                            "--out", "/tmp/unused.json", "--disk-path", "/nonexistent/kvc"])
+    assert code == 2 and "not a directory" in capsys.readouterr().err
 
 
 def test_kv_bytes_per_token_from_config(tmp_path: Path) -> None:
@@ -320,6 +349,9 @@ def test_conductor_costs_store_blocks_by_their_tier(tmp_path: Path) -> None:
     assert loads[()] == pytest.approx(9 * obj / 1e9)
     assert loads[(2, 3, 8)] - loads[()] == pytest.approx(3 * obj * (1 / 0.25e9 - 1 / 1e9))
     assert view.queries == 0
+    # a profiled disk bandwidth overrides the configured one
+    profiled = Conductor(cfg, Profile(disk_bandwidth_bps=0.5e9), 4096, view, clock=lambda: 0.0)
+    assert profiled.disk_bandwidth == 0.5e9 and profiled.params.disk_bandwidth_bps == 0.5e9
     view.close()
 
 
