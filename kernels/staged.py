@@ -81,7 +81,7 @@ def _device_ids(ids: BlockIds, kv_layer: torch.Tensor) -> torch.Tensor:
     if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
         raise ValueError(f"block ids must be a 1-D int32/int64 tensor, got {ids.dtype} "
                          f"{tuple(ids.shape)}")
-    return ids.to(kv_layer.device, non_blocking=True)
+    return ids.to(kv_layer.device, torch.int64, non_blocking=True)  # index_copy_: int64
 
 
 def _typed_pair(kv_layer: torch.Tensor, scratch: torch.Tensor,

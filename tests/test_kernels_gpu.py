@@ -98,7 +98,7 @@ def object_rows(g: int, k: int, page_bytes: int, pinned: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("dma2d", [True, False], ids=["dma2d", "per-row"])
 @pytest.mark.parametrize("pinned", [True, False])
-@pytest.mark.parametrize("gpu_impl", ["torch", "triton"])
+@pytest.mark.parametrize("gpu_impl", ["auto", "torch", "triton"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_staged_round_trip_through_object_rows(layout: str, gpu_impl: str, pinned: bool,
                                                dma2d: bool,
@@ -111,7 +111,7 @@ def test_staged_round_trip_through_object_rows(layout: str, gpu_impl: str, pinne
     layer, bd = make_layer(layout, torch.bfloat16, "slice", device="cuda")
     original = layer.clone()
     page_bytes = layer.select(bd, 0).numel() * layer.element_size()
-    ids = torch.tensor([4, 0, 6, 2, 5, 1])  # 3 objects of 2 pages, out of order
+    ids = torch.tensor([4, 0, 6, 2, 5, 1], dtype=torch.int32)  # 3 objects of 2 pages
     host = object_rows(3, 2, page_bytes, pinned)
     staged_pack(layer, ids, host, block_dim=bd, impl=gpu_impl)
     torch.cuda.synchronize()
@@ -120,7 +120,7 @@ def test_staged_round_trip_through_object_rows(layout: str, gpu_impl: str, pinne
     assert torch.equal(host.as_strided((3, 2 * page_bytes), (host.stride(0), 1),
                                        2 * page_bytes), torch.full((3, 2 * page_bytes), 0xA5,
                                                                    dtype=torch.uint8))
-    layer.index_fill_(bd, ids.cuda(), 0)
+    layer.index_fill_(bd, ids.long().cuda(), 0)
     staged_unpack(host, ids, layer, block_dim=bd, impl=gpu_impl)
     torch.cuda.synchronize()
     assert same(layer, original)
