@@ -58,9 +58,15 @@ bench: setup
 	@for t in conversation synthetic; do f=../shared/traces/$${t}_trace.jsonl; \
 	  [ -f $$f ] && $(BIN)/python benchmarks/simulate_cluster.py --trace $$f --quick || true; done
 
-# Side-by-side comparisons (issue 7); sglang-router is the peer router, needed only here.
+# Side-by-side comparisons (issue 7); the peer routers are needed only here: sglang-router
+# in the venv, smg and vllm-router each in its own venv under .peers/ (their pins, as in
+# benchmarks/serving/gateways.py PEERS; their dependencies never touch $(VENV)).
 compare: setup
 	$(BIN)/pip install -q sglang-router==0.3.2
+	@[ -x .peers/smg/bin/python ] || $(PY) -m venv .peers/smg
+	.peers/smg/bin/pip install -q smg==1.13.0
+	@[ -x .peers/vllm-router/bin/python ] || $(PY) -m venv .peers/vllm-router
+	.peers/vllm-router/bin/pip install -q vllm-router==0.1.17
 	$(BIN)/python benchmarks/compare.py reuse
 	$(BIN)/python benchmarks/compare.py routing
 	$(BIN)/python benchmarks/compare.py trace

@@ -22,14 +22,15 @@ and ``kvcentric`` (our connector on both over one 2 GB local store: every full b
 either instance computed, prompts and answers, is loadable by both).
 
 ``routing``: the multi-turn workload on the same 2 instances (connector + store) behind
-client-side round-robin, ``sglang-router`` ``round_robin`` and ``cache_aware``, and our
-router (cost profile fitted on the instances first; the benchmark's SLO as its admission
-SLO). ``trace``: the conversation trace, a seeded sample of whole conversations, scaled
-down in tokens and time, behind ``sglang-router`` ``cache_aware`` and our router.
-``hotprefix``: one (or a few) long shared prefixes, many users' questions after it at a
-Poisson rate, behind round-robin, ``sglang-router`` ``cache_aware``, our router, and our
-router with hot-prefix replication. Store and engine prefix caches are emptied before
-every arm.
+client-side round-robin, ``sglang-router`` ``round_robin`` and ``cache_aware``, the other
+peer routers' cache-aware policies (the SGLang Model Gateway ``smg`` and ``vllm-router``,
+both ``cache_aware``, each run from its own venv under ``.peers/``), and our router (cost
+profile fitted on the instances first; the benchmark's SLO as its admission SLO).
+``trace``: the conversation trace, a seeded sample of whole conversations, scaled down in
+tokens and time, behind the three peers' ``cache_aware`` and our router. ``hotprefix``:
+one (or a few) long shared prefixes, many users' questions after it at a Poisson rate,
+behind round-robin, the three peers' ``cache_aware``, our router, and our router with
+hot-prefix replication. Store and engine prefix caches are emptied before every arm.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from benchmarks.serving.fleet import (  # noqa: E402
     pinned_threads_env,
     reset_caches,
 )
-from benchmarks.serving.gateways import gateway_for  # noqa: E402
+from benchmarks.serving.gateways import PEERS, gateway_for  # noqa: E402
 from benchmarks.serving.runner import RunConfig  # noqa: E402
 from benchmarks.serving.tokens import TokenSource  # noqa: E402
 from benchmarks.serving.workloads import Workload, WorkloadSpec, build  # noqa: E402
@@ -220,12 +221,23 @@ OUR_ROUTER = Arm("kvcentric-router", gateway="kvcentric",
 OUR_ROUTER_NOTE = ("kvcentric-router: instances on one `compute` (vLLM binds both to the same "
                    "cores), `slo.reject: false` (no 429s: a refused turn ends the user's "
                    "conversation); its cost profile is fitted on instance 0 first.")
+# The peer routers' cache-aware policies, each with its defaults otherwise.
+PEER_CACHE_AWARE = [Arm("sglang-cache_aware", gateway="sglang:cache_aware"),
+                    Arm("smg-cache_aware", gateway="smg:cache_aware"),
+                    Arm("vllm-router-cache_aware", gateway="vllm-router:cache_aware")]
+PEERS_NOTE = ("Peer routers, defaults but for the policy, every listener on 127.0.0.1: "
+              f"sglang-router (project venv), {', '.join(PEERS.values())} (each in its "
+              "own venv under .peers/); smg in HTTP mode with the model's folder as "
+              "`--tokenizer-path`; vllm-router's cache_aware first asks every instance for "
+              "`/v1/(chat/)completions/render` (vLLM answers 403 without "
+              "`--enable-scale-out`), then routes on the request text.")
 ROUTING_ARMS = [Arm("round-robin"), Arm("sglang-round_robin", gateway="sglang:round_robin"),
-                Arm("sglang-cache_aware", gateway="sglang:cache_aware"), OUR_ROUTER]
+                *PEER_CACHE_AWARE, OUR_ROUTER]
 
 
 def routing(args: argparse.Namespace) -> dict[str, Any]:
-    """Routing: round-robin, sglang-router (both policies), our router; same instances."""
+    """Routing: round-robin, the peer routers (sglang-router both policies, smg and
+    vllm-router cache_aware), our router; same instances."""
     q = args.quick
     spec = multi_turn_spec(args, 4 if q else 12, 3 if q else 4, 2.0 if q else 8.0,
                            0.5 if q else 0.15)
@@ -240,9 +252,9 @@ def routing(args: argparse.Namespace) -> dict[str, Any]:
              fleet_note(fspec, args, "all arms on the same instances, each with the "
                         "kvcentric connector over one local store, emptied (store and "
                         "engine prefix caches) before every arm"),
-             OUR_ROUTER_NOTE, slo_note(args, t0)]
+             OUR_ROUTER_NOTE, PEERS_NOTE, slo_note(args, t0)]
     return report.write(RESULTS, "compare_routing" + ("_quick" if q else "") + args.tag,
-                        "Routing: round-robin vs sglang-router vs kvcentric router",
+                        "Routing: round-robin vs peer routers vs kvcentric router",
                         results, "round-robin",
                         {"workload": asdict(spec), "fleet": asdict(fspec)}, notes,
                         args.cmdline)
@@ -261,7 +273,7 @@ def trace_args(ap: argparse.ArgumentParser) -> None:
 
 
 def trace(args: argparse.Namespace) -> dict[str, Any]:
-    """Trace replay (conversation trace, scaled): sglang-router cache_aware vs ours."""
+    """Trace replay (conversation trace, scaled): the peers' cache_aware vs ours."""
     q = args.quick
     spec = WorkloadSpec(workload="trace", seed=args.seed, trace=args.trace,
                         max_requests=2000 if q else args.max_requests,
@@ -273,15 +285,15 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     workload = build(spec, src)
     logs = Path(tempfile.mkdtemp(prefix="kvc-compare-trace-"))
     print(f"{workload.num_requests} requests, {workload.info}; logs in {logs}")
-    arms = [Arm("sglang-cache_aware", gateway="sglang:cache_aware"), OUR_ROUTER]
+    arms = [*PEER_CACHE_AWARE, OUR_ROUTER]
     t0 = time.monotonic()
     results = behind_gateways(args, fspec, arms, workload, src, "completions", logs)
     notes = [f"Workload: {asdict(spec)}; {workload.info}.",
-             fleet_note(fspec, args, "both arms on the same instances with the kvcentric "
+             fleet_note(fspec, args, "all arms on the same instances with the kvcentric "
                         "connector over one local store, emptied before every arm"),
-             OUR_ROUTER_NOTE, slo_note(args, t0)]
+             OUR_ROUTER_NOTE, PEERS_NOTE, slo_note(args, t0)]
     return report.write(RESULTS, "compare_trace" + ("_quick" if q else "") + args.tag,
-                        "Trace replay (conversation, scaled): sglang-router vs kvcentric",
+                        "Trace replay (conversation, scaled): peer routers vs kvcentric",
                         results, "sglang-cache_aware",
                         {"workload": asdict(spec), "fleet": asdict(fspec)}, notes,
                         args.cmdline)
@@ -299,8 +311,7 @@ def hotprefix_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate", type=float, default=None, help="requests per second")
 
 
-HOTPREFIX_ARMS = [Arm("round-robin"), Arm("sglang-cache_aware", gateway="sglang:cache_aware"),
-                  OUR_ROUTER,
+HOTPREFIX_ARMS = [Arm("round-robin"), *PEER_CACHE_AWARE, OUR_ROUTER,
                   Arm("kvcentric-replicate", gateway="kvcentric",
                       gateway_opts={**OUR_ROUTER.gateway_opts, "replication": True})]
 
@@ -325,7 +336,7 @@ def hotprefix(args: argparse.Namespace) -> dict[str, Any]:
              fleet_note(fspec, args, "all arms on the same instances with the kvcentric "
                         "connector over one local store, emptied before every arm"),
              OUR_ROUTER_NOTE + " kvcentric-replicate: the same with `replication.enabled`.",
-             slo_note(args, t0)]
+             PEERS_NOTE, slo_note(args, t0)]
     return report.write(RESULTS, "compare_hotprefix" + ("_quick" if q else "") + args.tag,
                         "Hot shared prefix: routers, with and without hot-prefix replication",
                         results, "round-robin",

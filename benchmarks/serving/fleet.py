@@ -27,8 +27,10 @@ class Arm:
 
     ``kv_transfer``: the instances' connector (None: no connector); ``store``: a local
     store the arm owns (stopped afterwards); ``gateway``: what sits in front of the
-    instances (``"client-rr"``: none, the client round-robins; ``"sglang:<policy>"``;
-    ``"kvcentric"``: our router, with ``gateway_opts`` for its config).
+    instances (``"client-rr"``: none, the client round-robins; ``"sglang:<policy>"``,
+    ``"smg:<policy>"``, ``"vllm-router:<policy>"``: a peer router, see
+    :mod:`benchmarks.serving.gateways`; ``"kvcentric"``: our router, with
+    ``gateway_opts`` for its config).
     """
 
     name: str

@@ -1,14 +1,29 @@
 """Routers in front of the instances, each its own process group on 127.0.0.1.
 
 - ``sglang:<policy>``: PyPI ``sglang-router`` (``cache_aware``, ``round_robin``, ...).
+- ``smg:<policy>``: the SGLang Model Gateway, PyPI ``smg`` (``cache_aware``,
+  ``round_robin``, ...), ``python -m smg.launch_router`` (= ``smg launch``) in HTTP mode.
+- ``vllm-router:<policy>``: PyPI ``vllm-router`` (``cache_aware``: its prefix tree over
+  the request text, ``round_robin``, ...; ``kv_aware`` would need the engines' ZMQ KV
+  events, which the instances here do not publish).
 - ``kvcentric``: our router (``python -m router.cli serve --config FILE``), configured
   for the instances, their store and the benchmark's SLO.
+
+``smg`` and ``vllm-router`` run from their own virtual environments,
+``.peers/<name>`` at the repository root, pinned in :data:`PEERS` (:func:`peer_python`
+makes one when it is missing; ``make compare`` does the same), so their dependencies
+never touch the project's. Every listener of every router is on 127.0.0.1: smg binds
+its router and its Prometheus listener to 0.0.0.0 unless told otherwise, and both peers
+open a Prometheus listener on port 29000 by default, so host and port are named here.
+Readiness: ``GET /workers`` lists the workers with ``is_healthy`` (smg answers before it
+has registered them, listing only those registered: the count must reach them all).
 
 :meth:`Gateway.stop` ends only the process group started here.
 """
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 import time
@@ -21,6 +36,11 @@ import httpx
 import yaml
 
 from kvcentric.testing.servers import free_port, stop_group
+
+# Peer routers with a virtual environment each, .peers/<name> (the Makefile's compare
+# target installs the same pins).
+PEERS = {"smg": "smg==1.13.0", "vllm-router": "vllm-router==0.1.17"}
+PEERS_DIR = Path(__file__).resolve().parents[2] / ".peers"
 
 
 @dataclass
@@ -54,7 +74,8 @@ class Gateway:
         if self.ready_count is None:
             return True
         entries = r.json().get(self.ready_count) or []
-        return sum(bool(e.get("healthy", True)) for e in entries) >= self.workers
+        return sum(bool(e.get("is_healthy", e.get("healthy", True)))
+                   for e in entries) >= self.workers
 
     def wait_ready(self, timeout_s: float = 120.0) -> Gateway:
         """Block until the router answers and knows every worker as healthy; raise if the
@@ -84,6 +105,73 @@ def sglang_router(policy: str, worker_urls: Sequence[str], logs: Path) -> Gatewa
            "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     return Gateway(f"sglang-router-{policy}", cmd, port, logs / f"sglang-{policy}.log",
+                   "/workers", "workers", len(worker_urls))
+
+
+def _installed(python: Path, dist: str) -> str | None:
+    """The version of ``dist`` that ``python`` imports, None if none (or no ``python``)."""
+    if not python.exists():
+        return None
+    r = subprocess.run([str(python), "-c", "import importlib.metadata as m, sys; "
+                        "print(m.version(sys.argv[1]))", dist],
+                       capture_output=True, text=True, timeout=60)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def peer_python(name: str, requirement: str | None = None) -> Path:
+    """The Python of peer router ``name``'s own virtual environment, ``.peers/<name>``,
+    made (and ``requirement``, by default ``PEERS[name]``, ``dist==version``, installed in
+    it) when missing or at another version. Raises RuntimeError with pip's last words when
+    that fails (offline, say)."""
+    req = requirement or PEERS[name]
+    dist, _, version = req.partition("==")
+    venv = PEERS_DIR / name
+    python = venv / "bin" / "python"
+    PEERS_DIR.mkdir(exist_ok=True)
+    with open(PEERS_DIR / f"{name}.lock", "w") as lock:  # one installer at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        have = _installed(python, dist)
+        if have is not None and (not version or have == version):
+            return python
+        steps = [] if python.exists() else [[sys.executable, "-m", "venv", str(venv)]]
+        steps.append([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                      req])
+        for cmd in steps:
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+            except subprocess.TimeoutExpired as e:
+                raise RuntimeError(f"cannot install {req} in {venv}: timed out") from e
+            if r.returncode != 0:
+                raise RuntimeError(f"cannot install {req} in {venv}: {' '.join(cmd[:4])} ... "
+                                   f"exited {r.returncode}: {(r.stderr or r.stdout)[-1500:]}")
+    return python
+
+
+def smg_router(policy: str, worker_urls: Sequence[str], logs: Path,
+               tokenizer: str | None = None) -> Gateway:
+    """The SGLang Model Gateway (``smg``, from ``.peers/smg``) with ``policy`` over
+    ``worker_urls``, HTTP mode; router and metrics on 127.0.0.1 (smg's defaults: 0.0.0.0).
+    HTTP-mode routing needs no tokenizer (cache_aware matches request text): it gets the
+    local folder ``tokenizer`` when there is one, else it loads none (never the Hub)."""
+    port = free_port()
+    cmd = [str(peer_python("smg")), "-m", "smg.launch_router", "--host", "127.0.0.1",
+           "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           *(["--tokenizer-path", tokenizer] if tokenizer else ["--disable-tokenizer-autoload"])]
+    return Gateway(f"smg-{policy}", cmd, port, logs / f"smg-{policy}.log",
+                   "/workers", "workers", len(worker_urls))
+
+
+def vllm_router(policy: str, worker_urls: Sequence[str], logs: Path) -> Gateway:
+    """``vllm-router`` (from ``.peers/vllm-router``) with ``policy`` over ``worker_urls``;
+    its Prometheus listener (on by default, port 29000) on a free port of 127.0.0.1. It
+    listens only once every worker answers ``/health``."""
+    port = free_port()
+    cmd = [str(peer_python("vllm-router")), "-m", "vllm_router.launch_router",
+           "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+           "--policy", policy, "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(free_port())]
+    return Gateway(f"vllm-router-{policy}", cmd, port, logs / f"vllm-router-{policy}.log",
                    "/workers", "workers", len(worker_urls))
 
 
@@ -117,6 +205,10 @@ def gateway_for(kind: str, worker_urls: Sequence[str], logs: Path,
         return None
     if kind.startswith("sglang:"):
         return sglang_router(kind.split(":", 1)[1], worker_urls, logs)
+    if kind.startswith("smg:"):
+        return smg_router(kind.split(":", 1)[1], worker_urls, logs, router_kw.get("tokenizer"))
+    if kind.startswith("vllm-router:"):
+        return vllm_router(kind.split(":", 1)[1], worker_urls, logs)
     if kind == "kvcentric":
         return kvcentric_router(worker_urls=worker_urls, logs=logs, **router_kw)
     raise ValueError(f"unknown gateway {kind!r}")
