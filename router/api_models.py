@@ -6,11 +6,14 @@ published OpenAPI schema (:mod:`kvcentric.router.openapi`) is generated from the
 client generator or a schema-driven fuzzer sees exactly what is enforced.
 
 Bounds come from the config: ``model`` must be the served name, ``max_tokens`` and
-``min_tokens`` at most ``limits.max_tokens``, a text prompt at most
-``limits.max_prompt_tokens // 4`` characters (a character is at most 4 byte-level
-tokens) and a token-id prompt at most ``limits.max_prompt_tokens`` ids below the
-tokenizer's vocabulary size. Fields not listed (vLLM's other sampling parameters, e.g.
-``logprobs``) pass through to the engine, which validates them.
+``min_tokens`` at most ``limits.max_tokens``, a token-id prompt at most
+``limits.max_prompt_tokens`` ids below the tokenizer's vocabulary size. Text (a prompt,
+each message) is bounded only by ``limits.max_body_bytes`` characters, which no body under
+the size limit can exceed: how many tokens a text makes depends on the tokenizer (one
+token may span many characters), so the prompt-token limit is checked exactly after
+tokenizing (:func:`kvcentric.router.limits.check_prompt`), never guessed from characters.
+A chat has at most ``MAX_MESSAGES`` messages. Fields not listed (vLLM's other sampling
+parameters, e.g. ``logprobs``) pass through to the engine, which validates them.
 
 Rules that keep every schema-valid body servable (:func:`normalize`): ``stream_options``
 is dropped when ``stream`` is not true (OpenAI: "only set this when you set stream");
@@ -35,7 +38,7 @@ from pydantic import (
 from kvcentric.router.config import LimitsConfig
 from kvcentric.router.errors import Refused
 
-MAX_TEXT_PROMPT_CHARS = 32768  # without a prompt-token limit
+MAX_MESSAGES = 4096  # a long agent loop's history; the body size bounds it too
 
 
 def _integral(value: Any) -> Any:
@@ -114,7 +117,7 @@ def _sampling(limits: LimitsConfig, salt_max: int) -> dict[str, Any]:
         "min_tokens": (int_top, None),
         "temperature": (Annotated[float, Field(ge=0, le=2)] | None, None),
         "top_p": (Annotated[float, Field(gt=0, le=1)] | None, None),
-        "top_k": (integer(ge=1, le=1000) | None, None),
+        "top_k": (integer(ge=-1) | None, None),  # vLLM: 0 or -1 disable it
         "n": (integer(ge=1, le=4), None),
         "seed": (integer(ge=0, le=2**31 - 1) | None, None),
         "presence_penalty": (Annotated[float, Field(ge=-2, le=2)] | None, None),
@@ -135,26 +138,25 @@ def completion_model(served: str, limits: LimitsConfig, vocab: int,
                      salt_max: int = 128) -> type[BaseModel]:
     """``POST /v1/completions`` body: ``prompt`` is text or token ids."""
     cap = limits.max_prompt_tokens
-    chars = cap // 4 if cap else MAX_TEXT_PROMPT_CHARS
     token_id = integer(ge=0, lt=vocab)
     ids = Annotated[list[token_id], Field(min_length=1, max_length=cap)]  # type: ignore[valid-type]
     fields: dict[str, Any] = {
         "model": (Literal[served] | None, None),  # type: ignore[valid-type]
-        "prompt": (Annotated[str, Field(min_length=1, max_length=max(chars, 1))] | ids, ...),
+        "prompt": (Annotated[str, Field(min_length=1, max_length=limits.max_body_bytes)]
+                   | ids, ...),
         **_sampling(limits, salt_max)}
     return create_model("CompletionRequest", __config__=ConfigDict(extra="allow"), **fields)
 
 
 def chat_model(served: str, limits: LimitsConfig, salt_max: int = 128) -> type[BaseModel]:
-    """``POST /v1/chat/completions`` body: up to 16 messages; text bounded like a prompt
-    (the bound covers all messages together, the template's markers aside)."""
-    cap = limits.max_prompt_tokens
-    chars = (cap // 4 if cap else MAX_TEXT_PROMPT_CHARS) // 16
+    """``POST /v1/chat/completions`` body: up to ``MAX_MESSAGES`` messages, each text
+    bounded like a prompt (the token limit applies to the rendered chat, after
+    tokenizing)."""
     top = limits.max_tokens
-    msg = message_type(max(chars - 64, 1))
+    msg = message_type(limits.max_body_bytes)
     fields: dict[str, Any] = {
         "model": (Literal[served] | None, None),  # type: ignore[valid-type]
-        "messages": (Annotated[list[msg], Field(min_length=1, max_length=16)], ...),  # type: ignore[valid-type]
+        "messages": (Annotated[list[msg], Field(min_length=1, max_length=MAX_MESSAGES)], ...),  # type: ignore[valid-type]
         "max_completion_tokens": (integer(ge=1, le=top) | None if top
                                   else integer(ge=1) | None, None),
         **_sampling(limits, salt_max)}

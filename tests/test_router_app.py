@@ -213,6 +213,30 @@ def test_chat_prefill_body_limits_completion_tokens(tiny_dir: str,
     run(make_cfg(tiny_dir, insts), tokenizer, ups, fn)
 
 
+def test_long_prompts_and_long_chats_pass_the_schema(tiny_dir: str,
+                                                     tokenizer: PromptTokenizer) -> None:
+    """Text is bounded by the body size, never by a guess of its tokens: a 12k-character
+    system prompt and a 60-message chat reach the engine (the schema once allowed 1984
+    characters per message and 16 messages: every long-context chat got a 400); top_k -1
+    (vLLM: disabled) is accepted. The token limit applies after tokenizing."""
+    ups = Upstreams()
+    system = "You are a careful assistant. " * 430  # ~12.5k characters
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+             for i in range(59)]
+
+    async def fn(c: httpx.AsyncClient) -> None:
+        body = {"model": "tiny", "max_tokens": 2, "top_k": -1,
+                "messages": [{"role": "system", "content": system}, *turns]}
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert ups.calls[-1][2]["messages"][0]["content"] == system
+        r = await c.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                                  "prompt": system})
+        assert r.status_code == 200, r.text
+
+    run(make_cfg(tiny_dir, TWO), tokenizer, ups, fn)
+
+
 def test_failed_instance_is_retried_elsewhere_and_taken_out(
         tiny_dir: str, tokenizer: PromptTokenizer) -> None:
     ups = Upstreams(fail={"a": httpx.ConnectError("refused")})
