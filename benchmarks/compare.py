@@ -21,16 +21,17 @@ one), users thinking between turns. Arms, one after the other on fresh instances
 and ``kvcentric`` (our connector on both over one 2 GB local store: every full block
 either instance computed, prompts and answers, is loadable by both).
 
-``routing``: the multi-turn workload on the same 2 instances (connector + store) behind
-client-side round-robin, ``sglang-router`` ``round_robin`` and ``cache_aware``, the other
-peer routers' cache-aware policies (the SGLang Model Gateway ``smg`` and ``vllm-router``,
-both ``cache_aware``, each run from its own venv under ``.peers/``), and our router (cost
-profile fitted on the instances first; the benchmark's SLO as its admission SLO).
-``trace``: the conversation trace, a seeded sample of whole conversations, scaled down in
-tokens and time, behind the three peers' ``cache_aware`` and our router. ``hotprefix``:
-one (or a few) long shared prefixes, many users' questions after it at a Poisson rate,
-behind round-robin, the three peers' ``cache_aware``, our router, and our router with
-hot-prefix replication. Store and engine prefix caches are emptied before every arm.
+``routing``, ``trace`` and ``hotprefix`` run their arms one after the other on the same 2
+instances (connector + one store; store and engine prefix caches emptied before every
+arm): client-side round-robin, the peer routers' ``cache_aware`` policies
+(``sglang-router``; the SGLang Model Gateway ``smg`` and ``vllm-router``, each from its
+own venv under ``.peers/``), and our router three ways (cost profile fitted on the
+instances first): ``kvcentric-router``, ``kvcentric-replicate`` (hot-prefix replication on)
+and ``kvcentric-admission`` (``slo.reject: true`` with the benchmark's SLO, clients
+retrying a 429 after its ``Retry-After``). ``routing``: the multi-turn workload (plus
+``sglang-router`` ``round_robin``). ``trace``: the conversation trace, a seeded sample of
+whole conversations, scaled down in tokens and time. ``hotprefix``: one (or a few) long
+shared prefixes, many users' questions after it at a Poisson rate.
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
                              **arm.gateway_opts)
             try:
                 base = [gw.start().wait_ready().url] if gw else urls
-                cfg = RunConfig(tuple(base), Api(SERVED_NAME, endpoint))
+                cfg = RunConfig(tuple(base), Api(SERVED_NAME, endpoint),
+                                retry_429=arm.retry_429)
                 res = benchmark(src, workload, cfg, args.slo_ttft_ms, args.slo_tpot_ms,
                                 metrics_urls=urls, label=arm.name)
             finally:
@@ -214,13 +216,23 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
 
 
 # Every instance here binds its worker threads to the same cores (vLLM's automatic binding
-# is per machine): our router is told they share one processor. Admission control is off:
-# the benchmark's users end their conversation on a refused turn, which no retry can help.
+# is per machine): our router is told they share one processor. Admission control is off
+# in the first arms (the benchmark's users end their conversation on a refused turn); the
+# admission arm's clients retry a 429 after its Retry-After, as the OpenAI SDK does.
 OUR_ROUTER = Arm("kvcentric-router", gateway="kvcentric",
                  gateway_opts={"compute": "host-cpu", "reject": False})
+OUR_ARMS = [OUR_ROUTER,
+            Arm("kvcentric-replicate", gateway="kvcentric",
+                gateway_opts={**OUR_ROUTER.gateway_opts, "replication": True}),
+            Arm("kvcentric-admission", gateway="kvcentric",
+                gateway_opts={**OUR_ROUTER.gateway_opts, "reject": True}, retry_429=4)]
 OUR_ROUTER_NOTE = ("kvcentric-router: instances on one `compute` (vLLM binds both to the same "
                    "cores), `slo.reject: false` (no 429s: a refused turn ends the user's "
-                   "conversation); its cost profile is fitted on instance 0 first.")
+                   "conversation); its cost profile is fitted on instance 0 first. "
+                   "kvcentric-replicate: the same with `replication.enabled` (hot prefixes "
+                   "warmed on idle instances). kvcentric-admission: `slo.reject: true`, the "
+                   "benchmark's SLO as the router's; its clients resend a 429 after its "
+                   "Retry-After up to 4 times, TTFT counting the waits.")
 # The peer routers' cache-aware policies, each with its defaults otherwise.
 PEER_CACHE_AWARE = [Arm("sglang-cache_aware", gateway="sglang:cache_aware"),
                     Arm("smg-cache_aware", gateway="smg:cache_aware"),
@@ -232,7 +244,7 @@ PEERS_NOTE = ("Peer routers, defaults but for the policy, every listener on 127.
               "`/v1/(chat/)completions/render` (vLLM answers 403 without "
               "`--enable-scale-out`), then routes on the request text.")
 ROUTING_ARMS = [Arm("round-robin"), Arm("sglang-round_robin", gateway="sglang:round_robin"),
-                *PEER_CACHE_AWARE, OUR_ROUTER]
+                *PEER_CACHE_AWARE, *OUR_ARMS]
 
 
 def routing(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,7 +297,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     workload = build(spec, src)
     logs = Path(tempfile.mkdtemp(prefix="kvc-compare-trace-"))
     print(f"{workload.num_requests} requests, {workload.info}; logs in {logs}")
-    arms = [*PEER_CACHE_AWARE, OUR_ROUTER]
+    arms = [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS]
     t0 = time.monotonic()
     results = behind_gateways(args, fspec, arms, workload, src, "completions", logs)
     notes = [f"Workload: {asdict(spec)}; {workload.info}.",
@@ -294,7 +306,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
              OUR_ROUTER_NOTE, PEERS_NOTE, slo_note(args, t0)]
     return report.write(RESULTS, "compare_trace" + ("_quick" if q else "") + args.tag,
                         "Trace replay (conversation, scaled): peer routers vs kvcentric",
-                        results, "sglang-cache_aware",
+                        results, "round-robin",
                         {"workload": asdict(spec), "fleet": asdict(fspec)}, notes,
                         args.cmdline)
 
@@ -311,9 +323,7 @@ def hotprefix_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate", type=float, default=None, help="requests per second")
 
 
-HOTPREFIX_ARMS = [Arm("round-robin"), *PEER_CACHE_AWARE, OUR_ROUTER,
-                  Arm("kvcentric-replicate", gateway="kvcentric",
-                      gateway_opts={**OUR_ROUTER.gateway_opts, "replication": True})]
+HOTPREFIX_ARMS = [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS]
 
 
 def hotprefix(args: argparse.Namespace) -> dict[str, Any]:
@@ -335,7 +345,7 @@ def hotprefix(args: argparse.Namespace) -> dict[str, Any]:
     notes = [f"Workload: {asdict(spec)}.",
              fleet_note(fspec, args, "all arms on the same instances with the kvcentric "
                         "connector over one local store, emptied before every arm"),
-             OUR_ROUTER_NOTE + " kvcentric-replicate: the same with `replication.enabled`.",
+             OUR_ROUTER_NOTE,
              PEERS_NOTE, slo_note(args, t0)]
     return report.write(RESULTS, "compare_hotprefix" + ("_quick" if q else "") + args.tag,
                         "Hot shared prefix: routers, with and without hot-prefix replication",

@@ -30,7 +30,8 @@ class Arm:
     instances (``"client-rr"``: none, the client round-robins; ``"sglang:<policy>"``,
     ``"smg:<policy>"``, ``"vllm-router:<policy>"``: a peer router, see
     :mod:`benchmarks.serving.gateways`; ``"kvcentric"``: our router, with
-    ``gateway_opts`` for its config).
+    ``gateway_opts`` for its config). ``retry_429``: the arm's clients resend a refused
+    request after its ``Retry-After``, up to this many times (TTFT counts the waits).
     """
 
     name: str
@@ -38,6 +39,7 @@ class Arm:
     store: dict[str, Any] | None = None
     gateway: str = "client-rr"
     gateway_opts: dict[str, Any] = field(default_factory=dict)
+    retry_429: int = 0
 
 
 @dataclass(frozen=True)
