@@ -55,6 +55,11 @@ class Processor:
     def pending(self, member: str) -> int:
         return len(self._queues.get(member, ()))
 
+    def idle(self, now: float) -> bool:
+        """No member has prefill work left: new work here slows nobody's."""
+        self._advance(now)
+        return not any(self._queues.values())
+
     def _advance(self, now: float) -> None:
         """Serve the work left up to ``now``: the busy members share the processor."""
         dt = 0.0 if self._t is None else now - self._t

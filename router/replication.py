@@ -14,7 +14,9 @@ it computes it) and its engine cache keeps it for the requests that follow.
 
 Bounds (:class:`router.config.ReplicationConfig`): warm requests in flight, one started
 per interval, holders per prefix, one warm-up per (prefix, instance) per cooldown. Warm
-requests go only to instances with nothing queued or waiting, are queued in the cost
+requests go only to instances with nothing waiting whose processor has nothing queued
+(on a processor shared with a busy engine a warm-up would slow that engine's prefills:
+measured on the CPU comparison, where both engines share the cores), are queued in the cost
 model like any prefill (so user requests are routed around them), and are counted in
 ``kvc_router_warmups``. Runs on the router's event loop.
 """
@@ -162,8 +164,10 @@ class Replicator:
         best_holder = min(ttft(h) for h in holders)
         best: tuple[float, Instance] | None = None
         for i in cands:
-            if (runs.get(i.slot, 0) >= held or i.name in self.inflight or i.queued
-                    or i.stats.waiting > 0
+            # idle capacity: nothing queued on the whole processor (a warm-up on an
+            # engine sharing cores or a GPU with a busy one would slow its prefills)
+            if (runs.get(i.slot, 0) >= held or i.name in self.inflight
+                    or not i.proc.idle(now) or i.stats.waiting > 0
                     or now - self._warmed.get((root, i.name), -1e18) < self.cfg.cooldown_s):
                 continue
             t = ttft(i)

@@ -50,14 +50,16 @@ def test_the_shared_prefix_is_what_every_request_of_a_root_had_in_common() -> No
     assert hp.get(root) is None and len(hp) == 2
 
 
-def conductor(**replication: Any) -> tuple[Conductor, list[float]]:
+def conductor(compute: dict[str, str] | None = None,
+              **replication: Any) -> tuple[Conductor, list[float]]:
     clock = [100.0]
     cfg = RouterConfig.from_dict({
         "model": "m", "tokenizer": "x", "keys": {"block_size": BS},
         "replication": {"enabled": True, "min_heat": 3, **replication}})
     c = Conductor(cfg, PROFILE, 1024, StoreView(None, "m"), clock=lambda: clock[0])
     for n in "abc":
-        c.registry.add(InstanceSpec(url=f"http://{n}:1", name=n))
+        c.registry.add(InstanceSpec(url=f"http://{n}:1", name=n,
+                                    compute=(compute or {}).get(n)))
     return c, clock
 
 
@@ -97,6 +99,14 @@ def test_an_idle_instance_is_warmed_when_the_holder_is_busy() -> None:
     clock[0] += 31.0
     a.enqueue("busy2", 2.0, clock[0])
     assert [w.target.name for w in rep.candidates(clock[0])] == ["c"]
+    # an instance sharing the busy holder's processor is no idle capacity
+    c3, clock3 = conductor(compute={"a": "gpu0", "c": "gpu0"})
+    rep3 = Replicator(c3, RouterMetrics(c3))
+    hot(c3, rep3, "a")
+    a3 = c3.registry.get("a")
+    assert a3 is not None
+    a3.enqueue("busy", 2.0, clock3[0])
+    assert [w.target.name for w in rep3.candidates(clock3[0])] == ["b"]
     for bound in ({"max_replicas": 1}, {"min_heat": 50}):  # one holder is enough; not hot
         c2, clock2 = conductor(**bound)
         rep2 = Replicator(c2, RouterMetrics(c2))
