@@ -9,7 +9,9 @@ Each writes ``benchmarks/results/compare_<name>{_quick}.json`` (every arm's full
 ``.md`` (table and ratios over the baseline arm) and ``_ttft_cdf.png`` /
 ``_throughput.png`` / ``_utilisation.png`` (each instance's load per arm, sampled from
 ``/metrics``). Instances: vLLM CPU with the ``bench`` model, worker threads pinned
-alike in every arm (``VLLM_CPU_NUM_OF_RESERVED_CPU``), each engine's own KV cache
+alike in every arm (``VLLM_CPU_NUM_OF_RESERVED_CPU``), each instance's worker on cores of
+its own (``--cores separate``, the default: separate processors, as engines on separate
+GPUs; ``shared``: vLLM's binding puts them on the same cores), each engine's own KV cache
 holding a fraction of the active users' histories (``--engine-cache-tokens``, default
 8192 tokens) as a GPU's HBM does in production (``0`` keeps vLLM's CPU default of 1 GiB,
 which holds every history here). Every instance is warmed up with one unrelated request.
@@ -61,6 +63,7 @@ from benchmarks.serving.fleet import (  # noqa: E402
     engine_cache_args,
     engine_cache_text,
     fleet,
+    own_cores_env,
     pinned_threads_env,
     reset_caches,
 )
@@ -83,6 +86,10 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=250.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
+    ap.add_argument("--cores", choices=("separate", "shared"), default="separate",
+                    help="each instance's worker on cores of its own (separate processors, "
+                         "as on separate GPUs) or vLLM's binding (every instance on the "
+                         "same cores)")
 
 
 def multi_turn_args(ap: argparse.ArgumentParser) -> None:
@@ -108,8 +115,16 @@ def multi_turn_spec(args: argparse.Namespace, users: int, turns: float, gap: flo
 
 
 def fleet_spec(args: argparse.Namespace, model: str, longest: int) -> FleetSpec:
+    own = own_cores_env(2) if args.cores == "separate" else ()
     return FleetSpec(model, max_model_len=(longest // 512 + 2) * 512, env=pinned_threads_env(),
-                     args=(*SERVER_ARGS, *engine_cache_args(args.engine_cache_tokens)))
+                     args=(*SERVER_ARGS, *engine_cache_args(args.engine_cache_tokens)),
+                     instance_env=own)
+
+
+def router_compute(args: argparse.Namespace) -> str | None:
+    """What our router is told the instances compute on: one shared processor when they
+    are bound to the same cores, else each its own."""
+    return "host-cpu" if args.cores == "shared" else None
 
 
 def multi_turn_fleet(args: argparse.Namespace, spec: WorkloadSpec) -> tuple[str, FleetSpec]:
@@ -123,7 +138,8 @@ def multi_turn_fleet(args: argparse.Namespace, spec: WorkloadSpec) -> tuple[str,
 
 def fleet_note(fspec: FleetSpec, args: argparse.Namespace, routing: str) -> str:
     return (f"Instances: {fspec.instances} x vLLM CPU, bench model ({fspec.dtype}), "
-            f"max_model_len {fspec.max_model_len}, env {fspec.env}, engine KV cache "
+            f"max_model_len {fspec.max_model_len}, env {fspec.env}, per instance "
+            f"{list(fspec.instance_env) or 'the same cores'}, engine KV cache "
             f"{engine_cache_text(args.engine_cache_tokens)}; {routing}.")
 
 
@@ -201,7 +217,7 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
             gw = gateway_for(arm.gateway, urls, logs, model=SERVED_NAME, tokenizer=fspec.model,
                              store=store, slo_ttft_ms=args.slo_ttft_ms,
                              slo_tpot_ms=args.slo_tpot_ms, profile=profile, dtype=fspec.dtype,
-                             **arm.gateway_opts)
+                             compute=router_compute(args), **arm.gateway_opts)
             try:
                 base = [gw.start().wait_ready().url] if gw else urls
                 cfg = RunConfig(tuple(base), Api(SERVED_NAME, endpoint),
@@ -215,20 +231,19 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
     return results
 
 
-# Every instance here binds its worker threads to the same cores (vLLM's automatic binding
-# is per machine): our router is told they share one processor. Admission control is off
-# in the first arms (the benchmark's users end their conversation on a refused turn); the
-# admission arm's clients retry a 429 after its Retry-After, as the OpenAI SDK does.
-OUR_ROUTER = Arm("kvcentric-router", gateway="kvcentric",
-                 gateway_opts={"compute": "host-cpu", "reject": False})
+# Our router is told what the instances compute on (router_compute). Admission control is
+# off in the first arms (the benchmark's users end their conversation on a refused turn);
+# the admission arm's clients retry a 429 after its Retry-After, as the OpenAI SDK does.
+OUR_ROUTER = Arm("kvcentric-router", gateway="kvcentric", gateway_opts={"reject": False})
 OUR_ARMS = [OUR_ROUTER,
             Arm("kvcentric-replicate", gateway="kvcentric",
                 gateway_opts={**OUR_ROUTER.gateway_opts, "replication": True}),
             Arm("kvcentric-admission", gateway="kvcentric",
                 gateway_opts={**OUR_ROUTER.gateway_opts, "reject": True}, retry_429=4)]
-OUR_ROUTER_NOTE = ("kvcentric-router: instances on one `compute` (vLLM binds both to the same "
-                   "cores), `slo.reject: false` (no 429s: a refused turn ends the user's "
-                   "conversation); its cost profile is fitted on instance 0 first. "
+OUR_ROUTER_NOTE = ("kvcentric-router: told the instances' processors (`compute`: one shared "
+                   "with `--cores shared`, else each its own), `slo.reject: false` (no 429s: "
+                   "a refused turn ends the user's conversation); its cost profile is fitted "
+                   "on instance 0 first. "
                    "kvcentric-replicate: the same with `replication.enabled` (hot prefixes "
                    "warmed on idle instances). kvcentric-admission: `slo.reject: true`, the "
                    "benchmark's SLO as the router's; its clients resend a 429 after its "

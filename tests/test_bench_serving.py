@@ -450,3 +450,20 @@ def test_trace_sampling_keeps_whole_conversations(src: TokenSource, trace_file: 
     wl = build(WorkloadSpec(workload="trace", trace=str(trace_file), max_requests=2000,
                             sample_sessions=0.5, scale_tokens=1 / 16, seed=5), src)
     assert wl.info["sampled"] == len(wl.sessions) == sum(session_key(r) in kept for r in recs)
+
+
+def test_each_instance_gets_cores_of_its_own() -> None:
+    """``--cores separate``: instance i's worker is bound to its own share of this
+    machine's cores (vLLM's automatic binding would give every instance the same)."""
+    import os
+
+    from benchmarks.serving.fleet import FleetSpec, own_cores_env
+
+    envs = own_cores_env(2)
+    cores = [set(e["VLLM_CPU_OMP_THREADS_BIND"].split(",")) for e in envs]
+    assert len(envs) == 2 and all(cores)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not cores[0] & cores[1]
+    spec = FleetSpec("m", env={"A": "1"}, instance_env=envs)
+    assert spec.env_of(1) == {"A": "1", **envs[1]}
+    assert FleetSpec("m", env={"A": "1"}).env_of(1) == {"A": "1"}

@@ -44,7 +44,8 @@ class Arm:
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """What every instance of every arm shares."""
+    """What every instance of every arm shares; ``instance_env[i]`` is added to ``env``
+    for instance ``i`` (e.g. its own cores)."""
 
     model: str
     instances: int = 2
@@ -52,11 +53,25 @@ class FleetSpec:
     max_model_len: int = 4096
     env: dict[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = SERVER_ARGS
+    instance_env: tuple[dict[str, str], ...] = ()
+
+    def env_of(self, i: int) -> dict[str, str]:
+        return {**self.env, **(self.instance_env[i] if i < len(self.instance_env) else {})}
 
 
 def pinned_threads_env() -> dict[str, str]:
     """Same worker threads with and without a connector (see FIELD-NOTES, fairness trap)."""
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1" if (os.cpu_count() or 1) <= 2 else "0"}
+
+
+def own_cores_env(instances: int) -> tuple[dict[str, str], ...]:
+    """Per instance, worker threads bound to cores of its own (an equal share of this
+    machine's, one at least): separate processors, as engines on separate GPUs are.
+    vLLM's automatic binding would put every instance on the same cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // instances)
+    return tuple({"VLLM_CPU_OMP_THREADS_BIND": ",".join(
+        str(cpus[(i * per + j) % len(cpus)]) for j in range(per))} for i in range(instances))
 
 
 def engine_cache_args(tokens: int) -> tuple[str, ...]:
@@ -79,7 +94,7 @@ def warm_up(servers: Sequence[VllmServer], seed: str) -> None:
 def fleet(spec: FleetSpec, arm: Arm, logs: Path) -> Iterator[list[VllmServer]]:
     """Start ``spec.instances`` servers for ``arm``, warm each up, stop them on exit."""
     servers = [VllmServer(spec.model, SERVED_NAME, arm.kv_transfer, spec.dtype,
-                          spec.max_model_len, spec.args, spec.env,
+                          spec.max_model_len, spec.args, spec.env_of(i),
                           logs / f"{arm.name}-{i}.log") for i in range(spec.instances)]
     try:
         for s in servers:
