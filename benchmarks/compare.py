@@ -10,8 +10,9 @@ Each writes ``benchmarks/results/compare_<name>{_quick}.json`` (every arm's full
 ``_throughput.png`` / ``_utilisation.png`` (each instance's load per arm, sampled from
 ``/metrics``). Instances: vLLM CPU with the ``bench`` model, worker threads pinned
 alike in every arm (``VLLM_CPU_NUM_OF_RESERVED_CPU``), each instance's worker on cores of
-its own (``--cores separate``, the default: separate processors, as engines on separate
-GPUs; ``shared``: vLLM's binding puts them on the same cores), each engine's own KV cache
+its own when the machine has a core to spare for everything else (``--cores auto``:
+separate processors, as engines on separate GPUs), else vLLM's binding (``shared``: every
+worker on the same cores, the router told they share one processor), each engine's own KV cache
 holding a fraction of the active users' histories (``--engine-cache-tokens``, default
 8192 tokens) as a GPU's HBM does in production (``0`` keeps vLLM's CPU default of 1 GiB,
 which holds every history here). Every instance is warmed up with one unrelated request.
@@ -39,6 +40,7 @@ shared prefixes, many users' questions after it at a Poisson rate.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -86,10 +88,11 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=250.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
-    ap.add_argument("--cores", choices=("separate", "shared"), default="separate",
+    ap.add_argument("--cores", choices=("auto", "separate", "shared"), default="auto",
                     help="each instance's worker on cores of its own (separate processors, "
-                         "as on separate GPUs) or vLLM's binding (every instance on the "
-                         "same cores)")
+                         "as on separate GPUs; one core stays for everything else), or "
+                         "vLLM's binding (every instance on the same cores); auto: separate "
+                         "when there are cores enough")
 
 
 def multi_turn_args(ap: argparse.ArgumentParser) -> None:
@@ -115,16 +118,19 @@ def multi_turn_spec(args: argparse.Namespace, users: int, turns: float, gap: flo
 
 
 def fleet_spec(args: argparse.Namespace, model: str, longest: int) -> FleetSpec:
-    own = own_cores_env(2) if args.cores == "separate" else ()
+    own = own_cores_env(2) if args.cores != "shared" else None
+    if own is None and args.cores == "separate":
+        raise SystemExit(f"--cores separate needs 3 cores or more, this machine has "
+                         f"{len(os.sched_getaffinity(0))}")
     return FleetSpec(model, max_model_len=(longest // 512 + 2) * 512, env=pinned_threads_env(),
                      args=(*SERVER_ARGS, *engine_cache_args(args.engine_cache_tokens)),
-                     instance_env=own)
+                     instance_env=own or ())
 
 
-def router_compute(args: argparse.Namespace) -> str | None:
-    """What our router is told the instances compute on: one shared processor when they
-    are bound to the same cores, else each its own."""
-    return "host-cpu" if args.cores == "shared" else None
+def router_compute(fspec: FleetSpec) -> str | None:
+    """What our router is told the instances compute on: each its own processor when
+    they have cores of their own, else one shared."""
+    return None if fspec.instance_env else "host-cpu"
 
 
 def multi_turn_fleet(args: argparse.Namespace, spec: WorkloadSpec) -> tuple[str, FleetSpec]:
@@ -217,7 +223,7 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
             gw = gateway_for(arm.gateway, urls, logs, model=SERVED_NAME, tokenizer=fspec.model,
                              store=store, slo_ttft_ms=args.slo_ttft_ms,
                              slo_tpot_ms=args.slo_tpot_ms, profile=profile, dtype=fspec.dtype,
-                             compute=router_compute(args), **arm.gateway_opts)
+                             compute=router_compute(fspec), **arm.gateway_opts)
             try:
                 base = [gw.start().wait_ready().url] if gw else urls
                 cfg = RunConfig(tuple(base), Api(SERVED_NAME, endpoint),

@@ -64,14 +64,21 @@ def pinned_threads_env() -> dict[str, str]:
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1" if (os.cpu_count() or 1) <= 2 else "0"}
 
 
-def own_cores_env(instances: int) -> tuple[dict[str, str], ...]:
+def own_cores_env(instances: int) -> tuple[dict[str, str], ...] | None:
     """Per instance, worker threads bound to cores of its own (an equal share of this
-    machine's, one at least): separate processors, as engines on separate GPUs are.
-    vLLM's automatic binding would put every instance on the same cores."""
+    machine's cores but the first, which stays for the API servers, the router, the store
+    and the client): separate processors, as engines on separate GPUs are. None when there
+    are not enough cores for that (fewer than ``instances + 1``): vLLM's automatic binding
+    then puts every instance's worker on the same cores and leaves the rest to the host
+    side. Measured on 2 cores: one engine per core starved those processes (TTFT spikes
+    whenever both engines ran), so a router that used one engine looked best."""
     cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // instances)
+    spare = cpus[1:]
+    if len(spare) < instances:
+        return None
+    per = len(spare) // instances
     return tuple({"VLLM_CPU_OMP_THREADS_BIND": ",".join(
-        str(cpus[(i * per + j) % len(cpus)]) for j in range(per))} for i in range(instances))
+        str(c) for c in spare[i * per:(i + 1) * per])} for i in range(instances))
 
 
 def engine_cache_args(tokens: int) -> tuple[str, ...]:
