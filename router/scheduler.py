@@ -48,7 +48,6 @@ class Conductor:
         self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
                                  self.disk_bandwidth)
         self.clock = clock
-        self._seeds: dict[str | None, bytes] = {}
         if cfg.keys.block_size is not None:
             self.set_block_size(cfg.keys.block_size)
 
@@ -78,10 +77,9 @@ class Conductor:
         return block_hashes(tokens, self.block_size, self._seed(salt))
 
     def _seed(self, salt: str | None) -> bytes:
-        seed = self._seeds.get(salt)
-        if seed is None:
-            seed = self._seeds[salt] = hash_seed(self.cfg.model_id, salt)
-        return seed
+        # not cached: it is one string concatenation, and a cache keyed by the clients'
+        # salts (any string, per user or per request) would grow with every one seen
+        return hash_seed(self.cfg.model_id, salt)
 
     def tail(self, tokens: np.ndarray | Sequence[int], hashes: Sequence[bytes],
              salt: str | None = None) -> TailRef | None:

@@ -368,6 +368,45 @@ def test_prefix_heat_decays_and_ranks() -> None:
     assert len(h._heat) <= 4
 
 
+def test_prefix_heat_forgets_cold_prefixes_so_its_memory_stays_bounded() -> None:
+    """A new root every 0.1 s for 500 half-lives (a conversation workload): the table
+    keeps the roots of the last few half-lives, not every root ever seen (it kept up to
+    max_keys, 10,000: ~1.6 MiB that a soak's router grew by until it got there); a prefix
+    that stays hot is counted exactly as without forgetting."""
+    h = PrefixHeat(half_life_s=1.0)
+    ref = PrefixHeat(half_life_s=1.0, forget_below=0.0)  # forgets nothing
+    for i in range(5000):
+        now = i * 0.1
+        for heat in (h, ref):
+            heat.touch(i.to_bytes(4, "big"), now)
+            if i % 5 == 0:
+                heat.touch(b"hot", now)
+    # 10 roots per half-life, kept while above 1/16 (4 half-lives) + one sweep interval
+    assert len(h) <= 55 and len(ref) == 5001
+    assert h.top(1, now)[0] == ref.top(1, now)[0] == (b"hot", pytest.approx(ref.get(b"hot", now)))
+    assert [k for k, _ in h.top(10, now)] == [k for k, _ in ref.top(10, now)]
+
+
+def test_conductor_keeps_no_state_per_cache_salt() -> None:
+    """Hashing prompts of ever new cache salts (per user, per request) leaves the
+    conductor's containers as they were: it cached one seed per salt ever seen."""
+    cfg = RouterConfig.from_dict({"model": "tiny", "tokenizer": "x",
+                                  "keys": {"block_size": 256}})
+    c = Conductor(cfg, Profile(), 4096, StoreView(None, "tiny"))
+
+    def sizes() -> dict[str, int]:
+        return {k: len(v) for k, v in vars(c).items() if isinstance(v, (dict, set, list))}
+
+    tokens = toks(12, 256 * 3 + 7)
+    before = sizes()
+    for i in range(1000):
+        salt = f"user-{i}"
+        hashes = c.hashes(tokens, salt)
+        assert hashes == block_hashes(tokens, 256, hash_seed("tiny", salt))
+        assert c.tail(tokens, hashes, salt) is not None
+    assert sizes() == before
+
+
 # ---- command line ----
 def test_cli_reports_bad_input_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvcentric.router.cli import main
