@@ -191,7 +191,10 @@ class CostConfig:
     value in the profile overrides it. ``disk_bandwidth_gbps``: read bandwidth of the local
     store's disk tier (GB/s) for blocks the store holds only on disk; the profile's
     (``kvcentric-router profile --disk-path``) overrides it. ``kv_bytes_per_token``:
-    ``None`` derives it from the model's ``config.json``.
+    ``None`` derives it from the model's ``config.json``. ``shared_compute``: how
+    instances naming one ``compute`` share it: ``serial`` (one FIFO: time-sliced engines,
+    CPU engines on the same cores) or ``fair`` (split among the busy ones: engines sharing
+    a GPU through MPS); see :mod:`kvcentric.router.processor`.
     """
 
     profile: str | None = None
@@ -200,9 +203,13 @@ class CostConfig:
     kv_bytes_per_token: int | None = None
     kv_dtype: str | None = None
     correct_with_actual: bool = True
+    shared_compute: str = "serial"
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
+        if self.shared_compute not in ("serial", "fair"):
+            raise ValueError(f"cost.shared_compute must be 'serial' or 'fair', got "
+                             f"{self.shared_compute!r}")
         if self.kv_bytes_per_token is not None:
             _positive(self, "kv_bytes_per_token")
 

@@ -200,9 +200,10 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         if pair is None:
             continue
         min_tbt = min(min_tbt, pair[1])
-        # equal predicted TTFT (instances on one processor, same prefix knowledge): the one
-        # running fewer sequences, then the emptier cache, so new prefixes spread out
-        key = (pair[0], p.batch(), p.stats.kv_usage)
+        # equal predicted TTFT, same prefix knowledge: on separate processors the one
+        # running fewer sequences, then the emptier cache, so new prefixes spread out; on a
+        # shared processor the busier one (one engine batching beats two time-slicing it)
+        key = (pair[0], -p.batch() if p.proc.shared else p.batch(), p.stats.kv_usage)
         if pair[1] <= tbt_slo and (best_key is None or key < best_key):
             best, best_key = (pair[0], pair[1], p, pair[2], pc), key
     if best is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcentric.router.config import InstanceSpec
 from kvcentric.router.kv_events import EventListener, EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.processor import Processor
 
 log = logging.getLogger("router.instances")
 
@@ -34,81 +34,6 @@ class EngineStats:
     kv_usage: float = 0.0
     num_pages: int | None = None
     page_size: int | None = None
-
-
-class Processor:
-    """What instances compute on, as the cost model sees it: per member instance, the
-    prefills dispatched to it and not yet seen finishing (FIFO, predicted seconds of work
-    left each, as if alone on the processor), and the correction of the profile's prefill
-    times measured on it. Instances sharing a processor (the same ``compute`` in their
-    spec: several engines on one GPU, vLLM CPU engines bound to the same cores) share one,
-    modelled as fair share: each member runs its own prefills one after another, and the
-    members with work split the processor equally (egalitarian processor sharing), so a
-    prefill on an idle member is slowed by its busy peers but does not wait behind them.
-    A prefill not reported done leaves when its predicted work is done."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, OrderedDict[str, float]] = {}
-        self._t: float | None = None  # when the work left was last advanced
-        self.correction = 1.0  # EWMA of actual / predicted prefill time
-
-    def pending(self, member: str) -> int:
-        return len(self._queues.get(member, ()))
-
-    def idle(self, now: float) -> bool:
-        """No member has prefill work left: new work here slows nobody's."""
-        self._advance(now)
-        return not any(self._queues.values())
-
-    def _advance(self, now: float) -> None:
-        """Serve the work left up to ``now``: the busy members share the processor."""
-        dt = 0.0 if self._t is None else now - self._t
-        self._t = now if self._t is None else max(self._t, now)
-        while dt > 0:
-            busy = [q for q in self._queues.values() if q]
-            if not busy:
-                return
-            step = min(next(iter(q.values())) for q in busy)  # the first head to finish
-            if step * len(busy) > dt:
-                step = dt / len(busy)
-            dt -= step * len(busy)
-            for q in busy:
-                head = next(iter(q))
-                q[head] -= step
-                if q[head] <= 1e-9:
-                    del q[head]
-
-    def queue_s(self, member: str, now: float, work_s: float = 0.0) -> float:
-        """Predicted seconds ``member`` spends before ``work_s`` more seconds of its own
-        prefill are done, beyond ``work_s`` itself: its own backlog ``W`` plus, from each
-        peer with backlog ``W_j``, ``min(W_j, W + work_s)`` (the share the peer takes
-        while both run)."""
-        self._advance(now)
-        own = sum(self._queues.get(member, {}).values())
-        mine = own + work_s
-        return own + sum(min(sum(q.values()), mine)
-                         for m, q in self._queues.items() if m != member and q)
-
-    def add(self, member: str, rid: str, pred_s: float, now: float) -> None:
-        self._advance(now)
-        self._queues.setdefault(member, OrderedDict())[rid] = pred_s
-
-    def done(self, rid: str, now: float) -> None:
-        self._advance(now)
-        for q in self._queues.values():
-            if q.pop(rid, None) is not None:
-                return
-
-    def drop(self, member: str) -> None:
-        """``member`` left: its queued work is no longer the processor's."""
-        self._queues.pop(member, None)
-
-    def observe(self, predicted_s: float, actual_s: float, weight: float = 0.2) -> None:
-        """Fold an observed prefill time into the correction factor (bounded 0.25..4)."""
-        if predicted_s <= 0 or actual_s <= 0:
-            return
-        ratio = min(4.0, max(0.25, actual_s / predicted_s))
-        self.correction = min(4.0, max(0.25, (1 - weight) * self.correction + weight * ratio))
 
 
 @dataclass
@@ -176,9 +101,13 @@ class Instance:
 class Registry:
     """Instances by name, each with a slot in the prefix index."""
 
-    def __init__(self, index: PrefixIndex, default_blocks: int) -> None:
+    def __init__(self, index: PrefixIndex, default_blocks: int,
+                 sharing: str = "serial") -> None:
+        """``sharing``: how instances on one ``compute`` share it (``serial`` or ``fair``,
+        :mod:`kvcentric.router.processor`)."""
         self.index = index
         self.default_blocks = default_blocks
+        self.sharing = sharing
         self._by_name: dict[str, Instance] = {}
 
     def __iter__(self) -> Iterator[Instance]:
@@ -198,11 +127,10 @@ class Registry:
         used = {i.slot for i in self._by_name.values()}
         slot = next(s for s in range(len(used) + 1) if s not in used)
         self.index.add_slot(slot, self.default_blocks)
-        inst = Instance(spec, slot)
         peer = next((i for i in self._by_name.values()
                      if spec.compute is not None and i.spec.compute == spec.compute), None)
-        if peer is not None:
-            inst.proc = peer.proc
+        inst = Instance(spec, slot, proc=peer.proc if peer else Processor(self.sharing))
+        inst.proc.members += 1
         self._by_name[str(spec.name)] = inst
         return inst
 

@@ -35,7 +35,8 @@ class Conductor:
                  store: StoreView, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.index = PrefixIndex()
-        self.registry = Registry(self.index, cfg.cache.blocks_per_instance)
+        self.registry = Registry(self.index, cfg.cache.blocks_per_instance,
+                                 cfg.cost.shared_compute)
         self.store = store
         self.heat = PrefixHeat(cfg.cache.heat_half_life_s)
         self.profile = profile

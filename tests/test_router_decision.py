@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvcentric.router.config import InstanceSpec, SloConfig
+from kvcentric.router.config import InstanceSpec, RouterConfig, SloConfig
 from kvcentric.router.cost_model import Profile, load_s
 from kvcentric.router.decision import (
     CostParams,
@@ -108,7 +108,7 @@ def test_reject_off_serves_late_requests_best_effort() -> None:
 
 
 def test_instances_on_one_compute_share_it_fairly() -> None:
-    reg = Registry(PrefixIndex(), 64)
+    reg = Registry(PrefixIndex(), 64, sharing="fair")
     a, b, c = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute=g))
                for n, g in (("a", "gpu0"), ("b", "gpu0"), ("c", None)))
     a.enqueue("x", 1.0, now=0.0)
@@ -125,14 +125,14 @@ def test_instances_on_one_compute_share_it_fairly() -> None:
     assert a.queue_s(0.2) == 0.0
     a.observe(1.0, 2.0)  # one processor, one speed
     assert a.correction == b.correction > 1.0 and c.correction == 1.0
-    # same processor, same prefix knowledge: the instance running fewer sequences, then the
-    # emptier cache; a prefix held locally still wins over both
+    # same processor, same prefix knowledge: the instance running more sequences (one
+    # engine batching), then the emptier cache; a prefix held locally still wins over both
     a.decodes = 2
     d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=1.0)
-    assert isinstance(d, Decision) and d.prefill is b
-    a.decodes, b.stats.kv_usage = 0, 0.5
-    d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=1.0)
     assert isinstance(d, Decision) and d.prefill is a
+    a.decodes, a.stats.kv_usage = 0, 0.5
+    d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=1.0)
+    assert isinstance(d, Decision) and d.prefill is b
     d = choose([a, b], [a, b], {1: 8}, 8, N, PARAMS, SLO, now=1.0)
     assert isinstance(d, Decision) and d.prefill is b and d.load_blocks == 0
     with pytest.raises(ValueError, match="compute"):
@@ -140,7 +140,7 @@ def test_instances_on_one_compute_share_it_fairly() -> None:
 
 
 def test_busy_instances_on_one_processor_progress_at_half_speed() -> None:
-    reg = Registry(PrefixIndex(), 64)
+    reg = Registry(PrefixIndex(), 64, sharing="fair")
     a, b = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute="cpu")) for n in "ab")
     a.enqueue("x", 1.0, now=0.0)
     b.enqueue("y", 3.0, now=0.0)
@@ -152,6 +152,33 @@ def test_busy_instances_on_one_processor_progress_at_half_speed() -> None:
     reg.remove("b")
     a.enqueue("z", 1.0, now=4.0)
     assert a.queue_s(4.5) == pytest.approx(0.5)
+
+
+def test_serial_processor_is_one_fifo_over_its_instances() -> None:
+    """The default: instances on one compute run one prefill at a time, in dispatch order,
+    whichever instance got it; a prefill on the idle one waits for the busy one's."""
+    reg = Registry(PrefixIndex(), 64)
+    a, b, c = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute=g))
+               for n, g in (("a", "cpu"), ("b", "cpu"), ("c", None)))
+    assert a.proc is b.proc and a.proc.shared and not c.proc.shared
+    a.enqueue("x", 1.0, now=0.0)
+    b.enqueue("y", 2.0, now=0.5)
+    assert b.queue_s(0.5) == pytest.approx(0.5 + 2.0)  # x's rest, then y: one FIFO
+    assert a.queue_s(0.5, work_s=5.0) == pytest.approx(2.5)  # own work never counts twice
+    assert b.queue_s(1.5) == pytest.approx(1.5) and a.queued == 0  # x done at t=1
+    # b holds the prefix on a busy processor: c (its own processor, idle) is cheaper
+    d = choose([a, b, c], [a, b, c], {1: 4}, 0, N, PARAMS, SLO, now=1.5)
+    assert isinstance(d, Decision) and d.prefill is c
+    assert not a.proc.idle(2.0) and a.proc.idle(3.0)
+    # on the idle shared processor a tie goes to the instance batching more
+    b.decodes = 1
+    d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=5.0)
+    assert isinstance(d, Decision) and d.prefill is b
+    reg.remove("b")
+    assert not a.proc.shared and a.proc.idle(5.0)
+    with pytest.raises(ValueError, match="shared_compute"):
+        RouterConfig.from_dict({"model": "m", "tokenizer": "x",
+                                "cost": {"shared_compute": "round-robin"}})
 
 
 def test_tbt_slo_steers_and_rejects() -> None:
