@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 import yaml
 
 from kvcentric.config import StoreConfig, check_keys, parse_fields
+from kvcentric.router.processor import SHARING
 
 ENV_API_KEYS = "KVCENTRIC_ROUTER_API_KEYS"
 ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"
@@ -207,8 +208,8 @@ class CostConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
-        if self.shared_compute not in ("serial", "fair"):
-            raise ValueError(f"cost.shared_compute must be 'serial' or 'fair', got "
+        if self.shared_compute not in SHARING:
+            raise ValueError(f"cost.shared_compute must be one of {SHARING}, got "
                              f"{self.shared_compute!r}")
         if self.kv_bytes_per_token is not None:
             _positive(self, "kv_bytes_per_token")
