@@ -8,12 +8,15 @@ client generator or a schema-driven fuzzer sees exactly what is enforced.
 Bounds come from the config: ``model`` must be the served name, ``max_tokens`` and
 ``min_tokens`` at most ``limits.max_tokens``, a token-id prompt at most
 ``limits.max_prompt_tokens`` ids below the tokenizer's vocabulary size. Text (a prompt,
-each message) is bounded only by ``limits.max_body_bytes`` characters, which no body under
-the size limit can exceed: how many tokens a text makes depends on the tokenizer (one
-token may span many characters), so the prompt-token limit is checked exactly after
-tokenizing (:func:`kvcentric.router.limits.check_prompt`), never guessed from characters.
-A chat has at most ``MAX_MESSAGES`` messages. Fields not listed (vLLM's other sampling
-parameters, e.g. ``logprobs``) pass through to the engine, which validates them.
+each message) is bounded by the body size, not by a guess of its tokens: how many tokens
+a text makes depends on the tokenizer (one token may span many characters), so the
+prompt-token limit is checked exactly after tokenizing
+(:func:`kvcentric.router.limits.check_prompt`). The schema's own bounds sit well inside
+the body limit, so that a body breaking them still fits and gets a 400 naming the field
+(not a 413): text at most ``max_body_bytes // 2`` characters, a chat at most
+``max_body_bytes // 512`` messages (at least 16, at most ``MAX_MESSAGES``). Fields not
+listed (vLLM's other sampling parameters, e.g. ``logprobs``) pass through to the engine,
+which validates them.
 
 Rules that keep every schema-valid body servable (:func:`normalize`): ``stream_options``
 is dropped when ``stream`` is not true (OpenAI: "only set this when you set stream");
@@ -38,7 +41,17 @@ from pydantic import (
 from kvcentric.router.config import LimitsConfig
 from kvcentric.router.errors import Refused
 
-MAX_MESSAGES = 4096  # a long agent loop's history; the body size bounds it too
+MAX_MESSAGES = 4096  # a long agent loop's history
+
+
+def text_chars(limits: LimitsConfig) -> int:
+    """The longest text field (a prompt, a message) the schema accepts."""
+    return max(1, limits.max_body_bytes // 2)
+
+
+def max_messages(limits: LimitsConfig) -> int:
+    """The most messages a chat may have."""
+    return min(MAX_MESSAGES, max(16, limits.max_body_bytes // 512))
 
 
 def _integral(value: Any) -> Any:
@@ -142,21 +155,22 @@ def completion_model(served: str, limits: LimitsConfig, vocab: int,
     ids = Annotated[list[token_id], Field(min_length=1, max_length=cap)]  # type: ignore[valid-type]
     fields: dict[str, Any] = {
         "model": (Literal[served] | None, None),  # type: ignore[valid-type]
-        "prompt": (Annotated[str, Field(min_length=1, max_length=limits.max_body_bytes)]
+        "prompt": (Annotated[str, Field(min_length=1, max_length=text_chars(limits))]
                    | ids, ...),
         **_sampling(limits, salt_max)}
     return create_model("CompletionRequest", __config__=ConfigDict(extra="allow"), **fields)
 
 
 def chat_model(served: str, limits: LimitsConfig, salt_max: int = 128) -> type[BaseModel]:
-    """``POST /v1/chat/completions`` body: up to ``MAX_MESSAGES`` messages, each text
+    """``POST /v1/chat/completions`` body: up to :func:`max_messages` messages, each text
     bounded like a prompt (the token limit applies to the rendered chat, after
     tokenizing)."""
     top = limits.max_tokens
-    msg = message_type(limits.max_body_bytes)
+    msg = message_type(text_chars(limits))
+    most = max_messages(limits)
     fields: dict[str, Any] = {
         "model": (Literal[served] | None, None),  # type: ignore[valid-type]
-        "messages": (Annotated[list[msg], Field(min_length=1, max_length=MAX_MESSAGES)], ...),  # type: ignore[valid-type]
+        "messages": (Annotated[list[msg], Field(min_length=1, max_length=most)], ...),  # type: ignore[valid-type]
         "max_completion_tokens": (integer(ge=1, le=top) | None if top
                                   else integer(ge=1) | None, None),
         **_sampling(limits, salt_max)}

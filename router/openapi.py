@@ -16,6 +16,11 @@ from pydantic import BaseModel
 
 from kvcentric.router.config import KV_EVENTS_RE, ROLES, RouterConfig
 
+# One server-sent event (OpenAPI before 3.2: the stream's ``schema`` describes each event);
+# ``data`` is a JSON chunk of the completion, or ``[DONE]`` at the end.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                            "id": {"type": "string"}, "retry": {"type": "integer"}}}
 _REF = "#/components/schemas/{model}"
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message"],
@@ -96,7 +101,7 @@ def build_openapi(cfg: RouterConfig, completion: type[BaseModel],
     secured: list[dict[str, list[str]]] = [{"bearer": []}] if cfg.auth.enabled else []
     auth_errors = [401] if cfg.auth.enabled else []
     admin_errors = [401, 403] if cfg.auth.enabled or cfg.auth.admin_key else []
-    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    stream = {"text/event-stream": {"schema": SSE_EVENT}}
     paths: dict[str, Any] = {}
     for path, model in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
         paths[path] = {"post": {
