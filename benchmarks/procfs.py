@@ -1,6 +1,7 @@
 """What ``/proc`` says about the processes a benchmark started (Linux only).
 
-Used by the soak (memory and descriptors per process) and the tier benchmark (bytes an
+Used by the soaks (memory and descriptors per process, and their growth per 1000
+requests: :func:`slope`) and the tier benchmark (bytes an
 engine really read from the block device, to tell an SSD read from a page-cache hit).
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from kvcentric.store.local import disk_probe
 
@@ -44,3 +46,16 @@ def device_read_bytes(pids: list[int]) -> int:
     ``read_bytes``): page-cache hits do not count, so a read that found its pages cached
     adds nothing here."""
     return sum(disk_probe.device_read_bytes(pid) for pid in pids)
+
+
+def slope(samples: list[dict[str, Any]], key: str, since: float) -> float:
+    """Least-squares MiB per 1000 requests of ``key`` once ``since`` (a fraction) of the
+    requests were served."""
+    last = samples[-1]["requests"]
+    pts = [(s["requests"], s[key]) for s in samples if s["requests"] >= since * last]
+    if len(pts) < 3:
+        return float("nan")
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    return 1000 * sum((x - mx) * (y - my) for x, y in pts) / var if var else float("nan")

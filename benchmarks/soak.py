@@ -36,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import results_writer as rw  # noqa: E402
 from benchmarks.faults_stack import Stack  # noqa: E402
-from benchmarks.procfs import group_pids, usage  # noqa: E402
+from benchmarks.procfs import group_pids, slope, usage  # noqa: E402
 from kvcentric.store import open_store  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
 
@@ -98,19 +98,6 @@ def sample(stack: Stack, procs: dict[str, list[int]], soak: Soak, t0: float) -> 
     for name, pids in procs.items():
         row[f"{name}_rss_mib"], row[f"{name}_fds"] = usage(pids)
     soak.samples.append(row)
-
-
-def slope(samples: list[dict[str, Any]], key: str, since: float) -> float:
-    """Least-squares MiB per 1000 requests of ``key`` once ``since`` (a fraction) of the
-    requests were served."""
-    last = samples[-1]["requests"]
-    pts = [(s["requests"], s[key]) for s in samples if s["requests"] >= since * last]
-    if len(pts) < 3:
-        return float("nan")
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    var = sum((x - mx) ** 2 for x, _ in pts)
-    return 1000 * sum((x - mx) * (y - my) for x, y in pts) / var if var else float("nan")
 
 
 def run(args: argparse.Namespace) -> tuple[Soak, dict[str, Any]]:

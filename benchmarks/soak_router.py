@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import results_writer as rw  # noqa: E402
-from benchmarks.procfs import usage  # noqa: E402
+from benchmarks.procfs import slope, usage  # noqa: E402
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
@@ -339,19 +339,6 @@ def run(args: argparse.Namespace) -> tuple[Load, list[dict[str, Any]], dict[str,
         if store_cfg is not None:
             launcher.stop(store_cfg)
     return load, samples, trace
-
-
-def slope(samples: list[dict[str, Any]], key: str, since: float) -> float:
-    """Least-squares MiB per 1000 requests of ``key`` once ``since`` (a fraction) of the
-    requests were served."""
-    last = samples[-1]["requests"]
-    pts = [(s["requests"], s[key]) for s in samples if s["requests"] >= since * last]
-    if len(pts) < 3:
-        return float("nan")
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    var = sum((x - mx) ** 2 for x, _ in pts)
-    return 1000 * sum((x - mx) * (y - my) for x, y in pts) / var if var else float("nan")
 
 
 PARTS = ("router_rss_mib", "router_anon_mib", "pymalloc_arenas_mib", "pymalloc_used_mib",
