@@ -1,8 +1,8 @@
 """What ``/proc`` says about the processes a benchmark started (Linux only).
 
 Used by the soaks (memory and descriptors per process, and their growth per 1000
-requests: :func:`slope`) and the tier benchmark (bytes an
-engine really read from the block device, to tell an SSD read from a page-cache hit).
+requests: :func:`slope`) and the tier benchmark (bytes an engine really read from the
+block device, to tell an SSD read from a page-cache hit).
 """
 
 from __future__ import annotations
