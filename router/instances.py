@@ -10,30 +10,18 @@ only from the router's event loop.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvcentric.router.config import InstanceSpec
+from kvcentric.router.engine_metrics import EngineStats, parse_engine_metrics
 from kvcentric.router.kv_events import EventListener, EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.router.processor import Processor
 
 log = logging.getLogger("router.instances")
-
-
-@dataclass
-class EngineStats:
-    """Last ``/metrics`` snapshot of an engine (vLLM names)."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0
-    num_pages: int | None = None
-    page_size: int | None = None
 
 
 @dataclass
@@ -159,27 +147,6 @@ class Registry:
             log.info("instance %s back in rotation", inst.name)
         inst.failures = 0
         inst.healthy = True
-
-
-def parse_engine_metrics(text: str) -> EngineStats:
-    """The load figures the router needs from a vLLM ``/metrics`` page."""
-    stats = EngineStats()
-    sums: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                          "vllm:kv_cache_usage_perc"):
-                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
-            elif s.name == "vllm:cache_config_info":
-                pages = s.labels.get("num_gpu_blocks")
-                size = s.labels.get("block_size")
-                if pages and pages.isdigit() and size and size.isdigit():
-                    stats.num_pages, stats.page_size = int(pages), int(size)
-    stats.running = sums.get("vllm:num_requests_running", 0.0)
-    stats.waiting = sums.get("vllm:num_requests_waiting", 0.0)
-    usage = sums.get("vllm:kv_cache_usage_perc", 0.0)
-    stats.kv_usage = usage if math.isfinite(usage) else 0.0
-    return stats
 
 
 async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
