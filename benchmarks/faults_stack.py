@@ -44,9 +44,11 @@ class Stack:
     """Store + engines ``e0``, ``e1`` + router, started by :meth:`start`."""
 
     def __init__(self, backend: str, model: str, logs: Path, ns: NetNamespace | None,
-                 capacity: str = "512mb", connector: bool = True) -> None:
+                 capacity: str = "512mb", connector: bool = True,
+                 engine_env: dict[str, str] | None = None) -> None:
         """``capacity``: the local store's (small: eviction runs all the time);
-        ``connector=False``: engines without kvcentric (a baseline: vLLM alone)."""
+        ``connector=False``: engines without kvcentric (a baseline: vLLM alone);
+        ``engine_env``: added to each engine's environment (e.g. a preloaded allocator)."""
         if backend not in FAULTS:
             raise ValueError(f"unknown backend {backend!r}")
         if backend == "mooncake" and ns is None:
@@ -67,7 +69,8 @@ class Stack:
         self.engines = [VllmServer(model, log_path=logs / f"faults-{backend}-e{i}.log",
                                    kv_transfer=connector_config(self.store) if connector
                                    else None,
-                                   args=("--enable-prompt-tokens-details",))
+                                   args=("--enable-prompt-tokens-details",),
+                                   env=engine_env or {})
                         for i in range(2)]
 
     # ---- lifecycle ----

