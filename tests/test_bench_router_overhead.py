@@ -1,0 +1,23 @@
+"""bench_router_overhead runs end to end (stub engines, a local store, the router process)
+and reports the router's added latency against the direct path measured in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import bench_router_overhead
+
+
+def test_small_run_reports_both_paths(tmp_path: Path) -> None:
+    out = tmp_path / "ro.json"
+    assert bench_router_overhead.main(["--requests", "3", "--words", "40,200",
+                                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["words"] for r in doc["rows"]] == [40, 200]
+    for r in doc["rows"]:
+        assert r["requests"] == 3
+        assert r["direct_p50_ms"] > 0 and r["router_p50_ms"] > 0
+        assert r["router_over_direct"] == r["router_p50_ms"] / r["direct_p50_ms"]
+        assert r["router_cpu_ms_per_request"] > 0  # the router process did the work
+    assert set(doc["summary"]["added_p50_ms"]) == {"40", "200"}
