@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         stop_group(router)
         stop_group(stub)
         launcher.stop(store_cfg)
+        shutil.rmtree(rt, ignore_errors=True)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
