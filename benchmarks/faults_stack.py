@@ -10,6 +10,7 @@ namespace (Mooncake binds all interfaces); the caller's thread must be inside it
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,6 +111,7 @@ class Stack:
                 p.wait(timeout=30)
         if self.backend == "local":
             launcher.stop(StoreConfig.from_dict(self.store))
+            shutil.rmtree(self.store["runtime_dir"], ignore_errors=True)  # our mkdtemp
 
     # ---- faults: each is a SIGKILL of a process this stack started ----
     def inject(self, fault: str) -> None:
