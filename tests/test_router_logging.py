@@ -1,0 +1,50 @@
+"""The router's log at its default level (info) is not flooded by its own health polls
+(httpx logs every request at INFO); at debug it keeps them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from kvcentric.testing.servers import free_port, stop_group, wait_http
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+@pytest.mark.parametrize("level,polls_logged", [("info", False), ("debug", True)])
+def test_health_polls_stay_out_of_the_info_log(tiny_dir: str, tmp_path: Path, level: str,
+                                               polls_logged: bool) -> None:
+    eport, rport = free_port(), free_port()
+    cfg = {"model": "tiny", "tokenizer": tiny_dir, "listen": {"port": rport},
+           "log_level": level, "health": {"interval_s": 0.1},
+           "instances": [{"url": f"http://127.0.0.1:{eport}", "role": "both", "name": "e0"}]}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(cfg))
+    stub = router = None
+    try:
+        stub = spawn([sys.executable, str(BENCH / "stub_engine.py"), "--ports", str(eport),
+                      "--tokenizer", tiny_dir], tmp_path / "stub.log")
+        wait_http(f"http://127.0.0.1:{eport}/health", stub, tmp_path / "stub.log")
+        router = spawn([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
+                        str(tmp_path / "r.yaml")], tmp_path / "router.log")
+        url = f"http://127.0.0.1:{rport}"
+        wait_http(url + "/health", router, tmp_path / "router.log")
+        time.sleep(1.5)  # ~15 polls of /health and /metrics
+        inst = httpx.get(url + "/instances", timeout=5).json()["instances"]
+        assert inst and all(i["healthy"] for i in inst)
+    finally:
+        stop_group(router)
+        stop_group(stub)
+    text = (tmp_path / "router.log").read_text()
+    assert ("HTTP Request: GET" in text) is polls_logged, text[-2000:]
