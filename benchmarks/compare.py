@@ -88,6 +88,8 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=250.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
+    ap.add_argument("--router-health-s", type=float, default=None,
+                    help="our router's health/metrics poll interval (default: its own, 1 s)")
     ap.add_argument("--cores", choices=("auto", "separate", "shared"), default="auto",
                     help="each instance's worker on cores of its own (separate processors, "
                          "as on separate GPUs; one core stays for everything else), or "
@@ -223,7 +225,9 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
             gw = gateway_for(arm.gateway, urls, logs, model=SERVED_NAME, tokenizer=fspec.model,
                              store=store, slo_ttft_ms=args.slo_ttft_ms,
                              slo_tpot_ms=args.slo_tpot_ms, profile=profile, dtype=fspec.dtype,
-                             compute=router_compute(fspec), **arm.gateway_opts)
+                             compute=router_compute(fspec), **arm.gateway_opts,
+                             **({"health_s": args.router_health_s}
+                                if arm.gateway == "kvcentric" and args.router_health_s else {}))
             try:
                 base = [gw.start().wait_ready().url] if gw else urls
                 cfg = RunConfig(tuple(base), Api(SERVED_NAME, endpoint),

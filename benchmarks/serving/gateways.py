@@ -179,11 +179,12 @@ def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
                      store: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float,
                      logs: Path, profile: str | None = None, dtype: str | None = None,
                      compute: str | None = None, reject: bool = True,
-                     replication: bool = False) -> Gateway:
+                     replication: bool = False, health_s: float | None = None) -> Gateway:
     """Our router over ``worker_urls`` (role ``both``, on one ``compute`` when they share
     a processor) sharing ``store``; the router's SLO is the benchmark's, so what it
     refuses (``reject``) is what it predicts would miss it anyway; ``replication``: hot
-    prefixes warmed on idle instances (its defaults otherwise)."""
+    prefixes warmed on idle instances; ``health_s``: its health and metrics poll interval
+    (its defaults otherwise)."""
     port = free_port()
     cfg = {"model": model, "tokenizer": tokenizer, "listen": {"host": "127.0.0.1", "port": port},
            "instances": [{"url": u, "role": "both", "compute": compute} for u in worker_urls],
@@ -191,6 +192,8 @@ def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
            "store": dict(store),
            "cost": {"profile": profile, "kv_dtype": dtype},
            "replication": {"enabled": replication}}
+    if health_s is not None:
+        cfg["health"] = {"interval_s": health_s}
     path = logs / f"kvcentric-router-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "kvcentric.router.cli", "serve", "--config", str(path)]
