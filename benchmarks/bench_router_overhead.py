@@ -38,10 +38,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import results_writer as rw  # noqa: E402
+from benchmarks.procfs import cpu_seconds  # noqa: E402
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
-from kvcentric.testing.servers import free_port, stop_group, wait_http  # noqa: E402
+from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http  # noqa: E402
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -61,18 +62,6 @@ def ttft_ms(client: httpx.Client, base: str, prompt: str) -> float:
     raise RuntimeError(f"{base}: the stream carried no event")
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds of process ``pid``'s live threads, in nanoseconds' resolution
-    (``/proc/PID/task/TID/schedstat``; ``/proc/PID/stat`` counts 10 ms clock ticks)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended meanwhile
-    return total / 1e9
-
-
 def measure(router: subprocess.Popen[bytes], url: str, direct: str, words: int, n: int,
             bar: tqdm) -> dict[str, Any]:
     rnd = random.Random(words)
@@ -85,11 +74,11 @@ def measure(router: subprocess.Popen[bytes], url: str, direct: str, words: int, 
         for _ in range(5):  # connections, the tokenizer's and the store's first calls
             ttft_ms(c, url, prompt())
             ttft_ms(c, direct, prompt())
-        c0 = cpu_s(router.pid)
+        c0 = cpu_seconds(router.pid)
         for _ in range(n):
             ttft_ms(c, url, prompt())
             bar.update()
-        cpu_ms = (cpu_s(router.pid) - c0) / n * 1000
+        cpu_ms = (cpu_seconds(router.pid) - c0) / n * 1000
         d, r = [], []
         for _ in range(n):
             d.append(ttft_ms(c, direct, prompt()))
@@ -100,14 +89,6 @@ def measure(router: subprocess.Popen[bytes], url: str, direct: str, words: int, 
             "added_p50_ms": rm - dm, "router_over_direct": rm / dm,
             "direct_mean_ms": statistics.mean(d), "router_mean_ms": statistics.mean(r),
             "router_cpu_ms_per_request": cpu_ms}
-
-
-def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` in its own session, output appended to ``log`` (the child keeps its own
-    descriptor; ours is closed)."""
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -225,9 +225,8 @@ def behind_gateways(args: argparse.Namespace, fspec: FleetSpec, arms: list[Arm],
             gw = gateway_for(arm.gateway, urls, logs, model=SERVED_NAME, tokenizer=fspec.model,
                              store=store, slo_ttft_ms=args.slo_ttft_ms,
                              slo_tpot_ms=args.slo_tpot_ms, profile=profile, dtype=fspec.dtype,
-                             compute=router_compute(fspec), **arm.gateway_opts,
-                             **({"health_s": args.router_health_s}
-                                if arm.gateway == "kvcentric" and args.router_health_s else {}))
+                             compute=router_compute(fspec), health_s=args.router_health_s,
+                             **arm.gateway_opts)
             try:
                 base = [gw.start().wait_ready().url] if gw else urls
                 cfg = RunConfig(tuple(base), Api(SERVED_NAME, endpoint),

@@ -33,6 +33,7 @@ from kvcentric.testing.servers import (  # noqa: E402
     VllmServer,
     connector_config,
     free_port,
+    spawn,
     stop_group,
     wait_http,
 )
@@ -96,9 +97,8 @@ class Stack:
         path = self.logs / f"faults-{self.backend}-router.yaml"
         path.write_text(yaml.safe_dump(cfg))
         log = self.logs / f"faults-{self.backend}-router.log"
-        self.router = subprocess.Popen(
-            [sys.executable, "-m", "kvcentric.router.cli", "serve", "--config", str(path)],
-            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.router = spawn([sys.executable, "-m", "kvcentric.router.cli", "serve",
+                             "--config", str(path)], log)
         wait_http(self.url + "/health", self.router, log, 60)
 
     def stop(self) -> None:

@@ -1,7 +1,8 @@
 """What ``/proc`` says about the processes a benchmark started (Linux only).
 
 Used by the soaks (memory and descriptors per process, and their growth per 1000
-requests: :func:`slope`) and the tier benchmark (bytes an engine really read from the
+requests: :func:`slope`), the router-overhead benchmark (CPU time per request) and the
+tier benchmark (bytes an engine really read from the
 block device, to tell an SSD read from a page-cache hit).
 """
 
@@ -39,6 +40,18 @@ def usage(pids: list[int]) -> tuple[float, int]:
         except OSError:
             continue
     return rss, fds
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid``'s live threads, in nanoseconds' resolution
+    (``/proc/PID/task/TID/schedstat``; ``/proc/PID/stat`` counts 10 ms clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def device_read_bytes(pids: list[int]) -> int:

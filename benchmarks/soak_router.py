@@ -61,7 +61,7 @@ from benchmarks.procfs import slope, usage  # noqa: E402
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
-from kvcentric.testing.servers import free_port, stop_group, wait_http  # noqa: E402
+from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -287,11 +287,6 @@ async def drive(args: argparse.Namespace, url: str, router: subprocess.Popen[byt
 
 
 # ---- the stack ----
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
 def run(args: argparse.Namespace) -> tuple[Load, list[dict[str, Any]], dict[str, Any]]:
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
     logs = RESULTS / "logs"
@@ -327,10 +322,10 @@ def run(args: argparse.Namespace) -> tuple[Load, list[dict[str, Any]], dict[str,
     stub = router = None
     url = f"http://127.0.0.1:{port}"
     try:
-        stub = start(stub_cmd, logs / "soak-router-stub.log")
+        stub = spawn(stub_cmd, logs / "soak-router-stub.log")
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health", stub, logs / "soak-router-stub.log")
-        router = start(router_cmd, logs / "soak-router.log")
+        router = spawn(router_cmd, logs / "soak-router.log")
         wait_http(url + "/health", router, logs / "soak-router.log")
         load, samples = asyncio.run(drive(args, url, router, stub, outdir))
         trace = growth(outdir)

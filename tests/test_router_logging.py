@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,15 +11,9 @@ import httpx
 import pytest
 import yaml
 
-from kvcentric.testing.servers import free_port, stop_group, wait_http
+from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 @pytest.mark.parametrize("level,polls_logged", [("info", False), ("debug", True)])

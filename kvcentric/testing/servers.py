@@ -42,6 +42,15 @@ def stop_group(proc: subprocess.Popen[bytes] | None, grace_s: float = 20.0) -> N
         proc.wait()
 
 
+def spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` as the leader of a new session (for :func:`stop_group`), stdin closed,
+    stdout and stderr appended to ``log``; the child keeps its own descriptor of ``log``,
+    ours is closed here."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
 def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0
               ) -> None:
     """Block until ``url`` answers 200; raise (with the log's tail) if ``proc`` exits or
