@@ -112,8 +112,8 @@ class RouterState:
         c = self.conductor
         assert self.client is not None
         while True:
-            await asyncio.gather(*(inst_mod.check(i, c.registry, self.client, hc.timeout_s,
-                                                  hc.unhealthy_after) for i in c.registry))
+            await asyncio.gather(*(inst_mod.check(i, c.registry, self.client, hc)
+                                   for i in c.registry))
             if c.block_size is None:
                 page = next((i.stats.page_size for i in c.registry if i.stats.page_size), None)
                 if page:  # the connector's own default for this page size

@@ -217,12 +217,19 @@ class CostConfig:
 
 @dataclass(frozen=True)
 class HealthConfig:
+    """Polling of the engines: ``/health`` every ``interval_s`` (failure detection: an
+    instance leaves rotation after ``unhealthy_after`` failed checks), ``/metrics`` at most
+    every ``metrics_interval_s`` (its gauges only correct the router's own in-flight
+    bookkeeping, and rendering the ~60 KB page costs the engine's API process CPU it
+    shares with decode; read at once when an instance joins or comes back)."""
+
     interval_s: float = 1.0
+    metrics_interval_s: float = 5.0
     timeout_s: float = 2.0
     unhealthy_after: int = 2
 
     def __post_init__(self) -> None:
-        _positive(self, "interval_s", "timeout_s", "unhealthy_after")
+        _positive(self, "interval_s", "metrics_interval_s", "timeout_s", "unhealthy_after")
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,13 @@ only from the router's event loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 
-from kvcentric.router.config import InstanceSpec
+from kvcentric.router.config import HealthConfig, InstanceSpec
 from kvcentric.router.engine_metrics import EngineStats, parse_engine_metrics
 from kvcentric.router.kv_events import EventListener, EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
@@ -31,6 +32,7 @@ class Instance:
     healthy: bool = True
     failures: int = 0
     stats: EngineStats = field(default_factory=EngineStats)
+    metrics_at: float = float("-inf")  # monotonic time ``stats`` was last read
     decodes: int = 0
     translator: EventTranslator | None = None
     listener: EventListener | None = None
@@ -145,13 +147,16 @@ class Registry:
     def mark_ok(self, inst: Instance) -> None:
         if not inst.healthy:
             log.info("instance %s back in rotation", inst.name)
+            inst.metrics_at = float("-inf")  # a restarted engine: read its gauges now
         inst.failures = 0
         inst.healthy = True
 
 
 async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
-                timeout_s: float, threshold: int) -> None:
-    """One health check and metrics poll of ``inst``; updates its state in place."""
+                hc: HealthConfig) -> None:
+    """One health check of ``inst``, and a metrics poll if ``hc.metrics_interval_s`` has
+    passed since its last successful one; updates its state in place."""
+    timeout_s, threshold = hc.timeout_s, hc.unhealthy_after
     try:
         r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
         ok = r.status_code == 200
@@ -162,10 +167,14 @@ async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
         registry.mark_failed(inst, threshold, reason)
         return
     registry.mark_ok(inst)
+    now = time.monotonic()
+    if now - inst.metrics_at < hc.metrics_interval_s:
+        return
     try:
         r = await client.get(inst.spec.url + "/metrics", timeout=timeout_s)
         if r.status_code == 200:
             inst.stats = parse_engine_metrics(r.text)
+            inst.metrics_at = now
     except (httpx.HTTPError, ValueError) as exc:
         log.debug("metrics of %s unavailable: %s", inst.name, exc)
 

@@ -407,3 +407,44 @@ def test_block_size_and_cache_size_come_from_the_engines(tiny_dir: str,
     assert info["keys"]["block_size"] == ConnectorSettings().stored_block_size(128) == 128
     a = next(i for i in info["instances"] if i["name"] == "a")
     assert a["cache_blocks"] == 2048 and a["running"] == 3.0
+
+
+def test_metrics_are_polled_less_often_than_health(tiny_dir: str,
+                                                   tokenizer: PromptTokenizer) -> None:
+    """``/health`` every ``interval_s``; ``/metrics`` once at start, then only every
+    ``metrics_interval_s``, and again at once when an instance comes back into rotation."""
+    ups = Upstreams()
+    seen: list[tuple[str, str]] = []
+    down: set[str] = set()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        seen.append((host, path))
+        if path == "/health" and host in down:
+            return httpx.Response(503)
+        return await ups.handler(request)
+
+    cfg = make_cfg(tiny_dir, TWO, health={"interval_s": 0.02, "metrics_interval_s": 30,
+                                          "unhealthy_after": 1})
+    app = build_app(cfg, transport=httpx.MockTransport(handler), tokenizer=tokenizer,
+                    profile=PROFILE)
+
+    async def until(host: str, path: str, n: int) -> None:
+        for _ in range(1000):
+            if seen.count((host, path)) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{host}{path} polled {seen.count((host, path))} times, not {n}")
+
+    async def go() -> None:
+        async with app.router.lifespan_context(app):
+            await until("a", "/health", 10)
+            assert seen.count(("a", "/metrics")) == 1 == seen.count(("b", "/metrics"))
+            down.add("a")  # out of rotation after one failed check
+            await until("a", "/health", seen.count(("a", "/health")) + 3)
+            down.clear()
+            await until("a", "/metrics", 2)  # back: its gauges read at once
+            await until("a", "/health", seen.count(("a", "/health")) + 5)
+            assert seen.count(("a", "/metrics")) == 2 and seen.count(("b", "/metrics")) == 1
+
+    asyncio.run(go())
