@@ -271,6 +271,24 @@ def test_scrape_parse_and_delta() -> None:
     assert (d["hit_tokens"], d["hit_tokens_local"], d["hit_tokens_external"]) == (784, 284, 500)
     assert d["unreachable"] == ["s2"] and "vllm:num_requests_running" not in d["total"]
     assert scrape.delta({"s": {}}, {"s": {"other": 1.0}})["hit_tokens"] is None
+    assert d["engine_itl_ms"] is None and d["engine_ttft_ms"] is None
+
+
+def test_scrape_engine_latency_means_over_servers() -> None:
+    """The engines' own ITL/TTFT means: histogram sums over counts, summed over servers."""
+    page = ('vllm:inter_token_latency_seconds_bucket{le="0.1"} 9\n'
+            'vllm:inter_token_latency_seconds_sum{engine="0"} {s}\n'
+            'vllm:inter_token_latency_seconds_count{engine="0"} {n}\n'
+            'vllm:time_to_first_token_seconds_sum{engine="0"} 2.0\n'
+            'vllm:time_to_first_token_seconds_count{engine="0"} 4\n')
+    before = {u: scrape.parse(page.replace("{s}", "1.0").replace("{n}", "10"))
+              for u in ("a", "b")}
+    after = {"a": scrape.parse(page.replace("{s}", "2.0").replace("{n}", "30")),
+             "b": scrape.parse(page.replace("{s}", "4.0").replace("{n}", "40"))}
+    d = scrape.delta(before, after)
+    assert d["engine_itl_ms"] == pytest.approx(1000 * (1.0 + 3.0) / (20 + 30))
+    assert d["engine_ttft_ms"] is None  # no new first tokens
+    assert "vllm:inter_token_latency_seconds_bucket" not in d["total"]
 
 
 # ---------------------------------------------------------------- against a real vLLM

@@ -20,6 +20,9 @@ HIT_COUNTERS = {
 }
 QUERY_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:external_prefix_cache_queries_total",
                   "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+# the engine's own latency histograms (sum and count): what the engine did, apart from
+# anything a router adds between it and the client
+ENGINE_LATENCY = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds")
 KVCENTRIC_PREFIX = "vllm:kvcentric_"
 
 
@@ -56,7 +59,18 @@ def scrape(urls: Iterable[str], timeout_s: float = 10.0) -> dict[str, dict[str, 
 
 
 def _interesting(name: str) -> bool:
-    return name in HIT_COUNTERS or name in QUERY_COUNTERS or name.startswith(KVCENTRIC_PREFIX)
+    return (name in HIT_COUNTERS or name in QUERY_COUNTERS or name.startswith(KVCENTRIC_PREFIX)
+            or name.removesuffix("_sum").removesuffix("_count") in ENGINE_LATENCY)
+
+
+def engine_means_ms(total: dict[str, float]) -> dict[str, float | None]:
+    """Mean engine-side TTFT and inter-token latency (ms) from a delta's ``total``; None
+    where the engine recorded none."""
+    out: dict[str, float | None] = {}
+    for name, key in zip(ENGINE_LATENCY, ("engine_ttft_ms", "engine_itl_ms"), strict=True):
+        n = total.get(name + "_count", 0.0)
+        out[key] = 1000 * total.get(name + "_sum", 0.0) / n if n > 0 else None
+    return out
 
 
 def delta(before: dict[str, dict[str, float] | None],
@@ -82,4 +96,5 @@ def delta(before: dict[str, dict[str, float] | None],
             "hit_tokens": sum(hits.values()) if present else None,
             "hit_tokens_local": hits["local"] if present else None,
             "hit_tokens_external": hits["external"] if present else None,
+            **engine_means_ms(total),
             "unreachable": sorted(u for u, v in after.items() if v is None)}
