@@ -18,6 +18,7 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from kvcentric.store.base import (
     checksum,
 )
 from kvcentric.store.local import launcher
-from kvcentric.store.local.disk_reads import DiskReads
+from kvcentric.store.local.disk_reads import READ_THREADS, DiskReads
 from kvcentric.store.local.rpc import RpcClient
 from kvcentric.store.local.shared_index import SharedIndexReader
 
@@ -85,6 +86,7 @@ class LocalStore(KVStore):
         self._lease_ttl_s = 0.0
         self._disk_tier = False  # the coordinator runs a disk tier (its hello says)
         self._pinner: HostPinner | None = None
+        self._read_pool: ThreadPoolExecutor | None = None  # disk-tier reads, made on first use
         try:
             self._connect()
         except StoreUnavailable as exc:
@@ -259,7 +261,8 @@ class LocalStore(KVStore):
         # the coordinator reclaims the lease lease_ttl_s after it granted it, which is
         # after we asked: treating it as lapsed from asked + ttl is always on the safe side
         deadline = asked + self._lease_ttl_s if self._lease_ttl_s > 0 else float("inf")
-        reads = DiskReads(len(entries)) if any(len(e) > 3 for e in entries) else None
+        reads = (DiskReads(len(entries), self._disk_pool()) if any(len(e) > 3 for e in entries)
+                 else None)
         ptrs: list[int] = []
         for i, ent in enumerate(entries):
             if len(ent) == 3:
@@ -277,6 +280,11 @@ class LocalStore(KVStore):
             n = bad if 0 <= bad < n else n
         return ReadLease(list(keys[:n]), ptrs[:n], [e[1] for e in entries[:n]],
                          [e[2] for e in entries[:n]], (lease_id, gen, deadline, reads, n))
+
+    def _disk_pool(self) -> ThreadPoolExecutor:
+        if self._read_pool is None:
+            self._read_pool = ThreadPoolExecutor(READ_THREADS, "kvc-disk-read")
+        return self._read_pool
 
     def fetch_range(self, lease: ReadLease, offset: int, size: int) -> None:
         reads = lease.handle[3] if lease.handle is not None else None
@@ -373,6 +381,9 @@ class LocalStore(KVStore):
         self._arena = None
 
     def close(self) -> None:
+        if self._read_pool is not None:  # no read may land in the arena after it is unmapped
+            self._read_pool.shutdown(wait=True, cancel_futures=True)
+            self._read_pool = None
         self._rpc.close()
         if self._index is not None:
             self._index.close()

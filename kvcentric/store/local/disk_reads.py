@@ -9,6 +9,16 @@ writer stored in the file: :meth:`DiskReads.verified` (the connector's end-of-st
 ``lease_valid``) checks it, and a mismatch is a lapsed lease (the engine recomputes). At
 release, :meth:`DiskReads.codes` tells the coordinator which objects to promote to DRAM and
 which files were corrupt or missing.
+
+Reads run on a small thread pool owned by the client (:data:`READ_THREADS`): the first
+``fetch`` of a lease queues every range of every object, range by range (range k of every
+object before range k + 1), and each ``fetch`` waits for its own ranges only, so the device
+works on later layers while the copy thread unpacks earlier ones. Kernel readahead is off
+for these files (``POSIX_FADV_RANDOM``): on its own it reads the rest of each file behind
+the first range asked for, and the first layer waited for all of them (measured on this
+project's 2-core box, 64 objects of 1 MiB read in 2-layer ranges: first range after 36 ms
+with readahead hints and one thread, after 16 ms with the pool; every range read after
+~57 ms either way).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +34,8 @@ import numpy as np
 from kvcentric.store.base import checksum
 from kvcentric.store.local.disk import DATA_OFFSET
 from kvcentric.store.local.tiered import CORRUPT, MISSING, PROMOTE
+
+READ_THREADS = 8  # 8 and 16 read alike on the measured disk; 4 and 1 slower
 
 
 @dataclass
@@ -47,35 +60,40 @@ class _DiskObject:
                 merged.append((s, e))
         self.spans = merged
 
+    def has(self, start: int, end: int) -> bool:
+        return any(s <= start and end <= e for s, e in self.spans)
+
     @property
     def complete(self) -> bool:
         return self.spans == [(0, self.size)]
 
 
 class DiskReads:
-    """The disk-resident objects of one lease. One thread at a time (the lease's)."""
+    """The disk-resident objects of one lease. One thread at a time (the lease's) calls
+    its methods; ``pool`` threads only read into the objects' memory, and :meth:`close`
+    waits for them."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, pool: Executor) -> None:
         self.objects: list[_DiskObject] = []
         self.codes_ = [0] * n  # per lease position; filled for failures and verifications
-        self._hinted = False
+        self._pool = pool
+        self._jobs: list[tuple[_DiskObject, int, int, Future[None]]] = []
+        self._queued = False
 
-    def _read_ahead(self, offset: int, stride: int) -> None:
-        """Ask the kernel for every object's bytes from ``offset`` on, range by range in
-        the order the reader will want them (range k of every object before range k + 1),
-        so the device reads all objects at once and each ``preadv`` finds its pages. Done
-        once, by the first read (the copy thread, not the step's lease)."""
-        if self._hinted:
+    def _queue(self, offset: int, stride: int, upto: int | None) -> None:
+        """Queue reads of every object (of the first ``upto`` positions) from ``offset``
+        on in ``stride``-byte ranges, range-major. Done once, by the first fetch."""
+        if self._queued:
             return
-        self._hinted = True
-        for start in range(offset, max((o.size for o in self.objects), default=0), stride):
-            for obj in self.objects:
-                if start < obj.size:
-                    try:
-                        os.posix_fadvise(obj.fd, DATA_OFFSET + start,
-                                         min(stride, obj.size - start), os.POSIX_FADV_WILLNEED)
-                    except OSError:
-                        pass  # a hint: the read itself reports real errors
+        self._queued = True
+        objs = [o for o in self.objects if upto is None or o.index < upto]
+        for start in range(offset, max((o.size for o in objs), default=0), stride):
+            for obj in objs:
+                end = min(start + stride, obj.size)
+                if start < end:
+                    fut = self._pool.submit(_pread_into, obj.fd, obj.ptr + start, end - start,
+                                            DATA_OFFSET + start)
+                    self._jobs.append((obj, start, end, fut))
 
     def open(self, i: int, path: str, size: int, csum: int, ptr: int | None) -> int | None:
         """Open object ``i``'s file; returns where its bytes will be, or None (and a MISSING
@@ -85,6 +103,10 @@ class DiskReads:
         except OSError:
             self.codes_[i] = MISSING
             return None
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # see the module docstring
+        except OSError:
+            pass  # a hint
         keep = None
         if ptr is None:
             keep = np.empty(size, np.uint8)  # no DRAM room to promote into: private memory
@@ -96,31 +118,33 @@ class DiskReads:
         """Read bytes ``[offset, offset + size)`` of every object (of the first ``upto``
         lease positions); ``OSError`` on an I/O error or a file shorter than its header
         says (torn or truncated under us)."""
-        self._read_ahead(offset, size)
-        for obj in self.objects:
+        self._queue(offset, size, upto)
+        end_ = offset + size
+        for obj, start, end, fut in self._jobs:
+            if start < end_ and offset < end and (upto is None or obj.index < upto):
+                fut.result()
+                obj.add_span(start, end)
+        for obj in self.objects:  # whatever the queued ranges did not cover: read it now
             if upto is not None and obj.index >= upto:
                 break
-            start, end = min(offset, obj.size), min(offset + size, obj.size)
-            if start < end:
+            start, end = min(offset, obj.size), min(end_, obj.size)
+            if start < end and not obj.has(start, end):
                 _pread_into(obj.fd, obj.ptr + start, end - start, DATA_OFFSET + start)
                 obj.add_span(start, end)
 
     def fetch_all(self) -> int:
         """Read every object whole and verify it; returns the lease position of the first
         object that failed (the lease's leading run ends there), or -1."""
-        self._read_ahead(0, max((o.size for o in self.objects), default=1))
-        for obj in self.objects:
+        self._queue(0, max((o.size for o in self.objects), default=1), None)
+        for obj, _, _, fut in self._jobs:
             try:
-                self.fetch_one(obj)
+                fut.result()
+                obj.add_span(0, obj.size)
             except OSError:
                 self.codes_[obj.index] = CORRUPT
             if not self._check(obj):
                 return obj.index
         return -1
-
-    def fetch_one(self, obj: _DiskObject) -> None:
-        _pread_into(obj.fd, obj.ptr, obj.size, DATA_OFFSET)
-        obj.add_span(0, obj.size)
 
     def _check(self, obj: _DiskObject) -> bool:
         if obj.state == 0 and obj.complete and self.codes_[obj.index] == 0:
@@ -142,6 +166,12 @@ class DiskReads:
         return self.codes_
 
     def close(self) -> None:
+        """Stop queued reads and wait for running ones (they write into memory the lease
+        is about to give back), then close the files."""
+        for *_, fut in self._jobs:
+            fut.cancel()
+        wait([fut for *_, fut in self._jobs])
+        self._jobs = []
         for obj in self.objects:
             try:
                 # the tier must not shadow DRAM in the page cache (§4.5)
