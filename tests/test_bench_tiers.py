@@ -52,7 +52,8 @@ def _row(n: int, miss: float, disk: float, dram: float, engine: float, floor_dis
     return {"prompt_len": n, "miss_ms": miss, "disk_ms": disk, "dram_ms": dram,
             "engine_ms": engine, "disk_over_floor": disk / floor_disk,
             "dram_over_floor": dram / floor_dram, "dram_over_engine": dram / engine,
-            "tokens_identical": True, "tiers_verified": True}
+            "tokens_identical": True, "store_matches_engine_hit": True,
+            "tiers_verified": True}
 
 
 def test_summary_is_at_the_largest_length_and_judges_the_8k_targets() -> None:
@@ -75,3 +76,25 @@ def test_cold_read_floor_reads_from_the_device(tmp_path: Path) -> None:
     if device_fraction == 0:  # tmpfs or a filesystem without per-task I/O accounting
         pytest.skip("no block device under the test's tmp dir")
     assert device_fraction >= 0.9
+
+
+def test_a_rep_whose_tiers_disagree_is_reported_with_its_margins(tmp_path: Path) -> None:
+    def rep(token: int, margin: float) -> dict[str, Any]:
+        return {**served(connector=128), "s": 0.1, "token": [token], "margin": margin,
+                "connector_s": {"load_seconds": 0.01}}
+
+    got = {t: [rep(7, 0.5), rep(7, 0.01)] for t in bt.TIERS}
+    row = bt.row_for(1024, got, [], BPT, tmp_path)
+    assert row["tokens_identical"] and row["token_mismatches"] == []
+    assert row["store_matches_engine_hit"]
+    got["miss"][1] = rep(9, 0.125)  # a near-tie the miss broke the other way
+    row = bt.row_for(1024, got, [], BPT, tmp_path)
+    assert not row["tokens_identical"] and row["store_matches_engine_hit"]
+    (m,) = row["token_mismatches"]
+    assert m["rep"] == 1 and m["miss"] == {"token": [9], "margin": 0.125}
+    assert m["disk"] == {"token": [7], "margin": 0.01}
+    assert "rep 1: tiers disagree: miss [9] (margin 0.125)" in bt.table([row], {}, 2)
+    got["disk"][0] = rep(8, 0.5)  # a store hit that differs from the engine's own hit
+    row = bt.row_for(1024, got, [], BPT, tmp_path)
+    assert not row["store_matches_engine_hit"]
+    assert bt.table([row], {}, 2).splitlines()[2].endswith("NO")
