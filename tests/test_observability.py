@@ -33,6 +33,7 @@ from kvcentric.testing.servers import (
     VllmServer,
     connector_config,
     free_port,
+    spawn,
     stop_group,
     wait_http,
 )
@@ -142,7 +143,7 @@ def test_store_exporter_follows_its_store(store_cfg: StoreConfig, tmp_path: Path
 
     open_store(store_cfg).close()  # starts its coordinator
     port = free_port()
-    proc = _start([sys.executable, "-m", "kvcentric.cli", "store", "exporter", "--name",
+    proc = spawn([sys.executable, "-m", "kvcentric.cli", "store", "exporter", "--name",
                    store_cfg.name, "--runtime-dir", str(store_cfg.runtime_dir), "--port",
                    str(port)], tmp_path / "exporter.log")
     url = f"http://127.0.0.1:{port}/metrics"
@@ -167,8 +168,7 @@ def test_mooncake_names_exist_on_a_real_master(mooncake_ns: Any, tmp_path: Path)
     names = {n for n in all_names() if n.startswith("master_")}
     assert names, "the rules should read the Mooncake master's pool size"
     cmd = master_command("127.0.0.1", 50151, 9103, 0)
-    proc = subprocess.Popen(mooncake_ns.wrap(cmd), stdout=open(tmp_path / "m.log", "ab"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn(mooncake_ns.wrap(cmd), tmp_path / "m.log")
     try:
         with mooncake_ns.entered():
             wait_master("127.0.0.1", 50151, 9103, proc=proc)
@@ -190,11 +190,6 @@ class Stack:
         body = r.json()
         assert r.status_code == 200 and body["status"] == "success", (expr, body)
         return list(body["data"]["result"])
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _prometheus_config(tmp: Path, targets: dict[str, str]) -> Path:
@@ -245,16 +240,16 @@ def stack(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 "health": {"interval_s": 0.5, "timeout_s": 2, "unhealthy_after": 2}}
         (tmp / "router.yaml").write_text(yaml.safe_dump(rcfg))
         router = f"http://127.0.0.1:{ports['router']}"
-        procs.append(_start([sys.executable, "-m", "kvcentric.router.cli", "serve",
+        procs.append(spawn([sys.executable, "-m", "kvcentric.router.cli", "serve",
                              "--config", str(tmp / "router.yaml")], tmp / "router.log"))
-        procs.append(_start([sys.executable, "-m", "kvcentric.cli", "store", "exporter",
+        procs.append(spawn([sys.executable, "-m", "kvcentric.cli", "store", "exporter",
                              "--name", store["name"], "--runtime-dir", str(runtime_dir),
                              "--port", str(ports["exporter"])], tmp / "exporter.log"))
         pcfg = _prometheus_config(tmp, {"vllm": engine.url[7:], "kvcentric-router":
                                         router[7:], "kvcentric-store":
                                         f"127.0.0.1:{ports['exporter']}"})
         prom = f"http://127.0.0.1:{ports['prom']}"
-        procs.append(_start([prometheus, f"--config.file={pcfg}",
+        procs.append(spawn([prometheus, f"--config.file={pcfg}",
                              f"--storage.tsdb.path={tmp / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{ports['prom']}",
                              "--log.level=warn"], tmp / "prometheus.log"))

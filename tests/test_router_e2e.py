@@ -41,7 +41,13 @@ from kvcentric.router.cost_model import Profile
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
-from kvcentric.testing.servers import VllmServer, connector_config, free_port, wait_http
+from kvcentric.testing.servers import (
+    VllmServer,
+    connector_config,
+    free_port,
+    spawn,
+    wait_http,
+)
 from tests.helpers.dashboard import check, read_page, scrape
 
 pytestmark = pytest.mark.vllm
@@ -112,10 +118,8 @@ def _events_cfg(endpoint: str, replay: str) -> str:
 
 
 def start_router(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
-                             str(config), "--log-level", "debug"],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return spawn([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
+                  str(config), "--log-level", "debug"], log)
 
 
 @pytest.fixture(scope="module")
@@ -307,9 +311,8 @@ def keyed_router(c: Cluster, tmp: Path, keys: dict[str, str], admin: str) -> Ite
     cfg.update(listen={"port": port}, instances=[], auth={"api_keys": keys, "admin_key": admin})
     (tmp / "keyed.yaml").write_text(yaml.safe_dump(cfg))
     log = tmp / "keyed.log"
-    proc = subprocess.Popen([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
-                             str(tmp / "keyed.yaml")], stdout=open(log, "ab"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
+                  str(tmp / "keyed.yaml")], log)
     try:
         wait_http(f"http://127.0.0.1:{port}/metrics", proc, log, 60)
         yield f"http://127.0.0.1:{port}"

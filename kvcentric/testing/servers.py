@@ -155,9 +155,9 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
             "VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_SERVER_DEV_MODE": "1", **self.env}
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        with open(self.log_path or os.devnull, "ab") as out:  # the child keeps its own fd
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> VllmServer:
