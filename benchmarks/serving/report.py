@@ -50,14 +50,16 @@ def arm_table(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """Markdown lines: one row of headline metrics per bench_serving result."""
     head = ("| arm | TTFT mean (ms) | TTFT p50 | TTFT p90 | TTFT p99 | TPOT mean (ms) | "
             "engine ITL (ms) | goodput (req/s) | SLO met | req/s | output tok/s | "
-            "hit tokens (engine / external) | completed / failed / rejected | TTFT prediction error (median) |")
+            "hit tokens (engine / external) | completed / failed / rejected | "
+            "TTFT prediction error (median) |")
     lines = [head, "|" + "---|" * 14]
     for r in results:
         s, m = r["summary"], r["server_metrics"]
         lines.append(
             f"| {r['label']} | {fmt(s['ttft_mean_ms'])} | {fmt(s['ttft_p50_ms'])} | "
             f"{fmt(s['ttft_p90_ms'])} | {fmt(s['ttft_p99_ms'])} | {fmt(s['tpot_mean_ms'])} | "
-            f"{fmt(m.get('engine_itl_ms'), '.1f')} | {fmt(s['goodput'], '.3f')} | {fmt(s['slo_attainment'], '.0%')} | "
+            f"{fmt(m.get('engine_itl_ms'), '.1f')} | {fmt(s['goodput'], '.3f')} | "
+            f"{fmt(s['slo_attainment'], '.0%')} | "
             f"{fmt(s['request_throughput'], '.3f')} | {fmt(s['output_throughput'], '.1f')} | "
             f"{fmt(m['hit_tokens_local'])} / {fmt(m['hit_tokens_external'])} | "
             f"{s['completed']} / {s['failed']} / {s['rejected']} | "
