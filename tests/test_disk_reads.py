@@ -44,13 +44,13 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield p
 
 
-def open_all(reads: DiskReads, files: list[Path],
-             csums: list[int] | None = None) -> list[np.ndarray]:
+def open_all(reads: DiskReads, files: list[Path]) -> list[np.ndarray]:
     """Open every file into private zeroed buffers; returns the buffers."""
     bufs = []
     for i, p in enumerate(files):
         buf = np.zeros(SIZE, np.uint8)
-        want = csums[i] if csums else checksum(int(payload(i).ctypes.data), SIZE)
+        data = payload(i)  # held while checksum reads it by address
+        want = checksum(int(data.ctypes.data), SIZE)
         assert reads.open(i, str(p), SIZE, want, int(buf.ctypes.data)) == buf.ctypes.data
         bufs.append(buf)
     return bufs
