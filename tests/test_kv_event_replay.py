@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -85,6 +86,13 @@ def test_a_late_router_rebuilds_residency_from_the_engines_replay(replay: bool) 
     try:
         for b in batches:
             pub.publish(b)
+        # the publisher's thread serves a replay request before it drains its queue into
+        # the replay buffer: ask only once the engine has buffered what it published, as a
+        # late router would find it
+        for _ in range(500):
+            if len(pub._buffer) >= len(batches):
+                break
+            time.sleep(0.01)
 
         async def run() -> tuple[Residency, EventListener]:
             ctx = zmq.asyncio.Context()
