@@ -64,6 +64,8 @@ def test_sampler_polls_every_url_and_keeps_the_run_window(tmp_path: Path) -> Non
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     try:
         with utilisation.Sampler([up, down], interval_s=0.05) as s:
+            # entered only once the first round is in: a run starting now is sampled at once
+            assert s.samples[up]["t_s"] and s.samples[down]["t_s"]
             time.sleep(0.3)
             t0 = time.perf_counter()
             time.sleep(0.4)

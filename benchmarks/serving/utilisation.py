@@ -44,6 +44,9 @@ def gauges(metrics: dict[str, float] | None) -> dict[str, float | None]:
 class Sampler:
     """Samples every URL's gauges every ``interval_s`` on a daemon thread while entered.
 
+    Entering returns once the first round of samples is in (or ``timeout_s`` has passed):
+    the thread's start and its HTTP client's set-up then fall before the caller's run, so
+    even a run of a fraction of a second on a loaded machine is sampled from its start.
     ``samples[url]`` holds one list per :data:`SERIES` entry; ``t_s`` is
     ``time.perf_counter()`` at the sample.
     """
@@ -56,10 +59,12 @@ class Sampler:
         self.samples: dict[str, dict[str, list[float | None]]] = {
             u: {k: [] for k in SERIES} for u in self.urls}
         self._stop = threading.Event()
+        self._first_round = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="metrics-sampler", daemon=True)
 
     def __enter__(self) -> Sampler:
         self._thread.start()
+        self._first_round.wait(self.timeout_s * max(1, len(self.urls)))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -72,6 +77,7 @@ class Sampler:
                 t = time.perf_counter()
                 for url in self.urls:
                     self._sample(client, url)
+                self._first_round.set()
                 self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - t)))
 
     def _sample(self, client: httpx.Client, url: str) -> None:
