@@ -23,12 +23,11 @@ gives a connector-enabled worker 2 threads and a plain one 1):
 TTFT is the latency of a ``max_tokens=1`` completion (prefill + first token), median of
 ``--reps`` fresh prompts. Everything is compared in ratios within this run.
 
-``--writer``: what saving costs a miss (0% hit). Each of ``--runs`` rounds starts fresh
-servers of every arm (a 32-token warm-up that saves nothing), then per arm times the
-*first* saving request of the fresh instance and ``--reps`` more (steady state), the
-same prompts in every arm, arms in rotating order. Reports each connector arm's overhead
-over ``plain`` (median over rounds), first request and steady state, and writes
-``ttft_writer.json``.
+``--writer``: what saving costs a miss (0% hit), on the *first* saving request of a fresh
+instance and in steady state (``--reps`` more prompts, default 3), over ``--runs`` fresh
+rounds; every prompt goes to every arm back to back and the overhead is the median of the
+paired ratios to ``plain`` (:mod:`benchmarks.ttft_writer`). Writes ``ttft_writer.json``
+and its PNG.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import lmcache_peer  # noqa: E402
+from benchmarks import lmcache_peer, results_writer, ttft_writer  # noqa: E402
 from benchmarks.lmcache_peer import LMCacheServer  # noqa: E402
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
@@ -56,6 +55,7 @@ from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)
+WRITER_BARS = {1024: 0.05, 4096: 0.02}  # issue 20: the most a 0%-hit save may add to TTFT
 
 
 class Prompts:
@@ -154,19 +154,13 @@ def start_servers(model: str, store: dict[str, Any], max_len: int, threads_env: 
 
 def writer_round(model: str, store: dict[str, Any], n: int, reps: int, threads_env: dict[str, str],
                  logs: Path, lmc: LMCacheServer | None, gen: Prompts, turn: int,
-                 bar: tqdm) -> dict[str, list[float]]:
-    """Fresh servers; per arm the first saving request of ``n`` tokens, then ``reps`` more."""
+                 bar: tqdm) -> ttft_writer.RoundTimes:
+    """Fresh servers; every arm's first saving request of ``n`` tokens, then ``reps`` more
+    (:func:`benchmarks.ttft_writer.time_round`)."""
     servers = start_servers(model, store, n + 512, threads_env, logs, lmc, warm_tokens=32)
     try:
         prompts = [gen.new(n) for _ in range(reps + 1)]
-        names = list(servers)
-        out: dict[str, list[float]] = {}
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
-            times = [ttft(servers[name], p)[0] for p in prompts]
-            out[f"{name}_first"] = [times[0]]
-            out[f"{name}_steady"] = [statistics.median(times[1:])]
-            bar.update(1)
-        return out
+        return ttft_writer.time_round(servers, prompts, turn, lambda s, p: ttft(s, p)[0], bar)
     finally:
         for srv in servers.values():
             srv.stop()
@@ -178,22 +172,11 @@ def measure_writer(model: str, store: dict[str, Any], lengths: list[int], runs: 
     gen = Prompts(7)
     rows = []
     arms = 3 if lmc is not None else 2
-    with tqdm(total=runs * len(lengths) * arms, desc="writer") as bar:
+    with tqdm(total=runs * len(lengths) * arms * (reps + 1), desc="writer") as bar:
         for n in lengths:
-            got: dict[str, list[float]] = {}
-            for turn in range(runs):
-                for k, v in writer_round(model, store, n, reps, threads_env, logs, lmc, gen,
-                                         turn, bar).items():
-                    got.setdefault(k, []).extend(v)
-            row: dict[str, Any] = {"prompt_len": n, "runs": runs,
-                                   **{f"{k}_ms": [1e3 * x for x in v] for k, v in got.items()}}
-            for arm in ("kvc", "lmcache"):
-                for phase in ("first", "steady"):
-                    if f"{arm}_{phase}" in got:
-                        row[f"{arm}_{phase}_overhead"] = (
-                            statistics.median(got[f"{arm}_{phase}"])
-                            / statistics.median(got[f"plain_{phase}"]) - 1)
-            rows.append(row)
+            rounds = [writer_round(model, store, n, reps, threads_env, logs, lmc, gen, turn, bar)
+                      for turn in range(runs)]
+            rows.append(ttft_writer.overheads(rounds, n))
     return rows
 
 
@@ -320,7 +303,7 @@ def setup(args: argparse.Namespace, name: str) -> tuple[str, dict[str, str], str
 
 def writer_main(args: argparse.Namespace) -> None:
     lengths = args.lengths or [1024, 4096]
-    reps = args.reps or 2
+    reps = args.reps or 3
     reserved, threads_env, model, store, logs, lmc = setup(args, "ttftw")
     try:
         rows = measure_writer(model, store, lengths, args.runs, reps, threads_env, logs, lmc)
@@ -333,16 +316,13 @@ def writer_main(args: argparse.Namespace) -> None:
     res = {"benchmark": "ttft_writer", "runs": args.runs, "steady_reps": reps,
            "model": "bench (bf16)", "worker_threads": f"cores - {reserved} reserved",
            "rows": rows, "summary": summary}
-    print(f"\nwriter overhead at 0% hit (median of {args.runs} fresh rounds; bf16 bench model)")
-    print(f"{'tokens':>7} {'arm':>8} {'first req':>10} {'steady':>8}")
-    for r in rows:
-        for arm in ("kvc", "lmcache"):
-            if f"{arm}_first_overhead" in r:
-                print(f"{r['prompt_len']:>7} {arm:>8} {100 * r[f'{arm}_first_overhead']:9.1f}% "
-                      f"{100 * r[f'{arm}_steady_overhead']:7.1f}%")
+    text = (f"writer overhead at 0% hit: median over {args.runs} fresh rounds of the paired "
+            f"ratio to no connector [quartiles]; {reps} steady prompts per round\n"
+            + ttft_writer.table(rows))
     out = args.out or RESULTS / "ttft_writer.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    fig = results_writer.Figure("overhead", "Writer overhead at 0% hit, per fresh round",
+                                lambda p: ttft_writer.plot(rows, p, WRITER_BARS))
+    results_writer.write(out, res, text, [fig], results_writer.command_line(__file__))
 
 
 if __name__ == "__main__":
