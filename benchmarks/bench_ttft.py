@@ -48,6 +48,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import lmcache_peer, results_writer, ttft_writer  # noqa: E402
 from benchmarks.lmcache_peer import LMCacheServer  # noqa: E402
+from benchmarks.procfs import quiesce  # noqa: E402
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.store.local import launcher  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
@@ -68,15 +69,35 @@ class Prompts:
         return [self.rnd.randrange(4, 8000) for _ in range(n)]
 
 
-def ttft(server: VllmServer, prompt: list[int]) -> tuple[float, list[int]]:
-    """Seconds to the first (only) token, and the token."""
-    t0 = time.perf_counter()
-    out = server.complete(prompt, max_tokens=1, timeout_s=900)
-    return time.perf_counter() - t0, list(out["choices"][0]["token_ids"])
+class Clock:
+    """Times ``max_tokens=1`` completions, each once every arm's processes are quiet.
+
+    A vLLM CPU worker keeps its core busy for about a second after each request (it
+    polls for the next step), and every arm's worker is pinned to the same cores: a
+    request sent right after another arm's would be timed against that polling (measured
+    here: a 1k-token miss at 1.8 s instead of 1.2 s). :func:`benchmarks.procfs.quiesce`
+    waits it out before each timed request; ``waited_s`` keeps the waits."""
+
+    def __init__(self, pgids: list[int]) -> None:
+        self.pgids = pgids
+        self.waited_s: list[float] = []
+
+    @classmethod
+    def of(cls, servers: dict[str, VllmServer], lmc: LMCacheServer | None) -> Clock:
+        procs = [s.proc for s in servers.values()] + [lmc.proc if lmc else None]
+        return cls([p.pid for p in procs if p is not None])  # each leads its own group
+
+    def ttft(self, server: VllmServer, prompt: list[int]) -> tuple[float, list[int]]:
+        """Seconds to the first (only) token, and the token."""
+        self.waited_s.append(quiesce(self.pgids))
+        t0 = time.perf_counter()
+        out = server.complete(prompt, max_tokens=1, timeout_s=900)
+        return time.perf_counter() - t0, list(out["choices"][0]["token_ids"])
 
 
-def measure_lengths(plain: VllmServer, arms: dict[str, VllmServer], lengths: list[int],
-                    reps: int, gen: Prompts, bar: tqdm) -> list[dict[str, Any]]:
+def measure_lengths(clock: Clock, plain: VllmServer, arms: dict[str, VllmServer],
+                    lengths: list[int], reps: int, gen: Prompts,
+                    bar: tqdm) -> list[dict[str, Any]]:
     """Per length: miss and engine hit on ``plain``; per connector arm, its miss (which
     stores the prompt) and its store hit after the engine's cache is reset."""
     rows = []
@@ -85,13 +106,13 @@ def measure_lengths(plain: VllmServer, arms: dict[str, VllmServer], lengths: lis
         same = True
         for _ in range(reps):
             p = gen.new(n)
-            got["miss"].append(ttft(plain, p)[0])
-            got["engine_hit"].append(ttft(plain, p)[0])
+            got["miss"].append(clock.ttft(plain, p)[0])
+            got["engine_hit"].append(clock.ttft(plain, p)[0])
             q = gen.new(n)
             for name, srv in arms.items():
-                t_miss, tok_miss = ttft(srv, q)
+                t_miss, tok_miss = clock.ttft(srv, q)
                 srv.reset_prefix_cache()
-                t_hit, tok_hit = ttft(srv, q)
+                t_hit, tok_hit = clock.ttft(srv, q)
                 got.setdefault(f"{name}_miss", []).append(t_miss)
                 got.setdefault(f"{name}_hit", []).append(t_hit)
                 same &= tok_hit == tok_miss
@@ -103,18 +124,18 @@ def measure_lengths(plain: VllmServer, arms: dict[str, VllmServer], lengths: lis
     return rows
 
 
-def measure_ratios(plain: VllmServer, kvc: VllmServer, n: int, reps: int, gen: Prompts,
-                   bar: tqdm) -> list[dict[str, Any]]:
+def measure_ratios(clock: Clock, plain: VllmServer, kvc: VllmServer, n: int, reps: int,
+                   gen: Prompts, bar: tqdm) -> list[dict[str, Any]]:
     rows = []
     for r in RATIOS:
         base, ours = [], []
         for _ in range(reps):
-            base.append(ttft(plain, gen.new(n))[0])
+            base.append(clock.ttft(plain, gen.new(n))[0])
             prefix = gen.new(int(r * n))
             if prefix:
                 kvc.complete(prefix, max_tokens=1, timeout_s=900)  # store the prefix
                 kvc.reset_prefix_cache()
-            ours.append(ttft(kvc, prefix + gen.new(n - len(prefix)))[0])
+            ours.append(clock.ttft(kvc, prefix + gen.new(n - len(prefix)))[0])
             bar.update(1)
         rows.append({"hit_ratio": r, "prompt_len": n,
                      "no_connector_ms": 1e3 * statistics.median(base),
@@ -160,7 +181,11 @@ def writer_round(model: str, store: dict[str, Any], n: int, reps: int, threads_e
     servers = start_servers(model, store, n + 512, threads_env, logs, lmc, warm_tokens=32)
     try:
         prompts = [gen.new(n) for _ in range(reps + 1)]
-        return ttft_writer.time_round(servers, prompts, turn, lambda s, p: ttft(s, p)[0], bar)
+        clock = Clock.of(servers, lmc)
+        got = ttft_writer.time_round(servers, prompts, turn, lambda s, p: clock.ttft(s, p)[0],
+                                     bar)
+        got.quiesce_s = clock.waited_s
+        return got
     finally:
         for srv in servers.values():
             srv.stop()
@@ -265,8 +290,9 @@ def main() -> None:
         arms = {k: v for k, v in servers.items() if k != "plain"}
         gen = Prompts(1)
         with tqdm(total=reps * (len(lengths) + len(RATIOS)), desc="ttft") as bar:
-            rows = measure_lengths(plain, arms, lengths, reps, gen, bar)
-            ratios = measure_ratios(plain, kvc, ratio_len, reps, gen, bar)
+            clock = Clock.of(servers, lmc)
+            rows = measure_lengths(clock, plain, arms, lengths, reps, gen, bar)
+            ratios = measure_ratios(clock, plain, kvc, ratio_len, reps, gen, bar)
     finally:
         for srv in servers.values():
             srv.stop()

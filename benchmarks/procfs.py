@@ -9,6 +9,8 @@ block device, to tell an SSD read from a page-cache hit).
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,36 @@ def cpu_seconds(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that ended meanwhile
     return total / 1e9
+
+
+def group_cpu_seconds(pgids: Sequence[int]) -> float:
+    """CPU seconds of every live process in the process groups ``pgids``."""
+    total = 0.0
+    for pgid in pgids:
+        for pid in group_pids(pgid):
+            try:
+                total += cpu_seconds(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # a process that ended meanwhile
+    return total
+
+
+def quiesce(pgids: Sequence[int], window_s: float = 0.1, busy_share: float = 0.05,
+            timeout_s: float = 5.0) -> float:
+    """Wait until the process groups ``pgids`` together use less than ``busy_share`` of
+    one CPU over a ``window_s`` window, or ``timeout_s`` has passed; returns the seconds
+    waited. An engine keeps a core busy for about a second after each request (vLLM's
+    worker polls for its next step); engines of different arms on the same cores would
+    otherwise time each other's polling, not their own work."""
+    t0 = time.perf_counter()
+    last = group_cpu_seconds(pgids)
+    while time.perf_counter() - t0 < timeout_s:
+        time.sleep(window_s)
+        now = group_cpu_seconds(pgids)
+        if now - last < busy_share * window_s:
+            break
+        last = now
+    return time.perf_counter() - t0
 
 
 def device_read_bytes(pids: list[int]) -> int:

@@ -8,7 +8,9 @@ with a 32-token request that saves nothing, then sends
   saving request; the same prompt everywhere, so every arm computes exactly the same);
 - **steady**: ``reps`` more prompts, each to every arm back to back,
 
-arms in an order that rotates with the round and the prompt. A connector arm's overhead is
+arms in an order that rotates with the round and the prompt, each request timed once
+every arm's processes are quiet (``bench_ttft.Clock``: an engine polls for about a second
+after a request, on the cores every arm's engine is pinned to). A connector arm's overhead is
 the median over rounds of its *paired* ratio to ``plain`` minus 1 (a round's steady ratio
 is the median over its prompts). Paired requests run seconds apart, so the shared box's
 slow drifts, which move a whole round's TTFTs by +-10%, cancel; the ratio of the arms'
@@ -40,6 +42,7 @@ class RoundTimes:
     first: dict[str, float] = field(default_factory=dict)
     steady: dict[str, list[float]] = field(default_factory=dict)
     saved_blocks: dict[str, float] = field(default_factory=dict)
+    quiesce_s: list[float] = field(default_factory=list)  # the waits before each request
 
 
 def rotated(names: Sequence[str], k: int) -> list[str]:
@@ -101,6 +104,8 @@ def overheads(rounds: Sequence[RoundTimes], n: int) -> dict[str, Any]:
                 / statistics.median(row[f"plain_{phase}_ms"]) - 1)
         if arm in rounds[0].saved_blocks:
             row[f"{arm}_saved_blocks"] = [r.saved_blocks[arm] for r in rounds]
+    waits = [w for r in rounds for w in r.quiesce_s]
+    row["quiesce_s_median_max"] = [statistics.median(waits), max(waits)] if waits else None
     return row
 
 
