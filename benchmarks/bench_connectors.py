@@ -58,17 +58,15 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_store_mooncake import MASTER, start_cluster, start_node  # noqa: E402
-
 from benchmarks import lmcache_peer  # noqa: E402
+from benchmarks.bench_store_mooncake import MASTER, start_cluster, start_node  # noqa: E402
+from benchmarks.connectors_report import ARMS, plot, print_table, summarise  # noqa: E402
 from benchmarks.lmcache_peer import LMCacheServer  # noqa: E402
 from kvcentric.testing.models import build_model  # noqa: E402
 from kvcentric.testing.netns import NetNamespace  # noqa: E402
 from kvcentric.testing.servers import VllmServer, connector_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-ARMS = ("no_connector", "mooncake_store_connector", "kvcentric", "kvcentric_whole_get",
-        "lmcache")
 DEFAULT_ARMS = ARMS[:3]
 PAGE = 128  # vLLM CPU block size; both connectors store 128-token blocks
 # float32: a stored block then holds exactly the bytes a recompute would produce, so every
@@ -104,9 +102,13 @@ FULL = Workload(users=4, turns=4, system_len=512, doc_len=2048, msg_len=256, ans
                 engine_blocks=40, max_len=4096)
 
 
+ENGINE_PHASES = ("queue", "prefill")  # vLLM's per-request phase histograms, in ms per request
+
+
 def counters(server: VllmServer) -> dict[str, float]:
-    """Hit counters, plus every connector counter (ours: ``vllm:kvcentric_*``) for the
-    profile of where a hit's time goes."""
+    """Hit counters, every connector counter (ours: ``vllm:kvcentric_*``) for the profile
+    of where a hit's time goes, and the sums and counts of vLLM's queue and prefill time
+    histograms (``*_sum`` / ``*_count``)."""
     m = server.metrics()
     out = {"engine_hit_tokens": m.get("vllm:prefix_cache_hits_total", 0.0),
            "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total", 0.0),
@@ -114,6 +116,34 @@ def counters(server: VllmServer) -> dict[str, float]:
     for name, value in m.items():
         if "{" not in name and ("kvcentric" in name or "mooncake" in name.lower()):
             out[name] = value
+    for phase in ENGINE_PHASES:
+        for part in ("sum", "count"):
+            out[f"{phase}_{part}"] = m.get(f"vllm:request_{phase}_time_seconds_{part}", 0.0)
+    return out
+
+
+def after_request(server: VllmServer, before: dict[str, float],
+                  timeout_s: float = 10.0) -> dict[str, float]:
+    """``counters`` once vLLM has recorded the request that just finished (its phase
+    histograms are observed when the engine reports the request finished, a moment after
+    the stream ends)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = counters(server)
+        if now["queue_count"] > before["queue_count"] or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+def request_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """One request's engine-side split in ms: ``queue`` (waiting: with vLLM's
+    MooncakeStoreConnector this includes its load, which runs before the request is
+    scheduled), ``prefill`` (scheduled to first token: the forward pass, and with ours
+    the layers' loads it waits for), and ours' connector counters that grew."""
+    out = {p: 1e3 * (after[f"{p}_sum"] - before[f"{p}_sum"]) for p in ENGINE_PHASES}
+    for k, v in after.items():
+        if k.startswith("vllm:kvcentric_") and k.endswith("_seconds_total"):
+            out[k[len("vllm:kvcentric_"):-len("_seconds_total")]] = 1e3 * (v - before.get(k, 0))
     return out
 
 
@@ -143,6 +173,8 @@ class Arm:
         hits = [run["counters"]["engine_hit_tokens"] + run["counters"]["external_hit_tokens"]
                 for run in self.runs]
         busy = sum(run["busy_s"] for run in self.runs)
+        split = [{k: statistics.median(s[k] for s in reqs) for k in reqs[0]}
+                 for reqs in zip(*(run["engine_split_ms"] for run in self.runs))]
         return {"status": "ok", "repeats": len(self.runs), "ttft_ms": [1e3 * x for x in t],
                 "ttft_ms_runs": [[1e3 * x for x in run["ttft_s"]] for run in self.runs],
                 "ttft_mean_ms": 1e3 * statistics.mean(t), "ttft_p90_ms": 1e3 * p90,
@@ -156,6 +188,7 @@ class Arm:
                                                  for run in self.runs),
                 "connector_counters_all_repeats": totals,
                 "mooncake_calls_per_request": self.calls_per_request(),
+                "engine_split_ms": split,
                 "outputs": self.runs[0]["outputs"]}
 
     def calls_per_request(self) -> dict[str, dict[str, float]]:
@@ -193,26 +226,32 @@ def serve(server: VllmServer, w: Workload, bar: tqdm,
     """The conversations on one server, round-robin over users, one request at a time."""
     system, docs, msgs = w.prompts()
     history = [system + d for d in docs]
+    pre = counters(server)
     server.complete(random.Random(1).sample(range(4, 8000), 256), max_tokens=2)  # one-offs
-    before = counters(server)
+    before = after_request(server, pre)
     calls_before = call_totals(timing_dir)
     ttfts: list[float] = []
     outputs: list[list[int]] = []
+    splits: list[dict[str, float]] = []
     busy = 0.0
+    last = before
     for turn in range(w.turns):
         for u in range(w.users):
             prompt = history[u] + msgs[u][turn]
             t0 = time.perf_counter()
             ttft, toks = server.stream(prompt, max_tokens=w.answer_len, timeout_s=900)
             busy += time.perf_counter() - t0
+            now = after_request(server, last)
+            splits.append(request_split(last, now))
+            last = now
             ttfts.append(ttft)
             outputs.append(toks)
             history[u] = prompt + toks
             bar.update()
-    after = counters(server)
+    after = last
     calls = {k: [c - calls_before.get(k, [0, 0.0])[0], t - calls_before.get(k, [0, 0.0])[1]]
              for k, (c, t) in call_totals(timing_dir).items()}
-    return {"ttft_s": ttfts, "outputs": outputs, "busy_s": busy,
+    return {"ttft_s": ttfts, "outputs": outputs, "busy_s": busy, "engine_split_ms": splits,
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
             "mooncake_calls": {k: v for k, v in calls.items() if v[0]}}
 
@@ -302,111 +341,6 @@ class Cluster:
             if p.poll() is None:
                 p.terminate()
                 p.wait(timeout=30)
-
-
-def summarise(arms: dict[str, dict[str, Any]], users: int) -> dict[str, Any]:
-    """Per-arm figures and the ratios between arms (``users``: the first ``users``
-    requests are first turns, prefilled cold in every arm; later turns can hit a store)."""
-    ok = {a: r for a, r in arms.items() if r["status"] == "ok"}
-    ref = ok.get("no_connector", {}).get("outputs")
-    out: dict[str, Any] = {
-        "status": {a: r["status"] for a, r in arms.items()},
-        "ttft_mean_ms": {a: r["ttft_mean_ms"] for a, r in ok.items()},
-        "ttft_p90_ms": {a: r["ttft_p90_ms"] for a, r in ok.items()},
-        "ttft_median_ms": {a: r["ttft_median_ms"] for a, r in ok.items()},
-        "ttft_first_turn_mean_ms": {a: statistics.mean(r["ttft_ms"][:users])
-                                    for a, r in ok.items()},
-        "ttft_later_turns_mean_ms": {a: statistics.mean(r["ttft_ms"][users:])
-                                     for a, r in ok.items() if len(r["ttft_ms"]) > users},
-        "hit_tokens": {a: r["hit_tokens"] for a, r in ok.items()},
-        "external_hit_tokens": {a: r["external_hit_tokens"] for a, r in ok.items()},
-        "engine_hit_tokens": {a: r["engine_hit_tokens"] for a, r in ok.items()},
-        "requests_per_s": {a: r["requests_per_s"] for a, r in ok.items()},
-        "outputs_match_no_connector": {
-            a: r["outputs"] == ref and r.get("outputs_same_every_repeat", True)
-            for a, r in ok.items() if ref is not None},
-    }
-    if "kvcentric" in ok and "mooncake_store_connector" in ok:
-        out["outputs_match_between_connectors"] = \
-            ok["kvcentric"]["outputs"] == ok["mooncake_store_connector"]["outputs"]
-    for a, b in (("mooncake_store_connector", "no_connector"), ("kvcentric", "no_connector"),
-                 ("kvcentric", "mooncake_store_connector"),
-                 ("kvcentric_whole_get", "mooncake_store_connector"),
-                 ("kvcentric", "kvcentric_whole_get"), ("lmcache", "no_connector"),
-                 ("kvcentric", "lmcache")):
-        if a in ok and b in ok:
-            out.update(_ratios(out, ok, a, b, users))
-    return out
-
-
-def _ratios(out: dict[str, Any], ok: dict[str, dict[str, Any]], a: str, b: str,
-            users: int) -> dict[str, float]:
-    """``a`` over ``b``: mean, median, later-turn mean, and the median of per-request
-    ratios (the same request in both arms: the comparison least moved by one slow
-    request on a shared machine)."""
-    later = out["ttft_later_turns_mean_ms"]
-    r = {f"ttft_{a}_vs_{b}": out["ttft_mean_ms"][a] / out["ttft_mean_ms"][b],
-         f"ttft_median_{a}_vs_{b}": out["ttft_median_ms"][a] / out["ttft_median_ms"][b],
-         f"ttft_paired_median_{a}_vs_{b}": statistics.median(
-             x / y for x, y in zip(ok[a]["ttft_ms"], ok[b]["ttft_ms"]))}
-    if a in later and b in later:
-        r[f"ttft_later_turns_{a}_vs_{b}"] = later[a] / later[b]
-    return r
-
-
-def plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [a for a in ARMS if a in res["summary"]["ttft_mean_ms"]]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    xs = range(len(ok))
-    a1.bar([x - 0.2 for x in xs], [res["summary"]["ttft_mean_ms"][a] for a in ok], 0.4,
-           label="mean")
-    a1.bar([x + 0.2 for x in xs], [res["summary"]["ttft_p90_ms"][a] for a in ok], 0.4,
-           label="p90")
-    a1.set_xticks(list(xs), [a.replace("_", "\n", 1) for a in ok], fontsize=8)
-    a1.set(ylabel="TTFT (ms)", title="TTFT per arm")
-    a1.legend()
-    for a in ok:
-        a2.plot(res["arms"][a]["ttft_ms"], marker="o", label=a)
-    a2.set(xlabel="request (turn-major, round-robin over users)", ylabel="TTFT (ms)",
-           title=f"TTFT per request (median of {res.get('repeats', 1)} runs)")
-    a2.legend(fontsize=8)
-    wl = res["workload"]
-    fig.suptitle(f"vLLM CPU, bench model: {wl['users']} users x {wl['turns']} turns, "
-                 f"engine cache {wl['engine_blocks']} blocks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def print_table(res: dict[str, Any]) -> None:
-    s = res["summary"]
-    later = s.get("ttft_later_turns_mean_ms", {})
-    print(f"\n{'arm':>26} {'TTFT mean':>10} {'p90':>8} {'median':>8} {'turns 2+':>9} "
-          f"{'req/s':>7} {'engine hit':>11} {'store hit':>10} {'same tokens':>12}")
-    for a in ARMS:
-        r = res["arms"].get(a, {"status": "not run"})
-        if r["status"] != "ok":
-            print(f"{a:>26} {r['status']}")
-            continue
-        print(f"{a:>26} {r['ttft_mean_ms']:10.0f} {r['ttft_p90_ms']:8.0f} "
-              f"{r['ttft_median_ms']:8.0f} {later.get(a, float('nan')):9.0f} "
-              f"{r['requests_per_s']:7.3f} "
-              f"{r['engine_hit_tokens']:11.0f} "
-              f"{r['external_hit_tokens']:10.0f} "
-              f"{str(s['outputs_match_no_connector'].get(a, '-')):>12}")
-    for k, v in s.items():
-        if k.startswith("ttft_") and "_vs_" in k and isinstance(v, float):
-            print(f"{k}: {v:.3f}")
-    for a in ARMS:
-        calls = res["arms"].get(a, {}).get("mooncake_calls_per_request")
-        if calls:
-            print(f"\nMooncake store calls per request, {a}:")
-            for name, c in sorted(calls.items(), key=lambda kv: -kv[1]["ms"]):
-                print(f"  {name:>36} {c['calls']:8.1f} calls {c['ms']:9.1f} ms")
 
 
 def main() -> None:
