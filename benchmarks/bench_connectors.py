@@ -58,7 +58,7 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import lmcache_peer  # noqa: E402
+from benchmarks import lmcache_peer, results_writer  # noqa: E402
 from benchmarks.bench_store_mooncake import MASTER, start_cluster, start_node  # noqa: E402
 from benchmarks.connectors_report import ARMS, plot, print_table, summarise  # noqa: E402
 from benchmarks.lmcache_peer import LMCacheServer  # noqa: E402
@@ -388,6 +388,8 @@ def main() -> None:
            "worker_threads": f"cores - {reserved} reserved", "workload": asdict(w),
            "repeats": args.repeats, "arms": arms, "summary": summarise(arms, w.users)}
     print_table(res)
+    res["meta"] = {"command": results_writer.command_line(__file__),
+                   "machine": results_writer.machine()}
     out = args.out or RESULTS / f"connectors{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     if any(r["status"] == "ok" for r in arms.values()):
