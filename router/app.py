@@ -46,6 +46,12 @@ from kvcentric.router.store_view import StoreView
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.stored_layout import stored_block_size
 
+# ZMQ closes a removed instance's event socket on its I/O thread, a moment after the
+# DELETE answers: re-adding the instance at once could find its port still bound (seen in
+# CI under load: DELETE then POST of the same instance, 409). A bind refused as in use is
+# retried for this long before the POST answers 409.
+REBIND_WAIT_S = 2.0
+
 log = logging.getLogger("router.app")
 
 
@@ -177,6 +183,9 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*state.tasks.values(), return_exceptions=True)
             await state.client.aclose()
+            for inst in state.conductor.registry:  # a listener whose task was cancelled
+                if inst.listener is not None:      # before its first step never closed
+                    inst.listener.close()          # its socket, and term() would wait on it
             state.zmq_ctx.term()
             state.conductor.store.close()
 
@@ -336,20 +345,26 @@ def _admin_routes(app: FastAPI, state: RouterState) -> None:
                                        "errors": c.store.errors}})
 
     async def _add_instance(request: Request) -> JSONResponse:
-        spec = None
         try:
             spec = InstanceSpec.from_dict(await _json_body(request, cfg.limits.max_body_bytes))
-            inst = state.add_instance(spec)
         except ValueError as exc:
             return error_response(400, str(exc))
-        except KeyError as exc:
-            return error_response(409, str(exc.args[0]))
-        except zmq.ZMQError as exc:  # a well-formed address this host cannot take
-            assert spec is not None
-            state.conductor.registry.remove(str(spec.name))
-            return error_response(409, f"cannot listen on {spec.kv_events}: {exc}")
-        return JSONResponse(inst.describe(state.conductor.index, time.monotonic()),
-                            status_code=201)
+        deadline = time.monotonic() + REBIND_WAIT_S
+        while True:
+            try:
+                inst = state.add_instance(spec)
+            except ValueError as exc:
+                return error_response(400, str(exc))
+            except KeyError as exc:
+                return error_response(409, str(exc.args[0]))
+            except zmq.ZMQError as exc:  # a well-formed address this host cannot take
+                state.conductor.registry.remove(str(spec.name))
+                if exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)  # e.g. a removed instance's port, closing
+                    continue
+                return error_response(409, f"cannot listen on {spec.kv_events}: {exc}")
+            return JSONResponse(inst.describe(state.conductor.index, time.monotonic()),
+                                status_code=201)
 
     @app.delete("/instances/{name}")
     async def delete_instance(name: str, request: Request) -> JSONResponse:

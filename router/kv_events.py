@@ -197,10 +197,14 @@ class EventListener:
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if router_binds(endpoint) if bind is None else bind:
-            self._sock.bind(endpoint)
-        else:
-            self._sock.connect(endpoint)
+        try:
+            if router_binds(endpoint) if bind is None else bind:
+                self._sock.bind(endpoint)
+            else:
+                self._sock.connect(endpoint)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)  # a socket left open would hang the context's term()
+            raise
         self.replay_endpoint = replay
         self.replay_timeout_s = replay_timeout_s
         self._ready = ready

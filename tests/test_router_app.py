@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvcentric.router import app as app_mod
 from kvcentric.router.app import build_app
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile
@@ -174,6 +176,39 @@ def test_models_health_metrics_and_instances_admin(tiny_dir: str,
         assert 'kvc_router_instance_healthy{instance="c:1",role="decode"} 1.0' in m
 
     run(make_cfg(tiny_dir, TWO), tokenizer, ups, fn)
+
+
+def test_a_port_still_closing_is_waited_for_and_a_taken_one_refused(
+        tiny_dir: str, tokenizer: PromptTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Re-adding an instance whose event port is still bound (ZMQ closes a removed
+    instance's socket a moment later) succeeds once the port frees; a port that stays
+    taken is refused with 409 after ``REBIND_WAIT_S``."""
+    monkeypatch.setattr(app_mod, "REBIND_WAIT_S", 1.0)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    spec = {"url": "http://c:1", "name": "c", "kv_events": f"tcp://127.0.0.1:{port}"}
+
+    async def fn(c: httpx.AsyncClient) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        r = await c.post("/instances", json=spec)
+        assert r.status_code == 409 and "cannot listen" in r.json()["error"]["message"]
+        assert loop.time() - t0 >= 1.0
+        assert "c" not in [i["name"] for i in (await c.get("/instances")).json()["instances"]]
+        loop.call_later(0.3, held.close)
+        t0 = loop.time()
+        assert (await c.post("/instances", json=spec)).status_code == 201
+        assert 0.25 <= loop.time() - t0 < 1.0
+        for _ in range(20):  # the delete/re-add cycle the e2e tests make
+            assert (await c.delete("/instances/c")).status_code == 200
+            assert (await c.post("/instances", json=spec)).status_code == 201
+
+    try:
+        run(make_cfg(tiny_dir, TWO), tokenizer, Upstreams(), fn)
+    finally:
+        held.close()
 
 
 def test_prefill_then_decode_flow(tiny_dir: str, tokenizer: PromptTokenizer) -> None:
