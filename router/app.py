@@ -48,8 +48,8 @@ from kvcentric.stored_layout import stored_block_size
 
 # ZMQ closes a removed instance's event socket on its I/O thread, a moment after the
 # DELETE answers: re-adding the instance at once could find its port still bound (seen in
-# CI under load: DELETE then POST of the same instance, 409). A bind refused as in use is
-# retried for this long before the POST answers 409.
+# a full test run under load: DELETE then POST of the same instance, 409). A bind refused
+# as in use is retried for this long before the POST answers 409.
 REBIND_WAIT_S = 2.0
 
 log = logging.getLogger("router.app")
