@@ -44,9 +44,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcentric.config import StoreConfig  # noqa: E402
 from kvcentric.hashing import KeySpace  # noqa: E402
-from kvcentric.router.config import InstanceSpec, RouterConfig  # noqa: E402
+from kvcentric.router.config import RouterConfig  # noqa: E402
 from kvcentric.router.cost_model import Profile  # noqa: E402
 from kvcentric.router.decision import Decision  # noqa: E402
+from kvcentric.router.instance_spec import InstanceSpec  # noqa: E402
 from kvcentric.router.scheduler import Conductor  # noqa: E402
 from kvcentric.router.store_view import StoreView  # noqa: E402
 from kvcentric.router.tokenize import PromptTokenizer  # noqa: E402

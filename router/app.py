@@ -31,10 +31,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvcentric.router import api_models, limits
 from kvcentric.router import instances as inst_mod
 from kvcentric.router.auth import CLIENT_SALT_MAX, SALT_MAX, Authenticator, Caller
-from kvcentric.router.config import InstanceSpec, RouterConfig
+from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile, kv_bytes_per_token
 from kvcentric.router.dashboard import dashboard_routes
 from kvcentric.router.errors import Refused, error_response
+from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
 from kvcentric.router.metrics import RouterMetrics

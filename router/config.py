@@ -33,24 +33,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import yaml
 
 from kvcentric.config import StoreConfig, check_keys, parse_fields
+from kvcentric.router.instance_spec import NAME_RE, InstanceSpec
 from kvcentric.router.processor import SHARING
 
 ENV_API_KEYS = "KVCENTRIC_ROUTER_API_KEYS"
 ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"
 ENV_UPSTREAM_KEY = "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"
-
-ROLES = ("prefill", "decode", "both")
-_NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
-# tcp://HOST:PORT (the router binds; HOST "*": the engine binds, the router connects to the
-# instance's host), ipc:///path or inproc://name (the engine binds, the router connects)
-KV_EVENTS_RE = re.compile(rf"tcp://(\*|[A-Za-z0-9.-]+):{_PORT}|ipc://[^\x00]+|inproc://[^\x00]+")
-
 
 def _section(cls: type, section: str, raw: Any) -> Any:
     return cls(**parse_fields(cls, raw, section))
@@ -62,71 +54,6 @@ def _positive(obj: object, *names: str) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive number, "
                              f"got {value!r}")
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    """One engine behind the router.
-
-    ``role``: ``prefill`` (kv_producer), ``decode`` (kv_consumer) or ``both`` (kv_both, or
-    no connector). ``kv_events``: the ZMQ endpoint the engine publishes KV cache events to
-    (``tcp://127.0.0.1:PORT``: the engine connects and the router binds; ``ipc://...``:
-    the engine binds and the router connects); ``None``: the router's own bookkeeping.
-    ``kv_events_replay``: the engine's replay endpoint (vLLM's ``replay_endpoint``, which
-    the engine binds; the router connects): a router (re)starting, or seeing batches lost,
-    asks it for the engine's buffered event batches, so that its residency view is rebuilt
-    from the engine instead of starting empty. Needs ``kv_events``.
-    ``compute``: instances naming the same compute share one processor (several engines
-    on one GPU, or vLLM CPU engines bound to the same cores); the cost model splits it
-    fairly between those with prefills to do instead of counting each at full speed.
-    """
-
-    url: str
-    role: str = "both"
-    model: str | None = None
-    name: str | None = None
-    kv_events: str | None = None
-    kv_events_replay: str | None = None
-    compute: str | None = None
-
-    def __post_init__(self) -> None:
-        parsed = urlparse(self.url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"instance url {self.url!r} must be http(s)://host:port")
-        object.__setattr__(self, "url", self.url.rstrip("/"))
-        if self.role not in ROLES:
-            raise ValueError(f"instance role {self.role!r} must be one of {ROLES}")
-        if self.name is None:
-            object.__setattr__(self, "name", parsed.netloc)
-        if not _NAME_RE.fullmatch(str(self.name)):
-            raise ValueError(f"instance name {self.name!r} must match {_NAME_RE.pattern}")
-        if self.kv_events is not None and not (isinstance(self.kv_events, str)
-                                               and KV_EVENTS_RE.fullmatch(self.kv_events)):
-            raise ValueError(f"kv_events {self.kv_events!r} must be tcp://HOST:PORT, "
-                             "ipc:///path or inproc://name")
-        if self.kv_events_replay is not None:
-            if not (isinstance(self.kv_events_replay, str)
-                    and KV_EVENTS_RE.fullmatch(self.kv_events_replay)):
-                raise ValueError(f"kv_events_replay {self.kv_events_replay!r} must be "
-                                 "tcp://HOST:PORT, ipc:///path or inproc://name")
-            if self.kv_events is None:
-                raise ValueError("kv_events_replay needs kv_events (the live stream)")
-        if self.compute is not None and not _NAME_RE.fullmatch(self.compute):
-            raise ValueError(f"instance compute {self.compute!r} must match {_NAME_RE.pattern}")
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> InstanceSpec:
-        if not isinstance(raw, Mapping) or "url" not in raw:
-            raise ValueError(f"an instance needs at least a url, got {raw!r}")
-        return cls(**parse_fields(cls, raw, "instance"))
-
-    @property
-    def can_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
-
-    @property
-    def can_decode(self) -> bool:
-        return self.role in ("decode", "both")
 
 
 @dataclass(frozen=True)
@@ -315,9 +242,9 @@ class AuthConfig:
     def __post_init__(self) -> None:
         for key, tenant in self.api_keys:
             if not isinstance(key, str) or len(key) < 8 or not isinstance(tenant, str) \
-                    or not _NAME_RE.fullmatch(tenant):
+                    or not NAME_RE.fullmatch(tenant):
                 raise ValueError("auth.api_keys maps keys of >= 8 characters to tenant names "
-                                 f"matching {_NAME_RE.pattern}")
+                                 f"matching {NAME_RE.pattern}")
         if len({k for k, _ in self.api_keys}) != len(self.api_keys):
             raise ValueError("auth.api_keys has a key twice")
         if self.admin_key is not None and (not isinstance(self.admin_key, str)

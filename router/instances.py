@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvcentric.router.config import HealthConfig, InstanceSpec
+from kvcentric.router.config import HealthConfig
 from kvcentric.router.engine_metrics import EngineStats, parse_engine_metrics
+from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.kv_events import EventListener, EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.router.processor import Processor

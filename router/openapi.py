@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvcentric.router.config import KV_EVENTS_RE, ROLES, RouterConfig
+from kvcentric.router.config import RouterConfig
+from kvcentric.router.instance_spec import KV_EVENTS_RE, ROLES
 
 # One server-sent event (OpenAPI before 3.2: the stream's ``schema`` describes each event);
 # ``data`` is a JSON chunk of the completion, or ``[DONE]`` at the end.

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvcentric.router.config import InstanceSpec, RouterConfig, SloConfig
+from kvcentric.router.config import RouterConfig, SloConfig
 from kvcentric.router.cost_model import Profile, load_s
 from kvcentric.router.decision import (
     CostParams,
@@ -16,6 +16,7 @@ from kvcentric.router.decision import (
     decode_cost,
     prefill_cost,
 )
+from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.instances import Instance, Registry
 from kvcentric.router.prefix_index import PrefixIndex
 

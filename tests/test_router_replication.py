@@ -11,8 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from kvcentric.router.config import InstanceSpec, RouterConfig
+from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile
+from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.metrics import RouterMetrics
 from kvcentric.router.replication import HotPrefixes, Replicator, warm_body
 from kvcentric.router.scheduler import Conductor

@@ -17,10 +17,11 @@ import zmq.asyncio
 from kvcentric.config import DiskConfig, StoreConfig
 from kvcentric.hashing import KeySpace, TailRef, block_hashes, hash_seed
 from kvcentric.router import cli as router_cli
-from kvcentric.router.config import InstanceSpec, RouterConfig, load_config
+from kvcentric.router.config import RouterConfig, load_config
 from kvcentric.router.cost_model import Profile, fit, kv_bytes_per_token
 from kvcentric.router.decision import Rejection
 from kvcentric.router.heat import PrefixHeat
+from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch, router_binds
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.router.profile import disk_bandwidth
