@@ -75,10 +75,28 @@ class RouterState:
 
     # ---- instances ----
     def add_instance(self, spec: InstanceSpec) -> Instance:
+        """Register ``spec`` and start its event listener; a listener that cannot be made
+        (``zmq.ZMQError``: an address this host cannot take) leaves nothing registered."""
         inst = self.conductor.registry.add(spec)
         if spec.kv_events and self.zmq_ctx is not None:
-            self._listen(inst)
+            try:
+                self._listen(inst)
+            except zmq.ZMQError:
+                self.conductor.registry.remove(inst.name)
+                raise
         return inst
+
+    async def add_instance_rebinding(self, spec: InstanceSpec) -> Instance:
+        """:meth:`add_instance`, retrying a bind refused as in use for ``REBIND_WAIT_S``
+        (e.g. the port of an instance just removed, whose socket ZMQ is still closing)."""
+        deadline = time.monotonic() + REBIND_WAIT_S
+        while True:
+            try:
+                return self.add_instance(spec)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.02)
 
     def _listen(self, inst: Instance) -> None:
         spec = inst.spec
@@ -346,26 +364,19 @@ def _admin_routes(app: FastAPI, state: RouterState) -> None:
                                        "errors": c.store.errors}})
 
     async def _add_instance(request: Request) -> JSONResponse:
+        spec = None
         try:
             spec = InstanceSpec.from_dict(await _json_body(request, cfg.limits.max_body_bytes))
+            inst = await state.add_instance_rebinding(spec)
         except ValueError as exc:
             return error_response(400, str(exc))
-        deadline = time.monotonic() + REBIND_WAIT_S
-        while True:
-            try:
-                inst = state.add_instance(spec)
-            except ValueError as exc:
-                return error_response(400, str(exc))
-            except KeyError as exc:
-                return error_response(409, str(exc.args[0]))
-            except zmq.ZMQError as exc:  # a well-formed address this host cannot take
-                state.conductor.registry.remove(str(spec.name))
-                if exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)  # e.g. a removed instance's port, closing
-                    continue
-                return error_response(409, f"cannot listen on {spec.kv_events}: {exc}")
-            return JSONResponse(inst.describe(state.conductor.index, time.monotonic()),
-                                status_code=201)
+        except KeyError as exc:
+            return error_response(409, str(exc.args[0]))
+        except zmq.ZMQError as exc:  # a well-formed address this host cannot take
+            assert spec is not None
+            return error_response(409, f"cannot listen on {spec.kv_events}: {exc}")
+        return JSONResponse(inst.describe(state.conductor.index, time.monotonic()),
+                            status_code=201)
 
     @app.delete("/instances/{name}")
     async def delete_instance(name: str, request: Request) -> JSONResponse:
