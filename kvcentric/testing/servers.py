@@ -6,8 +6,10 @@ process group; :meth:`VllmServer.stop` ends that group only (processes we starte
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,12 +22,43 @@ from typing import Any
 
 import httpx
 
+LOWEST_PORT = 10000
+_given: set[int] = set()  # ports free_port handed out in this process, never handed twice
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free right now, below the kernel's ephemeral range.
+
+    A port-0 bind (vLLM's and ZMQ's own servers) and every outgoing connection take ports
+    from the ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``), so a port picked
+    there was once taken before the engine it was meant for bound it a minute later (an
+    engine's replay endpoint: ``EADDRINUSE``, in a fresh-clone test run). Below that range
+    only an explicit bind takes a port. The scan starts at a random port, so processes
+    picking at once rarely meet, and a port is handed out once per process."""
+    low = _ephemeral_low()
+    if low <= LOWEST_PORT + 1:  # no room below the range: the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    start = random.randrange(LOWEST_PORT, low)
+    for port in itertools.chain(range(start, low), range(LOWEST_PORT, start)):
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in [{LOWEST_PORT}, {low})")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def stop_group(proc: subprocess.Popen[bytes] | None, grace_s: float = 20.0) -> None:
