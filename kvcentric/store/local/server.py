@@ -25,11 +25,13 @@ import secrets
 import selectors
 import socket
 import time
+from collections import deque
 from typing import Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import wire
 from kvcentric.store.local.demoter import DiskWorker
+from kvcentric.store.local.holdback import Holdback
 from kvcentric.store.local.index import ObjectIndex
 from kvcentric.store.local.shared_index import SharedIndexWriter, slots_for
 from kvcentric.store.local.tiered import TieredIndex
@@ -53,6 +55,7 @@ class _Client:
         self.sock = sock
         self.frames = wire.FrameBuffer()
         self.unsent = bytearray()  # replies the socket did not take yet
+        self.queued: deque[tuple[str, list[Any]]] = deque()  # behind a held-back reserve
 
 
 class Coordinator:
@@ -62,9 +65,12 @@ class Coordinator:
         self.cfg = cfg
         self._disk: DiskWorker | None = None
         self.index: ObjectIndex
+        self._holdback: Holdback | None = None  # reserves waiting for the disk tier
         if cfg.disk is not None and cfg.disk_dir is not None:
             self.index = TieredIndex(cfg.capacity_bytes, cfg.disk.capacity_bytes, cfg.disk_dir,
-                                     cfg.disk.high_watermark, self._submit)
+                                     cfg.disk.high_watermark, self._submit,
+                                     dirty_limit=cfg.disk.dirty_fraction)
+            self._holdback = Holdback(self.index, cfg.disk.put_wait_s)
         else:
             self.index = ObjectIndex(cfg.capacity_bytes)
         self.arena_id = secrets.token_hex(8)
@@ -136,7 +142,7 @@ class Coordinator:
         try:
             while self._running:
                 woken = False
-                for skey, events in self._sel.select(timeout=LEASE_SWEEP_INTERVAL_S):
+                for skey, events in self._sel.select(timeout=self._select_timeout()):
                     if skey.data is None:
                         self._accept(lsock)
                         continue
@@ -149,6 +155,7 @@ class Coordinator:
                         self._handle(skey.data)
                 now = time.monotonic()
                 self._disk_turn(now, woken)
+                self._holdback_turn(now)
                 self._shared.beat()
                 if self.cfg.lease_ttl_s > 0 and now - last_sweep >= LEASE_SWEEP_INTERVAL_S:
                     self._expire_leases(now)
@@ -161,6 +168,22 @@ class Coordinator:
                     break
         finally:
             self._cleanup(lsock)
+
+    def _select_timeout(self) -> float:
+        held = self._holdback.timeout(time.monotonic()) if self._holdback else None
+        return LEASE_SWEEP_INTERVAL_S if held is None else min(held, LEASE_SWEEP_INTERVAL_S)
+
+    def _holdback_turn(self, now: float) -> None:
+        """Answer the held-back reserves that now have room or reached their deadline,
+        then the requests each client sent behind its own."""
+        if self._holdback is None or self._holdback.timeout(now) is None:
+            return
+        with self._write_section("reserve"):
+            done = self._holdback.due(now)
+        for owner, codes in done:
+            client = self._conns.get(owner)
+            if client is not None and self._reply(client, codes):
+                self._answer(client)
 
     def _idle_expired(self, now: float) -> bool:
         if self._conns:
@@ -193,15 +216,23 @@ class Coordinator:
                 log.warning("dropping client %d: %s", owner, exc)
             self._drop(owner)
             return
-        for op, args in requests:
+        client.queued.extend(requests)
+        self._answer(client)
+
+    def _answer(self, client: _Client) -> None:
+        """Answer ``client``'s queued requests in order, up to a held-back reserve (its
+        reply, and so the requests behind it, come from :meth:`_holdback_turn`)."""
+        owner = client.sock.fileno()
+        while client.queued and not (self._holdback and self._holdback.holds(owner)):
+            op, args = client.queued.popleft()
             try:
                 with self._write_section(op):
                     reply: Any = self._dispatch(owner, op, args)
             except Exception as exc:  # a bad request must not kill the coordinator
                 log.warning("bad request %r: %s: %s", op[:32], type(exc).__name__, exc)
                 reply = ["error", f"{type(exc).__name__}: {exc}"]
-            if op in ONE_WAY:
-                continue
+            if op in ONE_WAY or reply is None and op == "reserve":
+                continue  # one-way, or held back: answered later
             if not self._reply(client, reply):
                 return
 
@@ -244,6 +275,8 @@ class Coordinator:
         client = self._conns.pop(owner, None)
         if client is None:
             return
+        if self._holdback is not None:
+            self._holdback.forget(owner)
         self._sel.unregister(owner)
         client.sock.close()
         with self._write_section("drop"):
@@ -269,6 +302,8 @@ class Coordinator:
             keys, sizes, parents = args
             if not len(keys) == len(sizes) == len(parents):
                 raise ValueError("reserve: keys, sizes and parents differ in length")
+            if self._holdback is not None:  # None: held back, answered later
+                return self._holdback.reserve(owner, keys, sizes, parents, time.monotonic())
             return [idx.reserve(k, s, p, owner) for k, s, p in zip(keys, sizes, parents)]
         if op == "commit":
             keys, sums, pin_s = args

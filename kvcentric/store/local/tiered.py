@@ -5,11 +5,27 @@ An object lives in DRAM (``offset >= 0``), on disk (``disk_path``), or both. In 
 pinned) or *clean* (its disk copy is complete and fsynced). Objects move DRAM -> disk -> gone:
 
 - **Demotion** is write-back and asynchronous. When dirty bytes exceed ``high_watermark`` of
-  DRAM, :meth:`pump` hands the coldest dirty objects to the I/O threads (``submit``); their
-  completion (:meth:`demoted`) makes them clean. Nothing on the request path waits for it.
+  DRAM, or a writer is held back (below), :meth:`pump` hands the coldest dirty objects to
+  the I/O threads (``submit``); their completion (:meth:`demoted`) makes them clean.
 - **DRAM eviction** (a ``reserve`` that needs room) drops the DRAM copy of a clean object,
-  leaves of prefix chains first. Only when no clean copy is left (the disk is behind, full or
-  failing) is a dirty leaf dropped outright, counted as ``dropped_undemoted``.
+  leaves of prefix chains first; that loses nothing.
+- **Writers held back: nothing committed is lost while the disk has room.** While the disk
+  takes writes, a committed object with no disk copy (dirty or demoting: *un-demoted*) is
+  never dropped. Instead a ``reserve(hold=True)`` answers :data:`HOLD` when un-demoted
+  bytes are at ``dirty_limit`` of DRAM or when room could only be made by dropping an
+  un-demoted object; the coordinator parks that request (off its loop,
+  :mod:`kvcentric.store.local.holdback`) and retries it as demotions complete, for at most
+  ``put_wait_s``. Then it asks once more with ``hold=False``: the bound is waived, room is
+  made from free space and clean copies only, and what still does not fit is refused
+  (``ERR_NO_SPACE``, counted in ``rejected_puts`` and ``refused_undemoted``: never
+  committed, so never readable). ``put_waits``/``put_wait_ms`` count the waits.
+- **When the disk has no room** (a demotion found no space and no disk-only leaf to evict,
+  or the kernel said ENOSPC/EFBIG/EDQUOT, or a write failed: ``disk_full``/``disk_errors``),
+  demotion pauses for ``BACKOFF_S`` and for that long the tier is a DRAM-only cache again:
+  nobody is held back, and a reserve that finds no clean copy drops the coldest dirty chain
+  leaf outright, counted ``dropped_undemoted`` (the newest objects are kept, as a DRAM-only
+  store would). ``dropped_undemoted`` therefore stays 0 for as long as every demotion finds
+  room (tests/test_store_demotion.py).
 - **Disk eviction** (a demotion that needs room on disk) removes the least recently used
   disk-only *leaf*, which is then gone (``disk_evictions``).
 - **Reads**: ``acquire`` leases both tiers. A disk-only object is read by the client straight
@@ -35,16 +51,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcentric.store.base import OK
+from kvcentric.store.base import ERR_EXISTS, ERR_INVALID, ERR_NO_SPACE, OK
 from kvcentric.store.local import disk
 from kvcentric.store.local.demoter import Recovered, RecoveryDone, WriteDone, WriteJob
 from kvcentric.store.local.index import Entry, ObjectIndex
 from kvcentric.store.local.shared_index import SharedIndexWriter
 
 PROMOTE, CORRUPT, MISSING = 1, 2, 3  # settle codes, per leased object
+HOLD = -201  # reserve: wait for the demoter; the coordinator's own, never sent to a client
 MAX_IN_FLIGHT = 32  # demotions queued at once: pinned bytes cannot be evicted meanwhile
 VICTIM_SCAN = 64  # clean copies looked at for a chain leaf before taking any clean copy
 BACKOFF_S = 1.0  # after a failed disk write, no demotion for this long
+WANTED_S = 0.1  # after a writer found no room, demote every dirty object for this long
 
 
 @dataclass
@@ -55,7 +73,10 @@ class TierCounters:
     promotions: int = 0
     dram_evictions: int = 0  # objects that left DRAM (``evictions`` counts every tier's)
     disk_evictions: int = 0  # disk-only objects removed for disk space (gone)
-    dropped_undemoted: int = 0  # dropped from DRAM with no disk copy (disk behind/full/failing)
+    dropped_undemoted: int = 0  # dropped from DRAM with no disk copy (only while disk has no room)
+    put_waits: int = 0  # reserve requests held back for the demoter
+    put_wait_ms: int = 0  # time they waited, in total
+    refused_undemoted: int = 0  # objects refused, the disk having room: demotion was behind
     disk_write_bytes: int = 0
     disk_read_bytes: int = 0  # bytes of disk-resident objects leased to readers
     disk_full: int = 0  # demotions refused: no disk space, or ENOSPC/EFBIG from the kernel
@@ -68,13 +89,15 @@ class TierCounters:
 
 class TieredIndex(ObjectIndex):
     def __init__(self, capacity: int, disk_capacity: int, root: Path, high_watermark: float,
-                 submit: Callable[[Any], None], shared: SharedIndexWriter | None = None) -> None:
+                 submit: Callable[[Any], None], shared: SharedIndexWriter | None = None,
+                 dirty_limit: float = 1.0) -> None:
         super().__init__(capacity, shared)
         self.root = root
         self.disk_capacity = disk_capacity
         self.disk_used = 0
         self.disk_objects = 0
         self.high_watermark = high_watermark
+        self.dirty_limit = dirty_limit
         self.submit = submit
         self.tiers = TierCounters()
         self.recovering = False
@@ -82,12 +105,50 @@ class TieredIndex(ObjectIndex):
         self._clean: OrderedDict[str, Entry] = OrderedDict()  # LRU first
         self._dirty_bytes = 0
         self._demoting = 0
+        self._demoting_bytes = 0
+        self._wanted_until = 0.0  # a writer waits for room: demote regardless of watermark
         self._promos: dict[int, list[Entry]] = {}
         self._backoff_until = 0.0
         self._tag = secrets.token_hex(4)
         self._seq = itertools.count()
 
     # ---- writes and eviction ----
+    def reserve(self, key: str, size: int, parent: str | None, owner: int,
+                hold: bool = False) -> int:
+        """The base's reserve, except that while the disk has room no un-demoted object is
+        dropped for it: ``hold`` answers :data:`HOLD` instead (wait and ask again), else
+        ``ERR_NO_SPACE`` (module docstring)."""
+        if size <= 0 or size > self.alloc.capacity:
+            return ERR_INVALID
+        if key in self.entries:
+            return ERR_EXISTS
+        now = time.monotonic()
+        room = not self.disk_stalled(now)
+        if hold and room and self.undemoted_bytes() >= self.dirty_limit * self.alloc.capacity:
+            self._wanted_until = now + WANTED_S
+            return HOLD
+        offset = self.alloc.alloc(size)
+        while offset is None and self._evict_one(drop_dirty=not room):
+            offset = self.alloc.alloc(size)
+        if offset is None:
+            if room and self.undemoted_bytes():  # demotion will make clean copies to drop
+                self._wanted_until = now + WANTED_S
+                if hold:
+                    return HOLD
+                self.tiers.refused_undemoted += 1
+            self.counters.rejected_puts += 1
+            return ERR_NO_SPACE
+        self.entries[key] = Entry(key, offset, size, owner, parent)
+        return offset
+
+    def disk_stalled(self, now: float) -> bool:
+        """True while demotion pauses after the disk had no room (or failed)."""
+        return now < self._backoff_until
+
+    def undemoted_bytes(self) -> int:
+        """Committed DRAM bytes with no disk copy (dirty or being written)."""
+        return self._dirty_bytes + self._demoting_bytes
+
     def commit(self, key: str, owner: int, checksum: int | None, pin_s: float = 0.0) -> int:
         code = super().commit(key, owner, checksum, pin_s)
         e = self.entries[key] if code == OK else None
@@ -96,20 +157,26 @@ class TieredIndex(ObjectIndex):
             self._dirty_bytes += e.size
         return code
 
-    def _evict_one(self) -> bool:
-        """Make DRAM room: drop a clean copy (a pinned object keeps its disk copy), else
-        (counted) a dirty, unpinned chain leaf outright."""
+    def _evict_one(self, drop_dirty: bool = True) -> bool:
+        """Make DRAM room: drop a clean copy (a pinned object keeps its disk copy), else,
+        with ``drop_dirty`` (the disk has no room), a dirty, unpinned chain leaf outright
+        (counted)."""
         if self._drop_clean():
             return True
-        now = time.monotonic()
+        e = self._dirty_victim(time.monotonic()) if drop_dirty else None
+        if e is None:
+            return False
+        self._drop(e)
+        self.counters.evictions += 1
+        self.tiers.dram_evictions += 1
+        self.tiers.dropped_undemoted += 1
+        return True
+
+    def _dirty_victim(self, now: float) -> Entry | None:
         for e in self._leaves.values():
             if e.evictable(now) and not e.demoting and e.offset >= 0 and e.disk_path is None:
-                self._drop(e)
-                self.counters.evictions += 1
-                self.tiers.dram_evictions += 1
-                self.tiers.dropped_undemoted += 1
-                return True
-        return False
+                return e
+        return None
 
     def _drop_clean(self) -> bool:
         first = None
@@ -159,8 +226,9 @@ class TieredIndex(ObjectIndex):
     # ---- demotion ----
     def pump(self, now: float) -> None:
         """Queue demotions of the coldest dirty objects while dirty bytes are above the
-        watermark (at most ``MAX_IN_FLIGHT`` in flight; none while backing off)."""
-        limit = self.high_watermark * self.alloc.capacity
+        watermark, or any while a writer waits for room (at most ``MAX_IN_FLIGHT`` in
+        flight; none while backing off)."""
+        limit = self._pump_limit(now)
         while (self._dirty and self._dirty_bytes > limit and self._demoting < MAX_IN_FLIGHT
                and now >= self._backoff_until):
             key, e = next(iter(self._dirty.items()))
@@ -172,12 +240,16 @@ class TieredIndex(ObjectIndex):
             self._dirty_bytes -= e.size
             e.demoting = True
             self._demoting += 1
+            self._demoting_bytes += e.size
             path = disk.object_path(self.root, key, f"{self._tag}{next(self._seq):x}")
             self.submit(WriteJob(e, key, e.parent, e.offset, e.size, path))
 
     def needs_pump(self, now: float) -> bool:
-        return (self._dirty_bytes > self.high_watermark * self.alloc.capacity
+        return (self._dirty_bytes > self._pump_limit(now)
                 and now >= self._backoff_until and self._demoting < MAX_IN_FLIGHT)
+
+    def _pump_limit(self, now: float) -> float:
+        return 0.0 if now < self._wanted_until else self.high_watermark * self.alloc.capacity
 
     def _reserve_disk(self, need: int) -> bool:
         if need > self.disk_capacity:
@@ -207,6 +279,7 @@ class TieredIndex(ObjectIndex):
         e: Entry = done.token
         e.demoting = False
         self._demoting -= 1
+        self._demoting_bytes -= e.size
         if done.ok:
             e.disk_checksum = done.checksum
             e.disk_path = str(done.path)
