@@ -30,7 +30,8 @@ def config_json(cfg: StoreConfig) -> str:
     if cfg.disk is not None:
         d = cfg.disk
         raw["disk"] = {"path": str(d.path), "capacity_bytes": d.capacity_bytes,
-                       "writers": d.writers, "high_watermark": d.high_watermark}
+                       "writers": d.writers, "high_watermark": d.high_watermark,
+                       "dirty_limit": d.dirty_limit, "put_wait_s": d.put_wait_s}
     return json.dumps(raw)
 
 
