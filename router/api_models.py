@@ -1,22 +1,35 @@
-"""The request bodies the router accepts, as pydantic models built from its config.
+"""The request bodies the router accepts, as pydantic models built from its bounds.
 
 One source for two things: the router validates every OpenAI request against these
 models (a violation is a 400 naming the field, before any engine is involved), and the
 published OpenAPI schema (:mod:`kvcentric.router.openapi`) is generated from them, so a
 client generator or a schema-driven fuzzer sees exactly what is enforced.
 
-Bounds come from the config: ``model`` must be the served name, ``max_tokens`` and
-``min_tokens`` at most ``limits.max_tokens``, a token-id prompt at most
-``limits.max_prompt_tokens`` ids below the tokenizer's vocabulary size. Text (a prompt,
-each message) is bounded by the body size, not by a guess of its tokens: how many tokens
-a text makes depends on the tokenizer (one token may span many characters), so the
-prompt-token limit is checked exactly after tokenizing
-(:func:`kvcentric.router.limits.check_prompt`). The schema's own bounds sit well inside
-the body limit, so that a body breaking them still fits and gets a 400 naming the field
-(not a 413): text at most ``max_body_bytes // 2`` characters, a chat at most
-``max_body_bytes // 512`` messages (at least 16, at most ``MAX_MESSAGES``). Fields not
-listed (vLLM's other sampling parameters, e.g. ``logprobs``) pass through to the engine,
-which validates them.
+Only the fields listed here are accepted (any other field is a 400): each is forwarded to
+the engine, so each is held to bounds at least as strict as vLLM's own (its request models
+and ``SamplingParams``): ``temperature`` 0..2, ``top_p`` in (0, 1], ``top_k`` >= -1,
+``min_p`` 0..1, the penalties, ``n`` 1..``limits.max_n``, ``logprobs`` /
+``top_logprobs`` / ``prompt_logprobs`` 0..``limits.max_logprobs`` (vLLM's
+``--max-logprobs``; -1, the whole vocabulary, is not accepted), ``priority`` in
+``limits.min_priority..max_priority`` (0 by default: an FCFS engine refuses any other),
+token ids below the vocabulary, ``max_tokens`` / ``min_tokens`` at most the context (or
+``limits.max_tokens``), ``seed`` a 64-bit integer. vLLM's rules that join two fields are
+both checked and published (``allOf`` of ``if``/``then``): no ``prompt_logprobs`` on a
+streamed request, and ``top_logprobs`` only with ``logprobs: true``. A chat's
+``chat_template_kwargs`` takes only the keys :mod:`kvcentric.router.chat_template` allows,
+with JSON scalar values. Fields that steer the engine beyond one request
+(``kv_transfer_params``, ``vllm_xargs``, ``chat_template``, ``request_id``, prompt
+embeddings, structured-output grammars, tools) are not accepted.
+
+Text (a prompt, each message) is bounded by characters: at most ``limits.max_prompt_chars``
+and a twelfth of the body limit (a character takes up to 12 bytes of JSON, an escaped
+surrogate pair), so that a body breaking the bound still fits and gets a 400 naming the
+field (not a 413); a chat has at most ``max_body_bytes // 512`` messages (at
+least 16, at most ``MAX_MESSAGES``). How many tokens a text makes depends on the tokenizer,
+so the prompt's size is checked after rendering and tokenising
+(:class:`kvcentric.router.limits.Bounds`): that 400 carries the code
+``context_length_exceeded`` and is the one refusal of a schema-valid body (the published
+document says so in the bodies' descriptions).
 
 Rules that keep every schema-valid body servable (:func:`normalize`): ``stream_options``
 is dropped when ``stream`` is not true (OpenAI: "only set this when you set stream");
@@ -36,22 +49,36 @@ from pydantic import (
     Field,
     ValidationError,
     create_model,
+    model_validator,
 )
 
-from kvcentric.router.config import LimitsConfig
 from kvcentric.router.errors import Refused
+from kvcentric.router.limits import CONTEXT_EXCEEDED, Bounds
 
 MAX_MESSAGES = 4096  # a long agent loop's history
+INT64 = 2**63
+SALT_CHARS = r"^[^@/\\\x00]+$"  # what vLLM accepts in a cache_salt
+# a request's own Python-regex patterns (JSON Schema semantics: searched, as fuzzers do)
+_CONFIG = ConfigDict(extra="forbid", regex_engine="python-re")
+_STREAM_IS_TRUE: dict[str, Any] = {"properties": {"stream": {"const": True}},
+                                   "required": ["stream"]}
+NO_STREAMED_PROMPT_LOGPROBS: Any = {
+    "if": _STREAM_IS_TRUE,
+    "then": {"properties": {"prompt_logprobs": {"enum": [0, None]}}}}
+TOP_LOGPROBS_NEED_LOGPROBS: Any = {
+    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+           "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
 
 
-def text_chars(limits: LimitsConfig) -> int:
+def text_chars(b: Bounds) -> int:
     """The longest text field (a prompt, a message) the schema accepts."""
-    return max(1, limits.max_body_bytes // 2)
+    return max(1, min(b.max_prompt_chars, b.max_body_bytes // 12))
 
 
-def max_messages(limits: LimitsConfig) -> int:
+def max_messages(b: Bounds) -> int:
     """The most messages a chat may have."""
-    return min(MAX_MESSAGES, max(16, limits.max_body_bytes // 512))
+    return min(MAX_MESSAGES, max(16, b.max_body_bytes // 512))
 
 
 def _integral(value: Any) -> Any:
@@ -63,6 +90,11 @@ def integer(ge: int | None = None, le: int | None = None, lt: int | None = None)
     """An integer field type with these bounds that accepts ``2.0`` (the validator comes
     after the bounds, so the JSON schema says ``minimum``/``maximum``)."""
     return Annotated[int, Field(ge=ge, le=le, lt=lt), BeforeValidator(_integral)]
+
+
+def number(ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A float field type with these bounds."""
+    return Annotated[float, Field(ge=ge, gt=gt, le=le)]
 
 
 class StreamOptions(BaseModel):
@@ -113,78 +145,131 @@ def message_type(chars: int) -> Any:
                      Field(discriminator="role")]
 
 
-SALT_CHARS = r"^[^@/\\\x00]+$"  # what vLLM accepts in a cache_salt
+def template_kwargs_model(names: frozenset[str]) -> Any:
+    """``chat_template_kwargs``: exactly ``names`` (each optional), JSON scalar values.
+    Fields are aliased so that no template variable can shadow a pydantic attribute."""
+    scalar = Annotated[str, Field(max_length=1024)] | bool | int | float | None
+    fields: dict[str, Any] = {f"k{i}": (scalar, Field(None, alias=name))
+                              for i, name in enumerate(sorted(names))}
+    return create_model("ChatTemplateKwargs", __config__=ConfigDict(extra="forbid"), **fields)
 
 
-def _sampling(limits: LimitsConfig, salt_max: int) -> dict[str, Any]:
-    """Fields common to both endpoints: ``name -> (type, default)``; ``salt_max``: the
-    longest client ``cache_salt`` (less than vLLM's 128 when the router adds a tenant)."""
-    top = limits.max_tokens
-    tokens = integer(ge=1, le=top) if top else integer(ge=1)
-    int_top = integer(ge=0, le=top) if top else integer(ge=0)
+def _sampling(b: Bounds) -> dict[str, Any]:
+    """Fields common to both endpoints: ``name -> (type, default)``."""
     stop_str = Annotated[str, Field(min_length=1, max_length=64)]
-    # nullable exactly where vLLM's own request models are (n, ignore_eos, min_tokens and
-    # stop are not: an explicit null there is a 400, not a default)
+    token_id = integer(ge=0, lt=b.vocab_size)
+    lo, hi = b.priority
+    # nullable exactly where vLLM's own request models are (n, ignore_eos, min_tokens, stop,
+    # priority and the output switches are not: an explicit null there is a 400)
     return {
-        "max_tokens": (tokens | None, None),
-        "min_tokens": (int_top, None),
-        "temperature": (Annotated[float, Field(ge=0, le=2)] | None, None),
-        "top_p": (Annotated[float, Field(gt=0, le=1)] | None, None),
-        "top_k": (integer(ge=-1) | None, None),  # vLLM: 0 or -1 disable it
-        "n": (integer(ge=1, le=4), None),
-        "seed": (integer(ge=0, le=2**31 - 1) | None, None),
-        "presence_penalty": (Annotated[float, Field(ge=-2, le=2)] | None, None),
-        "frequency_penalty": (Annotated[float, Field(ge=-2, le=2)] | None, None),
-        "repetition_penalty": (Annotated[float, Field(gt=0, le=2)] | None, None),
+        "max_tokens": (integer(ge=1, le=b.max_tokens) | None, None),
+        "min_tokens": (integer(ge=0, le=b.max_tokens), None),
+        "temperature": (number(ge=0, le=2) | None, None),
+        "top_p": (number(gt=0, le=1) | None, None),
+        "top_k": (integer(ge=-1, le=2**31 - 1) | None, None),  # vLLM: 0 or -1 disable it
+        "min_p": (number(ge=0, le=1) | None, None),
+        "n": (integer(ge=1, le=b.max_n), None),
+        "seed": (integer(ge=-INT64, le=INT64 - 1) | None, None),
+        "presence_penalty": (number(ge=-2, le=2) | None, None),
+        "frequency_penalty": (number(ge=-2, le=2) | None, None),
+        "repetition_penalty": (number(gt=0, le=2) | None, None),
         "stop": (stop_str | Annotated[list[stop_str], Field(max_length=4)], None),
+        "stop_token_ids": (Annotated[list[token_id], Field(max_length=64)]  # type: ignore[valid-type]
+                           | None, None),
+        "include_stop_str_in_output": (bool, None),
+        "skip_special_tokens": (bool, None),
+        "spaces_between_special_tokens": (bool, None),
         "stream": (bool | None, None),
         "stream_options": (StreamOptions | None, None),
         "ignore_eos": (bool, None),
-        "return_token_ids": (bool, None),
-        "cache_salt": (Annotated[str, Field(min_length=1, max_length=salt_max,
+        "return_token_ids": (bool | None, None),
+        "prompt_logprobs": (integer(ge=0, le=b.max_logprobs) | None, None),
+        "priority": (integer(ge=lo, le=hi), None),
+        "cache_salt": (Annotated[str, Field(min_length=1, max_length=b.salt_max,
                                             pattern=SALT_CHARS)] | None, None),
         "user": (Annotated[str, Field(max_length=256)] | None, None),
     }
 
 
-def completion_model(served: str, limits: LimitsConfig, vocab: int,
-                     salt_max: int = 128) -> type[BaseModel]:
+def _context_note(b: Bounds) -> str:
+    return (f"The rendered prompt must leave room for an answer: at most "
+            f"{b.max_prompt_tokens} tokens and {b.max_prompt_chars} characters (fewer when "
+            f"the engines' context is smaller); a longer one is refused with 400 and the "
+            f"error code {CONTEXT_EXCEEDED}, the one refusal of a body this schema accepts.")
+
+
+class _Completion(BaseModel):
+    model_config = ConfigDict(**_CONFIG, json_schema_extra={"allOf": [
+        NO_STREAMED_PROMPT_LOGPROBS]})
+
+    @model_validator(mode="after")
+    def _joined(self) -> _Completion:
+        _check_streamed_prompt_logprobs(self)
+        return self
+
+
+class _Chat(BaseModel):
+    model_config = ConfigDict(**_CONFIG, json_schema_extra={"allOf": [
+        NO_STREAMED_PROMPT_LOGPROBS, TOP_LOGPROBS_NEED_LOGPROBS]})
+
+    @model_validator(mode="after")
+    def _joined(self) -> _Chat:
+        _check_streamed_prompt_logprobs(self)
+        if (getattr(self, "top_logprobs", None) or 0) > 0 and getattr(self, "logprobs",
+                                                                       None) is not True:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+def _check_streamed_prompt_logprobs(m: BaseModel) -> None:
+    if getattr(m, "stream", None) is True and (getattr(m, "prompt_logprobs", None) or 0) > 0:
+        raise ValueError("prompt_logprobs are not available when stream is true")
+
+
+def completion_model(served: str, b: Bounds) -> type[BaseModel]:
     """``POST /v1/completions`` body: ``prompt`` is text or token ids."""
-    cap = limits.max_prompt_tokens
-    token_id = integer(ge=0, lt=vocab)
-    ids = Annotated[list[token_id], Field(min_length=1, max_length=cap)]  # type: ignore[valid-type]
+    token_id = integer(ge=0, lt=b.vocab_size)
+    ids = Annotated[list[token_id], Field(min_length=1,  # type: ignore[valid-type]
+                                          max_length=b.max_prompt_tokens)]
     fields: dict[str, Any] = {
         "model": (Literal[served] | None, None),  # type: ignore[valid-type]
-        "prompt": (Annotated[str, Field(min_length=1, max_length=text_chars(limits))]
-                   | ids, ...),
-        **_sampling(limits, salt_max)}
-    return create_model("CompletionRequest", __config__=ConfigDict(extra="allow"), **fields)
+        "prompt": (Annotated[str, Field(min_length=1, max_length=text_chars(b))] | ids, ...),
+        "echo": (bool | None, None),
+        "logprobs": (integer(ge=0, le=b.max_logprobs) | None, None),
+        "add_special_tokens": (bool, None),
+        **_sampling(b)}
+    return create_model("CompletionRequest", __base__=_Completion,
+                        __doc__=f"An OpenAI completion request. {_context_note(b)}", **fields)
 
 
-def chat_model(served: str, limits: LimitsConfig, salt_max: int = 128) -> type[BaseModel]:
+def chat_model(served: str, b: Bounds) -> type[BaseModel]:
     """``POST /v1/chat/completions`` body: up to :func:`max_messages` messages, each text
     bounded like a prompt (the token limit applies to the rendered chat, after
     tokenizing)."""
-    top = limits.max_tokens
-    msg = message_type(text_chars(limits))
-    most = max_messages(limits)
+    msg = message_type(text_chars(b))
     fields: dict[str, Any] = {
         "model": (Literal[served] | None, None),  # type: ignore[valid-type]
-        "messages": (Annotated[list[msg], Field(min_length=1, max_length=most)], ...),  # type: ignore[valid-type]
-        "max_completion_tokens": (integer(ge=1, le=top) | None if top
-                                  else integer(ge=1) | None, None),
-        **_sampling(limits, salt_max)}
-    return create_model("ChatCompletionRequest", __config__=ConfigDict(extra="allow"),
+        "messages": (Annotated[list[msg], Field(min_length=1,  # type: ignore[valid-type]
+                                                max_length=max_messages(b))], ...),
+        "max_completion_tokens": (integer(ge=1, le=b.max_tokens) | None, None),
+        "logprobs": (bool | None, None),
+        "top_logprobs": (integer(ge=0, le=b.max_logprobs) | None, None),
+        "add_generation_prompt": (bool, None),
+        "add_special_tokens": (bool, None),
+        "chat_template_kwargs": (template_kwargs_model(b.template_kwargs) | None, None),
+        **_sampling(b)}
+    return create_model("ChatCompletionRequest", __base__=_Chat,
+                        __doc__=f"An OpenAI chat completion request. {_context_note(b)}",
                         **fields)
 
 
-def normalize(body: dict[str, Any], limits: LimitsConfig) -> None:
+def normalize(body: dict[str, Any], b: Bounds) -> None:
     """Apply the rules of the module docstring to a validated ``body`` (in place)."""
     if not body.get("stream"):
         body.pop("stream_options", None)
-    cap = body.get("max_tokens") or body.get("max_completion_tokens")
-    if cap is None and limits.max_tokens is not None:
-        body["max_tokens"] = cap = limits.max_tokens
+    cap = body.get("max_completion_tokens") or body.get("max_tokens")
+    if cap is None and b.default_max_tokens is not None:
+        body["max_tokens"] = cap = b.default_max_tokens
     if cap is not None and body.get("min_tokens") is not None and body["min_tokens"] > cap:
         body["min_tokens"] = cap
 
@@ -194,7 +279,8 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
     as ints); :class:`Refused` (400) naming the first bad field."""
     try:
         # strict: "8" is not an integer, true is not 1
-        return model.model_validate(body, strict=True).model_dump(exclude_unset=True)
+        return model.model_validate(body, strict=True).model_dump(exclude_unset=True,
+                                                                  by_alias=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"

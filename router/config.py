@@ -1,11 +1,10 @@
 """Router configuration: one YAML file parsed once into frozen dataclasses.
 
 Every value is checked here (``ValueError`` names the bad field), so nothing later
-re-validates. This module is the router's only reader of files named by the user at
-start-up, and of environment variables: ``KVCENTRIC_ROUTER_API_KEYS``
-(``key=tenant,key2=tenant2``, added to ``auth.api_keys``), ``KVCENTRIC_ROUTER_ADMIN_KEY``
-(``auth.admin_key``) and ``KVCENTRIC_ROUTER_UPSTREAM_API_KEY`` (``upstream.api_key``), read
-by :func:`load_config` only.
+re-validates. This module and :mod:`kvcentric.router.access_config` (the ``auth`` and
+``limits`` sections) are the router's only readers of files named by the user at start-up,
+and of environment variables: ``KVCENTRIC_ROUTER_UPSTREAM_API_KEY`` (``upstream.api_key``)
+here, the keys and the salt secret there; ``os.environ`` is read by :func:`load_config` only.
 
 Example (``configs/router.yaml``)::
 
@@ -19,7 +18,8 @@ Example (``configs/router.yaml``)::
     keys: {block_size: 256, layout_sig: null}
     cost: {profile: profile.json, store_bandwidth_gbps: 5, disk_bandwidth_gbps: 2}
     replication: {enabled: true, min_heat: 4, max_replicas: 4}
-    auth: {api_keys: {sk-team-a: team-a}, admin_key: sk-admin}
+    auth: {api_keys: {sk-team-a: team-a}, admin_key: sk-admin, metrics_key: sk-metrics,
+           salt_secret_file: /run/secrets/kvc-salt}
     limits: {max_body_bytes: 4mb, max_prompt_tokens: 8192, max_tokens: 2048,
              max_concurrency_per_key: 64}
 """
@@ -37,23 +37,16 @@ from typing import Any
 import yaml
 
 from kvcentric.config import StoreConfig, check_keys, parse_fields
-from kvcentric.router.instance_spec import NAME_RE, InstanceSpec
+from kvcentric.router.access_config import AuthConfig, LimitsConfig
+from kvcentric.router.access_config import check_positive as _positive
+from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.processor import SHARING
 
-ENV_API_KEYS = "KVCENTRIC_ROUTER_API_KEYS"
-ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"
+__all__ = ["AuthConfig", "LimitsConfig", "RouterConfig", "load_config"]
 ENV_UPSTREAM_KEY = "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"
 
 def _section(cls: type, section: str, raw: Any) -> Any:
     return cls(**parse_fields(cls, raw, section))
-
-
-def _positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be a positive number, "
-                             f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -224,79 +217,6 @@ class ReplicationConfig:
 
 
 @dataclass(frozen=True)
-class AuthConfig:
-    """Who may call the router.
-
-    ``api_keys``: ``(key, tenant)`` pairs (YAML: a mapping ``key: tenant``). With any key
-    set, every ``/v1/*`` request needs ``Authorization: Bearer <key>`` (else 401) and runs
-    as the key's tenant: its KV is salted with the tenant, so tenants never share KV and
-    one tenant's users still share theirs. ``admin_key``: needed for ``/instances``; with
-    keys but no admin key the admin endpoints are closed. ``allow_open``: listen on a
-    non-loopback address without keys (refused otherwise).
-    """
-
-    api_keys: tuple[tuple[str, str], ...] = ()
-    admin_key: str | None = None
-    allow_open: bool = False
-
-    def __post_init__(self) -> None:
-        for key, tenant in self.api_keys:
-            if not isinstance(key, str) or len(key) < 8 or not isinstance(tenant, str) \
-                    or not NAME_RE.fullmatch(tenant):
-                raise ValueError("auth.api_keys maps keys of >= 8 characters to tenant names "
-                                 f"matching {NAME_RE.pattern}")
-        if len({k for k, _ in self.api_keys}) != len(self.api_keys):
-            raise ValueError("auth.api_keys has a key twice")
-        if self.admin_key is not None and (not isinstance(self.admin_key, str)
-                                           or len(self.admin_key) < 8):
-            raise ValueError("auth.admin_key must be a string of >= 8 characters")
-        if self.admin_key in {k for k, _ in self.api_keys}:
-            raise ValueError("auth.admin_key must differ from every tenant key")
-        if not isinstance(self.allow_open, bool):
-            raise ValueError("auth.allow_open must be true or false")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.api_keys)
-
-    @classmethod
-    def parse(cls, raw: Any, env: Mapping[str, str]) -> AuthConfig:
-        kw = parse_fields(cls, raw, "auth")
-        keys = kw.get("api_keys") or {}
-        if not isinstance(keys, Mapping):
-            raise ValueError("auth.api_keys must be a mapping of key: tenant")
-        pairs = [(str(k), v) for k, v in keys.items()]
-        for item in filter(None, env.get(ENV_API_KEYS, "").split(",")):
-            key, sep, tenant = item.strip().partition("=")
-            if not sep:
-                raise ValueError(f"{ENV_API_KEYS} entries are key=tenant, got {item!r}")
-            pairs.append((key, tenant))
-        kw["api_keys"] = tuple(pairs)
-        if env.get(ENV_ADMIN_KEY):
-            kw["admin_key"] = env[ENV_ADMIN_KEY]
-        return cls(**kw)
-
-
-@dataclass(frozen=True)
-class LimitsConfig:
-    """Bounds on one request; ``None`` leaves a bound to the engine. Over a bound: 413
-    (body), 400 (prompt tokens, ``max_tokens``), 429 with ``Retry-After`` (a key's
-    requests in flight; without keys all clients share one budget)."""
-
-    max_body_bytes: int = 4 << 20
-    max_prompt_tokens: int | None = None
-    max_tokens: int | None = None
-    max_concurrency_per_key: int | None = None
-    retry_after_s: int = 1
-
-    def __post_init__(self) -> None:
-        _positive(self, "max_body_bytes", "retry_after_s")
-        for name in ("max_prompt_tokens", "max_tokens", "max_concurrency_per_key"):
-            if getattr(self, name) is not None:
-                _positive(self, name)
-
-
-@dataclass(frozen=True)
 class RouterConfig:
     model: str
     tokenizer: str
@@ -356,8 +276,7 @@ class RouterConfig:
         raw["auth"] = AuthConfig.parse(raw.get("auth"), env)
         if env.get(ENV_UPSTREAM_KEY):
             raw["upstream"] = replace(raw["upstream"], api_key=env[ENV_UPSTREAM_KEY])
-        raw["limits"] = LimitsConfig(**parse_fields(LimitsConfig, raw.get("limits"), "limits",
-                                                    sizes={"max_body_bytes"}))
+        raw["limits"] = LimitsConfig.parse(raw.get("limits"))
         return cls(**raw)
 
 

@@ -1,7 +1,7 @@
 """``GET /dashboard``: a live status page of the router, one self-contained HTML page.
 
 The page holds no data of its own: its inline script reads the router's ``/metrics``
-(Prometheus text, open like the page) every 2 s and renders instances, predicted vs
+(Prometheus text) every 2 s and renders instances, predicted vs
 measured TTFT, hit tokens by tier, requests and rejections, and hot prefixes. No build
 step and nothing fetched from elsewhere (no CDN, fonts or images): it works offline and
 behind a path prefix (``metrics`` is fetched relative to the page).
@@ -12,14 +12,21 @@ labels in the order the page lists them; instance rows omit ``role``), or an ``i
 derived values (``ttft-actual-mean`` in ms, ``ttft-error-median``, ...). Counts are shown
 as integers, other values with fixed decimals and no thousands separators. A failed
 fetch shows ``#error`` and keeps the last rendered numbers.
+
+With any key configured the page needs what ``/metrics`` needs (the admin or the metrics
+key, :meth:`kvcentric.router.auth.Authenticator.check_metrics`): a browser asked with
+``WWW-Authenticate: Basic`` prompts once (any user name, the key as password) and then
+sends the same credentials with the page's own fetches of ``metrics``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
-from starlette.responses import HTMLResponse
+from fastapi import FastAPI, Request
+from starlette.responses import HTMLResponse, Response
+
+from kvcentric.router.errors import Refused
 
 if TYPE_CHECKING:
     from kvcentric.router.app import RouterState
@@ -218,7 +225,7 @@ function render(samples) {
 
 async function refresh() {
   try {
-    const r = await fetch("metrics", {cache: "no-store"});
+    const r = await fetch("metrics", {cache: "no-store", credentials: "same-origin"});
     if (!r.ok) throw new Error("HTTP " + r.status);
     render(parse(await r.text()));
     $("error").hidden = true;
@@ -235,9 +242,13 @@ setInterval(refresh, REFRESH_MS);
 
 
 def dashboard_routes(app: FastAPI, state: RouterState) -> None:
-    """Register ``GET /dashboard`` (open, like ``/metrics``, whose numbers it shows)."""
-    del state  # the page reads /metrics from the browser: no server-side state
+    """Register ``GET /dashboard``, guarded like ``/metrics`` (whose numbers it shows; the
+    page reads them from the browser: no other server-side state)."""
 
     @app.get("/dashboard", response_class=HTMLResponse)
-    async def dashboard() -> HTMLResponse:
+    async def dashboard(request: Request) -> Response:
+        try:
+            state.auth.check_metrics(request.headers)
+        except Refused as refused:
+            return refused.response()
         return HTMLResponse(PAGE, headers={"cache-control": "no-cache"})

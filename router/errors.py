@@ -16,21 +16,26 @@ KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
 
 
 def error_response(status: int, message: str, kind: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """An OpenAI-style error body (``kind`` defaults to the status's usual type)."""
+                   headers: dict[str, str] | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body (``kind`` defaults to the status's usual type, ``code``
+    to the status; OpenAI's string codes, e.g. ``context_length_exceeded``, where one
+    applies)."""
     return JSONResponse({"error": {"message": message, "type": kind or KINDS.get(status, "error"),
-                                   "code": status}}, status_code=status, headers=headers)
+                                   "code": code or status}}, status_code=status, headers=headers)
 
 
 class Refused(Exception):
     """A request the router answers with ``status`` and ``message`` (plus ``headers``,
-    e.g. ``Retry-After`` or ``WWW-Authenticate``)."""
+    e.g. ``Retry-After`` or ``WWW-Authenticate``, and an OpenAI error ``code``)."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = headers
+        self.code = code
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, headers=self.headers)
+        return error_response(self.status, self.message, headers=self.headers, code=self.code)

@@ -1,7 +1,9 @@
 """One engine behind the router, as the router config and ``POST /instances`` name it.
 
 Parsed once (``ValueError`` names the bad field); the router's other modules take an
-:class:`InstanceSpec` as checked.
+:class:`InstanceSpec` as checked. What is accepted is exactly :data:`PATTERNS` (and
+:data:`ROLES`), the patterns ``POST /instances`` publishes (:mod:`kvcentric.router.openapi`):
+a body the schema refuses is refused here, and the reverse.
 """
 
 from __future__ import annotations
@@ -19,7 +21,29 @@ NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
 # tcp://HOST:PORT (the router binds; HOST "*": the engine binds, the router connects to the
 # instance's host), ipc:///path or inproc://name (the engine binds, the router connects)
-KV_EVENTS_RE = re.compile(rf"tcp://(\*|[A-Za-z0-9.-]+):{_PORT}|ipc://[^\x00]+|inproc://[^\x00]+")
+KV_EVENTS_RE = re.compile(rf"tcp://(\*|[A-Za-z0-9.-]+):{_PORT}|ipc://[A-Za-z0-9_./-]+"
+                          r"|inproc://[A-Za-z0-9_./-]+")
+# The string fields as JSON Schema patterns: the published schema of POST /instances and
+# the check here are these very strings, matched as JSON Schema does (a search, ``^`` at the
+# start). ``(?![\s\S])`` ends them: ``$`` would also match before a final newline in
+# Python (and in the fuzzers that generate from Python regexes), not in ECMA-262.
+_END = r"(?![\s\S])"
+PATTERNS = {
+    "url": rf"^https?://[A-Za-z0-9.-]+(:{_PORT})?/?{_END}",
+    "name": rf"^{NAME_RE.pattern}{_END}",
+    "model": rf"^[!-~]{{1,256}}{_END}",  # printable ASCII, no spaces
+    "kv_events": rf"^({KV_EVENTS_RE.pattern}){_END}",
+    "kv_events_replay": rf"^({KV_EVENTS_RE.pattern}){_END}",
+    "compute": rf"^{NAME_RE.pattern}{_END}",
+}
+
+
+def _check(field: str, value: Any, nullable: bool = True) -> None:
+    """``ValueError`` unless ``value`` is a string matching ``PATTERNS[field]`` (or None)."""
+    if value is None and nullable:
+        return
+    if not isinstance(value, str) or not re.search(PATTERNS[field], value):
+        raise ValueError(f"instance {field} {value!r} must match {PATTERNS[field]}")
 
 
 @dataclass(frozen=True)
@@ -48,29 +72,16 @@ class InstanceSpec:
     compute: str | None = None
 
     def __post_init__(self) -> None:
-        parsed = urlparse(self.url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"instance url {self.url!r} must be http(s)://host:port")
+        _check("url", self.url, nullable=False)
         object.__setattr__(self, "url", self.url.rstrip("/"))
-        if self.role not in ROLES:
+        if not isinstance(self.role, str) or self.role not in ROLES:
             raise ValueError(f"instance role {self.role!r} must be one of {ROLES}")
         if self.name is None:
-            object.__setattr__(self, "name", parsed.netloc)
-        if not NAME_RE.fullmatch(str(self.name)):
-            raise ValueError(f"instance name {self.name!r} must match {NAME_RE.pattern}")
-        if self.kv_events is not None and not (isinstance(self.kv_events, str)
-                                               and KV_EVENTS_RE.fullmatch(self.kv_events)):
-            raise ValueError(f"kv_events {self.kv_events!r} must be tcp://HOST:PORT, "
-                             "ipc:///path or inproc://name")
-        if self.kv_events_replay is not None:
-            if not (isinstance(self.kv_events_replay, str)
-                    and KV_EVENTS_RE.fullmatch(self.kv_events_replay)):
-                raise ValueError(f"kv_events_replay {self.kv_events_replay!r} must be "
-                                 "tcp://HOST:PORT, ipc:///path or inproc://name")
-            if self.kv_events is None:
-                raise ValueError("kv_events_replay needs kv_events (the live stream)")
-        if self.compute is not None and not NAME_RE.fullmatch(self.compute):
-            raise ValueError(f"instance compute {self.compute!r} must match {NAME_RE.pattern}")
+            object.__setattr__(self, "name", urlparse(self.url).netloc)
+        for name in ("name", "model", "kv_events", "kv_events_replay", "compute"):
+            _check(name, getattr(self, name))
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events (the live stream)")
 
     @classmethod
     def from_dict(cls, raw: Any) -> InstanceSpec:

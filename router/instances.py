@@ -1,10 +1,15 @@
 """Instances behind the router: registry, per-instance load bookkeeping, health checks.
 
 An :class:`Instance` owns a slot (its bit in :class:`router.prefix_index.PrefixIndex`),
-its health, the engine's last ``/metrics`` snapshot, and the router's in-flight
+its health, the engine's last ``/metrics`` snapshot and context length (``/v1/models``'
+``max_model_len``), and the router's in-flight
 bookkeeping: prefills it predicted and has not yet seen finish (``T_queue``) and the
 measured prefill speed, both per :class:`Processor`, and decodes running. Everything here is touched
 only from the router's event loop.
+
+The app registers every instance out of rotation (``Registry.add(spec, healthy=False)``)
+and it takes traffic only once a health check passed (:func:`check`): one registered with
+an address nothing answers at is never chosen.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ log = logging.getLogger("router.instances")
 class Instance:
     spec: InstanceSpec
     slot: int
-    healthy: bool = True
+    healthy: bool = True  # in rotation (the app adds instances out of it: see Registry.add)
     failures: int = 0
+    max_model_len: int | None = None  # the engine's context, from its /v1/models
     stats: EngineStats = field(default_factory=EngineStats)
     metrics_at: float = float("-inf")  # monotonic time ``stats`` was last read
     decodes: int = 0
@@ -86,6 +92,7 @@ class Instance:
             "kv_event_gaps": self.listener.gaps if self.listener else 0,
             "kv_event_batches_replayed": self.listener.replayed if self.listener else 0,
             "correction": round(self.correction, 3),
+            "max_model_len": self.max_model_len,
         }
 
 
@@ -110,7 +117,9 @@ class Registry:
     def get(self, name: str) -> Instance | None:
         return self._by_name.get(name)
 
-    def add(self, spec: InstanceSpec) -> Instance:
+    def add(self, spec: InstanceSpec, healthy: bool = True) -> Instance:
+        """Register ``spec`` (``KeyError`` for a name or url taken); ``healthy``: in
+        rotation at once (False: once :func:`check` passes)."""
         if spec.name in self._by_name:
             raise KeyError(f"instance {spec.name!r} already exists")
         if any(i.spec.url == spec.url for i in self._by_name.values()):
@@ -120,7 +129,8 @@ class Registry:
         self.index.add_slot(slot, self.default_blocks)
         peer = next((i for i in self._by_name.values()
                      if spec.compute is not None and i.spec.compute == spec.compute), None)
-        inst = Instance(spec, slot, proc=peer.proc if peer else Processor(self.sharing))
+        inst = Instance(spec, slot, healthy=healthy,
+                        proc=peer.proc if peer else Processor(self.sharing))
         inst.proc.members += 1
         self._by_name[str(spec.name)] = inst
         return inst
@@ -147,16 +157,19 @@ class Registry:
 
     def mark_ok(self, inst: Instance) -> None:
         if not inst.healthy:
-            log.info("instance %s back in rotation", inst.name)
-            inst.metrics_at = float("-inf")  # a restarted engine: read its gauges now
+            log.info("instance %s in rotation", inst.name)
+            inst.metrics_at = float("-inf")  # a (re)started engine: read its gauges now
+            inst.max_model_len = None  # and its context
         inst.failures = 0
         inst.healthy = True
 
 
 async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
-                hc: HealthConfig) -> None:
+                hc: HealthConfig, api_key: str | None = None) -> None:
     """One health check of ``inst``, and a metrics poll if ``hc.metrics_interval_s`` has
-    passed since its last successful one; updates its state in place."""
+    passed since its last successful one (with it, the engine's context from
+    ``/v1/models`` while unknown; ``api_key``: the engines' own key, which vLLM asks for
+    there); updates its state in place."""
     timeout_s, threshold = hc.timeout_s, hc.unhealthy_after
     try:
         r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
@@ -178,6 +191,23 @@ async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
             inst.metrics_at = now
     except (httpx.HTTPError, ValueError) as exc:
         log.debug("metrics of %s unavailable: %s", inst.name, exc)
+    if inst.max_model_len is None:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        inst.max_model_len = await _context(inst, client, timeout_s, headers)
+
+
+async def _context(inst: Instance, client: httpx.AsyncClient, timeout_s: float,
+                   headers: dict[str, str]) -> int | None:
+    """The smallest ``max_model_len`` ``inst``'s ``/v1/models`` lists, or None."""
+    try:
+        r = await client.get(inst.spec.url + "/v1/models", timeout=timeout_s, headers=headers)
+        data = r.json().get("data") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        log.debug("models of %s unavailable: %s", inst.name, exc)
+        return None
+    lens = [m.get("max_model_len") for m in data or [] if isinstance(m, dict)]
+    found = [n for n in lens if isinstance(n, int) and not isinstance(n, bool) and n > 1]
+    return min(found) if found else None
 
 
 def fit_capacity(inst: Instance, index: PrefixIndex, block_size: int) -> None:

@@ -5,7 +5,9 @@ validate requests) and from the instance spec's fields; every response the route
 give is listed with its content type: the OpenAI error body for 4xx/5xx, JSON or
 ``text/event-stream`` for completions, Prometheus text for ``/metrics``, HTML for
 ``/dashboard``. With API keys configured, the OpenAI operations and the admin operations
-declare bearer security.
+declare bearer security; with any key configured, so do ``/metrics`` and ``/dashboard``
+(bearer or basic: the admin or the metrics key). ``POST /instances`` publishes
+:data:`kvcentric.router.instance_spec.PATTERNS`, the very patterns the router checks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.instance_spec import KV_EVENTS_RE, ROLES
+from kvcentric.router.instance_spec import PATTERNS, ROLES
 
 # One server-sent event (OpenAPI before 3.2: the stream's ``schema`` describes each event);
 # ``data`` is a JSON chunk of the completion, or ``[DONE]`` at the end.
@@ -39,19 +41,17 @@ HEALTH = {"type": "object", "required": ["status"], "properties": {
     "prefill": {"type": "integer"}, "decode": {"type": "integer"},
     "instances": {"type": "integer"}}}
 INSTANCE = {"type": "object", "required": ["url"], "additionalProperties": False, "properties": {
-    "url": {"type": "string", "pattern": "^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"},
+    "url": {"type": "string", "pattern": PATTERNS["url"]},
     "role": {"type": "string", "enum": list(ROLES)},
-    "model": {"type": ["string", "null"]},
-    "name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
-    "kv_events": {"type": ["string", "null"], "pattern": f"^({KV_EVENTS_RE.pattern})$"},
-    "kv_events_replay": {"type": ["string", "null"],
-                         "pattern": f"^({KV_EVENTS_RE.pattern})$"},
-    "compute": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_.:-]{1,64}$"}},
+    **{name: {"type": ["string", "null"], "pattern": PATTERNS[name]}
+       for name in ("model", "name", "kv_events", "kv_events_replay", "compute")}},
     # a replay endpoint is asked only for what a live stream missed
     "if": {"required": ["kv_events_replay"],
            "properties": {"kv_events_replay": {"type": "string"}}},
     "then": {"required": ["kv_events"], "properties": {"kv_events": {"type": "string"}}}}
-REASONS = {400: "Malformed request or a value out of bounds", 401: "Missing or invalid API key",
+REASONS = {400: "Malformed request or a value out of bounds; for a body the schema accepts, "
+                "only a prompt too long for the context (code context_length_exceeded)",
+           401: "Missing or invalid API key",
            403: "The key may not use this operation", 404: "Unknown model or instance",
            409: "An instance of that name exists, or the router cannot listen on its "
                 "kv_events address on this host (in use, not a local address)",
@@ -120,13 +120,20 @@ def build_openapi(cfg: RouterConfig, completion: type[BaseModel],
                                     "200": {"description": "Ready", "content": _json(HEALTH)},
                                     "503": {"description": "Not ready",
                                             "content": _json(HEALTH)}}}}
-    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {"200": {
-        "description": "Prometheus text format",
-        "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
+    watch: list[dict[str, list[str]]] = [{"bearer": []}, {"basic": []}] if cfg.auth.keyed \
+        else []
+    watch_errors = [401, 403] if cfg.auth.keyed else []
+    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "security": watch,
+                                 "responses": _responses({200: (
+                                     "Prometheus text format",
+                                     {"text/plain": {"schema": {"type": "string"}}})},
+                                     watch_errors)}}
     paths["/dashboard"] = {"get": {"summary": "Live status page (reads /metrics every 2 s)",
-                                   "responses": {"200": {
-                                       "description": "A self-contained HTML page",
-                                       "content": {"text/html": {"schema": {"type": "string"}}}}}}}
+                                   "security": watch,
+                                   "responses": _responses({200: (
+                                       "A self-contained HTML page",
+                                       {"text/html": {"schema": {"type": "string"}}})},
+                                       watch_errors)}}
     admin: list[dict[str, list[str]]] = [{"bearer": []}] if cfg.auth.admin_key or \
         cfg.auth.enabled else []
     listing = {"type": "object", "required": ["instances"]}
@@ -146,6 +153,8 @@ def build_openapi(cfg: RouterConfig, completion: type[BaseModel],
     doc: dict[str, Any] = {"openapi": "3.1.0",
                            "info": {"title": "kvcentric router", "version": "1"},
                            "paths": paths, "components": {"schemas": schemas}}
-    if secured or admin:
+    if secured or admin or watch:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    if watch:
+        doc["components"]["securitySchemes"]["basic"] = {"type": "http", "scheme": "basic"}
     return doc

@@ -7,7 +7,10 @@ request (its connector loads that KV) and its answer is relayed.
 
 Failures: a refused or broken connection or a 5xx from an instance before the first byte
 reached the client takes that instance out of rotation and the request is decided again
-without it (at most ``upstream.retries`` times). Nothing decodes twice: a decode is
+without it: at most ``upstream.retries`` times, except that an instance the request never
+reached (the connection could not be made) does not count, so a request is answered 502
+only once every healthy instance it could go to failed, or the retries ran out on engines
+that saw it. Nothing decodes twice: a decode is
 retried only when the failed one is known to have stopped with nothing the client saw; a
 read timeout (the engine may still be working) is answered 504 without retry. A failure
 mid-stream ends the stream with an SSE error event.
@@ -15,6 +18,7 @@ mid-stream ends the stream with an SSE error event.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -37,12 +41,14 @@ _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 
 
 class UpstreamFailed(Exception):
-    """The instance failed before the client saw a byte: retry elsewhere is safe."""
+    """The instance failed before the client saw a byte: retry elsewhere is safe.
+    ``unreached``: no connection was made, the engine never saw the request."""
 
-    def __init__(self, inst: Instance, reason: str) -> None:
+    def __init__(self, inst: Instance, reason: str, unreached: bool = False) -> None:
         super().__init__(f"{inst.name}: {reason}")
         self.inst = inst
         self.reason = reason
+        self.unreached = unreached
 
 
 class UpstreamTimeout(Exception):
@@ -53,7 +59,8 @@ class UpstreamTimeout(Exception):
 def _transport_error(inst: Instance, exc: httpx.TransportError) -> Exception:
     if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout)):
         return UpstreamTimeout(f"{inst.name}: {type(exc).__name__}")
-    return UpstreamFailed(inst, f"{type(exc).__name__}: {exc}")
+    return UpstreamFailed(inst, f"{type(exc).__name__}: {exc}",
+                          unreached=isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)))
 
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -85,7 +92,8 @@ class Proxy:
         stream = bool(body.get("stream"))
         exclude: set[str] = set()
         last = "no attempt"
-        for attempt in range(self.retries + 1):
+        retries = self.retries
+        for attempt in itertools.count():  # ends: every failure excludes its instance
             t0 = time.perf_counter()
             decision = await self.c.decide(hashes, n_tokens, exclude, tail)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
@@ -112,10 +120,12 @@ class Proxy:
                 self._failed(exc)
                 exclude.add(exc.inst.name)
                 last = str(exc)
-                if attempt < self.retries:
-                    self.metrics.retries.labels("decode" if exc.inst is decision.decode
-                                                and decision.disaggregated else
-                                                "prefill").inc()
+                if not exc.unreached:  # the engine saw it: a retry spends the budget
+                    if retries == 0:
+                        break
+                    retries -= 1
+                self.metrics.retries.labels("decode" if exc.inst is decision.decode
+                                            and decision.disaggregated else "prefill").inc()
         return error_response(502, f"upstream failed: {last}", "upstream_error")
 
     def _reject(self, r: Rejection) -> Response:

@@ -7,6 +7,9 @@ without special tokens. A mismatch here would only cost routing quality, never o
 correctness: the engine tokenises the untouched request itself.
 
 Token ids come back as a 1-D ``uint32`` numpy array (what :func:`block_hashes` hashes).
+Rendering takes only the ``chat_template_kwargs`` keys it is told to allow
+(:mod:`kvcentric.router.chat_template`): a key that could replace the template never reaches
+``apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvcentric.router import chat_template
 
 
 class PromptTokenizer:
@@ -31,6 +36,17 @@ class PromptTokenizer:
         # the router never truncates; the engine enforces its own max_model_len
         self.tok.model_max_length = 1 << 62
         self._rust = self._released_gil_encoder()
+        self.reserved = chat_template.reserved_for(self.tok)
+        self.template_variables = chat_template.template_variables(
+            getattr(self.tok, "chat_template", None))
+        # vLLM's bound on the characters of a prompt of n tokens: n times the longest token
+        self.max_chars_per_token = max((len(t) for t in self.tok.get_vocab()), default=1)
+
+    def template_kwargs(self, allow_list: tuple[str, ...] | None) -> frozenset[str]:
+        """The ``chat_template_kwargs`` keys a request may set (``allow_list``: the
+        operator's, else the template's own variables)."""
+        return chat_template.allowed_kwargs(self.template_variables, allow_list,
+                                            self.reserved)
 
     @property
     def vocab_size(self) -> int:
@@ -80,22 +96,35 @@ class PromptTokenizer:
         raise ValueError("prompt must be a non-empty string, list of token ids, or a list "
                          "of those")
 
-    def chat_ids(self, body: Mapping[str, Any]) -> np.ndarray:
-        """Token ids of a ``/v1/chat/completions`` body rendered with the chat template."""
+    def chat_text(self, body: Mapping[str, Any],
+                  allowed: frozenset[str] | None = None) -> str:
+        """A ``/v1/chat/completions`` body rendered with the model's chat template;
+        ``ValueError`` for malformed messages, a ``chat_template_kwargs`` key outside
+        ``allowed`` (default: :meth:`template_kwargs` without an allow-list) or a template
+        error."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         norm = [_message(m) for m in messages]
         kwargs = dict(body.get("chat_template_kwargs") or {})
+        allowed = self.template_kwargs(None) if allowed is None else allowed
+        refused = sorted(set(kwargs) - allowed)
+        if refused:
+            raise ValueError(f"chat_template_kwargs may not set {refused}: only the "
+                             f"variables of the model's chat template ({sorted(allowed)})")
         try:
             text = self.tok.apply_chat_template(
-                norm, tokenize=False, tools=body.get("tools"),
+                norm, tokenize=False,
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
                 **kwargs)
         except Exception as exc:  # jinja errors of every kind are the request's fault
             raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
-        return self.encode(str(text), add_special_tokens=False)
+        return str(text)
+
+    def chat_ids(self, body: Mapping[str, Any]) -> np.ndarray:
+        """Token ids of a ``/v1/chat/completions`` body rendered with the chat template
+        (special tokens added on top only with ``add_special_tokens: true``, as vLLM)."""
+        return self.encode(self.chat_text(body), bool(body.get("add_special_tokens", False)))
 
 
 def _message(m: Any) -> dict[str, Any]:

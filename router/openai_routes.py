@@ -1,0 +1,169 @@
+"""The OpenAI front: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``.
+
+One request is admitted in this order, each step refusing before the next costs anything:
+the key (401, headers only), the key's requests in flight (429, before a byte of the body
+is read), the body's size (413, while it is read), its JSON and every field against the
+request models (400, :mod:`kvcentric.router.api_models`), the rendered prompt's characters
+(before tokenising) and tokens against the context (400 ``context_length_exceeded``,
+:class:`kvcentric.router.limits.Bounds`). Only then is it hashed, decided and forwarded
+(:class:`kvcentric.router.proxy.Proxy`). The in-flight slot is held until the answer is
+sent, streamed ones included. Every refusal is a :class:`Refused`, turned into a response
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvcentric.router import api_models, limits
+from kvcentric.router.auth import Caller
+from kvcentric.router.errors import Refused
+
+if TYPE_CHECKING:
+    from kvcentric.router.app import RouterState
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A JSON object body, or :class:`Refused` (400); ``NaN``/``Infinity`` are refused
+    (not JSON, though Python's parser takes them)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Refused(400, f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise Refused(400, "the body must be a JSON object")
+    return body
+
+
+async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    return parse_json(await limits.read_body(request.stream(), request.headers, max_bytes))
+
+
+def _released(resp: Response, release: Callable[[], None]) -> Response:
+    """``resp`` with ``release()`` called once its body has been sent (or now)."""
+    if not isinstance(resp, StreamingResponse):
+        release()
+        return resp
+    inner = resp.body_iterator
+
+    async def body() -> AsyncIterator[Any]:
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            release()
+
+    resp.body_iterator = body()
+    return resp
+
+
+def openai_routes(app: FastAPI, state: RouterState) -> None:
+    cfg, bounds = state.cfg, state.bounds
+
+    async def openai(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            caller = state.auth.caller(request.headers)
+            state.inflight.acquire(caller.budget)
+        except Refused as refused:
+            resp: Response = refused.response()
+        else:
+            def release() -> None:
+                state.inflight.release(caller.budget)
+
+            try:
+                body, tokens = await _admit(request, chat)
+                resp = _released(await _forward(request, chat, caller, body, tokens), release)
+            except Refused as refused:
+                release()
+                resp = refused.response()
+            except BaseException:
+                release()
+                raise
+        state.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        return resp
+
+    async def _admit(request: Request, chat: bool) -> tuple[dict[str, Any], np.ndarray]:
+        """The parsed body and prompt tokens, or :class:`Refused` (400/404/413)."""
+        body = await json_body(request, cfg.limits.max_body_bytes)
+        model = body.get("model", cfg.model)
+        if model != cfg.model:
+            raise Refused(404, f"model {model!r} does not exist; this router serves "
+                          f"{cfg.model!r}")
+        body = api_models.validate(state.chat_model if chat else state.completion_model, body)
+        api_models.normalize(body, bounds)
+        context = state.context()
+        tokens = await asyncio.to_thread(_prompt_tokens, body, chat, context)
+        bounds.fit_budget(body, len(tokens), context)
+        return body, tokens
+
+    def _prompt_tokens(body: dict[str, Any], chat: bool, context: int) -> np.ndarray:
+        """The prompt's tokens (a worker thread: rendering and tokenising hold the GIL for
+        milliseconds), its characters checked before tokenising and its tokens after."""
+        tok = state.tokenizer
+        if chat:
+            try:
+                text = tok.chat_text(body, bounds.template_kwargs)
+            except ValueError as exc:
+                raise Refused(400, str(exc)) from exc
+            special = bool(body.get("add_special_tokens", False))
+        else:
+            prompt = body["prompt"]
+            if isinstance(prompt, list):  # token ids, bounded by the schema
+                bounds.check_tokens(len(prompt), context)
+                return np.asarray(prompt, dtype=np.uint32)
+            text, special = prompt, bool(body.get("add_special_tokens", True))
+        bounds.check_chars(len(text), context)
+        tokens = tok.encode(text, special)
+        bounds.check_tokens(len(tokens), context)
+        return tokens
+
+    async def _forward(request: Request, chat: bool, caller: Caller, body: dict[str, Any],
+                       tokens: np.ndarray) -> Response:
+        salt = state.auth.salt(caller, body.get("cache_salt"))
+        if salt is not None:
+            body["cache_salt"] = salt  # the engines hash it into every block of the prompt
+        hashes = state.conductor.hashes(tokens, salt)
+        tail = state.conductor.tail(tokens, hashes, salt)
+        if state.replicator is not None:
+            state.replicator.observe(hashes, tokens, salt)
+        # a router key is the router's business: never forwarded to the engines, which get
+        # upstream.api_key when they check keys of their own
+        forwarded = ("content-type", "accept", "x-request-id") if state.auth.enabled else \
+            ("authorization", "content-type", "accept", "x-request-id")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
+        if cfg.upstream.api_key:
+            headers["authorization"] = f"Bearer {cfg.upstream.api_key}"
+        assert state.proxy is not None
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        try:
+            state.auth.caller(request.headers)
+        except Refused as refused:
+            return refused.response()
+        return JSONResponse({"object": "list", "data": [
+            {"id": cfg.model, "object": "model", "owned_by": "kvcentric", "created": 0,
+             "root": cfg.tokenizer, "max_model_len": state.context()}]})
