@@ -1,13 +1,16 @@
 """Store put/get bandwidth against a plain memcpy of the same bytes, in one run.
 
-    python benchmarks/bench_store.py [--backend local] [--quick] [--out FILE.json]
+    python benchmarks/bench_store.py [--backend local] [--quick] [--disk-dir DIR]
+                                     [--out FILE.json]
 
 For each object size (256 KiB - 2 MiB) it puts and gets batches of objects from this
 process, then from a second process, and times ``np.copyto`` of the same objects in the
 same process as the baseline. Destinations are pre-touched and the store runs in steady
 state (capacity = 4x a batch, so eviction recycles mapped pages), and the CPU caches are
 evicted before every timed copy, so no arm profits from the previous one's cache. Reports
-medians over rounds and the ratios store/memcpy.
+medians over rounds and the ratios store/memcpy. ``--disk-dir`` gives the local store a disk
+tier there (8x a batch): puts then pay for the tier's bookkeeping and, in steady state, wait
+for its demotions (the store writes each batch to disk before DRAM can drop it).
 """
 
 from __future__ import annotations
@@ -137,7 +140,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     name = f"bench-{uuid.uuid4().hex[:8]}"
     batch = (16 if args.quick else 64) * MiB
     rounds = 3 if args.quick else 7
-    cfg = {"backend": args.backend, "name": name, "capacity_bytes": 4 * batch}
+    cfg: dict[str, Any] = {"backend": args.backend, "name": name, "capacity_bytes": 4 * batch}
+    if args.disk_dir is not None:
+        cfg["disk"] = {"path": str(args.disk_dir), "capacity_bytes": 8 * batch}
     sizes = [256 * KiB, 2 * MiB] if args.quick else [256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB]
     rows = []
     try:
@@ -157,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "xproc_put_vs_memcpy": med(r["xproc_put_gbps"] / r["xproc_memcpy_gbps"] for r in rows),
     }
     return {"benchmark": "store", "backend": args.backend, "quick": args.quick,
+            "disk_tier": args.disk_dir is not None,
             "cpus": os.cpu_count(), "rows": rows, "summary": summary}
 
 
@@ -175,6 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=["local", "mooncake"], default="local")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--disk-dir", type=Path, default=None,
+                    help="give the local store a disk tier in this directory")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
@@ -191,7 +199,8 @@ def main() -> None:
         return
     res = run(args)
     print_table(res)
-    out = args.out or RESULTS / f"store_{args.backend}{'_quick' if args.quick else ''}.json"
+    tag = f"{args.backend}{'_disk' if args.disk_dir else ''}{'_quick' if args.quick else ''}"
+    out = args.out or RESULTS / f"store_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out}")

@@ -41,7 +41,14 @@ _METRICS = {
     "dram_evictions": ("dram_evictions_total", "Objects that left DRAM", True),
     "disk_evictions": ("disk_evictions_total", "Objects removed from disk for space", True),
     "dropped_undemoted": ("dropped_undemoted_total",
-                          "Objects dropped from DRAM with no disk copy (disk behind/full)", True),
+                          "Objects dropped from DRAM with no disk copy (the disk had no room)",
+                          True),
+    "put_waits": ("put_waits_total", "Reserve requests held back until demotion made room",
+                  True),
+    "put_wait_ms": ("put_wait_milliseconds_total", "Time held-back reserve requests waited",
+                    True),
+    "refused_undemoted": ("refused_undemoted_total", "Objects refused while the disk tier had "
+                          "room but demotion had not made any yet", True),
     "disk_write_bytes": ("disk_write_bytes_total", "Bytes written to the disk tier", True),
     "disk_read_bytes": ("disk_read_bytes_total", "Bytes of disk objects leased to readers",
                         True),
@@ -72,6 +79,7 @@ def log_line(stats: Mapping[str, int]) -> str:
             f" | Written/read: {stats['disk_write_bytes'] / GB:.2f}/"
             f"{stats['disk_read_bytes'] / GB:.2f} GB"
             f" | Dropped undemoted: {stats['dropped_undemoted']}"
+            f" | Puts held/refused: {stats['put_waits']}/{stats['refused_undemoted']}"
         )
     return line
 
