@@ -23,9 +23,9 @@ pinned) or *clean* (its disk copy is complete and fsynced). Objects move DRAM ->
   or the kernel said ENOSPC/EFBIG/EDQUOT, or a write failed: ``disk_full``/``disk_errors``),
   demotion pauses for ``BACKOFF_S`` and for that long the tier is a DRAM-only cache again:
   nobody is held back, and a reserve that finds no clean copy drops the coldest dirty chain
-  leaf outright, counted ``dropped_undemoted`` (the newest objects are kept, as a DRAM-only
-  store would). ``dropped_undemoted`` therefore stays 0 for as long as every demotion finds
-  room (tests/test_store_demotion.py).
+  leaf outright (the order a DRAM-only store evicts in), counted ``dropped_undemoted``.
+  ``dropped_undemoted`` therefore stays 0 for as long as every demotion finds room
+  (tests/test_store_demotion.py).
 - **Disk eviction** (a demotion that needs room on disk) removes the least recently used
   disk-only *leaf*, which is then gone (``disk_evictions``).
 - **Reads**: ``acquire`` leases both tiers. A disk-only object is read by the client straight
