@@ -37,6 +37,7 @@ def _store_cfg(args: argparse.Namespace) -> StoreConfig:
 
 def _serve(cfg: StoreConfig) -> int:
     from kvcentric.store.local import launcher
+    from kvcentric.store.local.ownership import StartRefused
     from kvcentric.store.local.server import Coordinator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -44,7 +45,13 @@ def _serve(cfg: StoreConfig) -> int:
         if launcher.is_running(cfg):
             print(f"store {cfg.name!r} is already running at {cfg.socket_path}", file=sys.stderr)
             return 1
-    Coordinator(cfg).serve()
+    coordinator = Coordinator(cfg)
+    try:
+        coordinator.prepare()  # e.g. a stopped coordinator still holds the store
+    except StartRefused as exc:
+        print(f"store {cfg.name!r} refused to start: {exc}", file=sys.stderr)
+        return 1
+    coordinator.serve()
     return 0
 
 

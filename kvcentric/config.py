@@ -295,10 +295,18 @@ class StoreConfig:
         autostart: the first client starts the local coordinator if none runs.
         verify_checksums: store an xxh3_64 per object at commit and check it on every read;
             a mismatch is reported as a failed read (``ERR_CORRUPT``), never as data.
-        op_timeout_s: bound on one store round trip; on expiry the call fails, never hangs.
-        reconnect_interval_s: after the store could not be reached or (re)started, calls
-            fail fast (``StoreUnavailable``: the engine recomputes) for this long before the
-            next attempt.
+        op_timeout_s: bound on one administrative round trip (stats, keys, clear, remove,
+            the hello of a reconnect); on expiry the call fails, never hangs.
+        hot_timeout_s: bound on one hot-path round trip of the local store (``reserve``,
+            ``commit``, ``acquire``, lookups over the socket: what a forward pass or the
+            scheduler waits on). On expiry the connection is closed (its leases lapse) and
+            the circuit breaker opens (``reconnect_interval_s``).
+        reconnect_interval_s: the circuit breaker: after a failed or timed-out call, or a
+            failed (re)start, calls fail fast (``StoreUnavailable`` / a miss: the engine
+            recomputes) for this long while the local client reconnects in the background.
+        disk_read_timeout_s: bound on waiting for one disk-tier read (a ``fetch_range`` of
+            a streamed lease, an eager lease's reads, a release waiting for reads in
+            flight); a late read fails the lease (the engine recomputes).
         prefault: map (and so allocate) the whole local arena when a client opens it, so no
             copy on the hot path pays page faults; costs ``capacity_bytes`` of RAM up front.
         shared_index: local clients answer ``batch_exists`` from the coordinator's
@@ -318,8 +326,10 @@ class StoreConfig:
     verify_checksums: bool = False
     prefault: bool = True
     op_timeout_s: float = 10.0
+    hot_timeout_s: float = 0.1
     start_timeout_s: float = 20.0
     reconnect_interval_s: float = 1.0
+    disk_read_timeout_s: float = 5.0
     shared_index: bool = True
     lease_ttl_s: float = 300.0
     disk: DiskConfig | None = None
@@ -336,8 +346,10 @@ class StoreConfig:
                      "reconnect_interval_s", "lease_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.op_timeout_s == 0 or self.start_timeout_s == 0:
-            raise ValueError("op_timeout_s and start_timeout_s must be > 0")
+        for name in ("op_timeout_s", "start_timeout_s", "hot_timeout_s",
+                     "disk_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
         if self.disk is not None and not isinstance(self.disk, DiskConfig):
             raise ValueError("disk must be a DiskConfig (parse mappings with from_dict)")
         if self.disk is not None and self.backend != "local":
@@ -370,12 +382,10 @@ class StoreConfig:
         return self.runtime_dir / f"{self.name}.sock"
 
     @property
-    def arena_path(self) -> Path:
-        return self.runtime_dir / f"{self.name}.arena"
-
-    @property
-    def index_path(self) -> Path:
-        return self.runtime_dir / f"{self.name}.index"
+    def owner_path(self) -> Path:
+        """The file whose lock the store's one live coordinator holds for its whole life
+        (its arena and index files are per coordinator: ``store.local.ownership``)."""
+        return self.runtime_dir / f"{self.name}.owner"
 
     @property
     def lock_path(self) -> Path:

@@ -12,6 +12,7 @@ endpoints (no client joins the pool). The one exception is the layout probe
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ import httpx
 
 from kvcentric.compat import TESTED_SGLANG, TESTED_VLLM
 from kvcentric.config import EngineEnv, StoreConfig
+from kvcentric.store.local.ownership import generation_files
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -206,9 +208,8 @@ def _fs_type(path: Path) -> str:
 
 
 def check_shm(cfg: StoreConfig, stats: Mapping[str, Any] | None) -> Finding:
-    """The arena's capacity against the tmpfs it lives on: a capacity above the file
-    system's size is accepted at start (the arena file is sparse) and kills the process
-    with SIGBUS once the store fills."""
+    """The arena's capacity against the tmpfs it lives on: a coordinator reserves its whole
+    arena at start and refuses to start when it does not fit (engines then recompute)."""
     capacity = int(stats["capacity_bytes"]) if stats else cfg.capacity_bytes
     where = cfg.runtime_dir if cfg.runtime_dir.is_dir() else cfg.runtime_dir.parent
     try:
@@ -218,10 +219,10 @@ def check_shm(cfg: StoreConfig, stats: Mapping[str, Any] | None) -> Finding:
                        "create the directory on a memory-backed file system (/dev/shm)")
     size = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
-    try:
-        arena_resident = cfg.arena_path.stat().st_blocks * 512
-    except OSError:
-        arena_resident = 0
+    arena_resident = 0  # the live arena (reserved whole) and dead ones still mapped
+    for path in generation_files(cfg, "arena"):
+        with contextlib.suppress(OSError):
+            arena_resident += path.stat().st_blocks * 512
     details = {"capacity_bytes": capacity, "fs_bytes": size, "fs_free_bytes": free,
                "arena_resident_bytes": arena_resident, "fs_type": _fs_type(where)}
     fix = (f"lower the store capacity below {_gib(size)}, or give {where} more room (on "
@@ -229,8 +230,8 @@ def check_shm(cfg: StoreConfig, stats: Mapping[str, Any] | None) -> Finding:
            "at /dev/shm)")
     if capacity > size:
         return Finding("store-shm", FAIL, f"store capacity {_gib(capacity)} exceeds the "
-                       f"{_gib(size)} file system at {where}: writes past that size crash "
-                       "the engines (SIGBUS)", fix, details)
+                       f"{_gib(size)} file system at {where}: the store cannot reserve its "
+                       "arena and refuses to start", fix, details)
     if capacity - arena_resident > free:
         return Finding("store-shm", WARN, f"store capacity {_gib(capacity)} needs "
                        f"{_gib(capacity - arena_resident)} more, but only {_gib(free)} of "

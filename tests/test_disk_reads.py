@@ -1,6 +1,7 @@
 """Client-side disk-tier reads (``store/local/disk_reads.py``) on real files: ranges queued on
 the read pool land byte-exact, ``upto`` bounds what is read, torn files raise, corrupt ones
-fail verification, and ``close`` returns only once no read can still write."""
+fail verification, ``close`` ends the lease only once no read can still write, and a hung
+disk bounds every wait."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def open_all(reads: DiskReads, files: list[Path]) -> list[np.ndarray]:
 
 def test_layer_ranges_arrive_exact_and_verify(files: list[Path],
                                               pool: ThreadPoolExecutor) -> None:
-    reads = DiskReads(len(files), pool)
+    reads = DiskReads(len(files), pool, 5.0)
     bufs = open_all(reads, files)
     for layer in range(4):
         assert not reads.verified()
@@ -71,7 +72,7 @@ def test_layer_ranges_arrive_exact_and_verify(files: list[Path],
 
 
 def test_off_grid_ranges_are_read_too(files: list[Path], pool: ThreadPoolExecutor) -> None:
-    reads = DiskReads(len(files), pool)
+    reads = DiskReads(len(files), pool, 5.0)
     bufs = open_all(reads, files)
     reads.fetch(0, LAYER)
     reads.fetch(LAYER // 3, 3 * LAYER)  # overlaps queued ranges and the first one
@@ -84,7 +85,7 @@ def test_off_grid_ranges_are_read_too(files: list[Path], pool: ThreadPoolExecuto
 
 def test_upto_reads_only_the_leading_objects(files: list[Path],
                                              pool: ThreadPoolExecutor) -> None:
-    reads = DiskReads(len(files), pool)
+    reads = DiskReads(len(files), pool, 5.0)
     bufs = open_all(reads, files)
     for layer in range(4):
         reads.fetch(layer * LAYER, LAYER, upto=2)
@@ -100,7 +101,7 @@ def test_a_torn_file_raises_and_a_corrupt_one_fails(files: list[Path],
         f.seek(DATA_OFFSET + 100)
         f.write(b"\xff\x00\xff")
     files[3].write_bytes(files[3].read_bytes()[: DATA_OFFSET + LAYER + 10])
-    reads = DiskReads(len(files), pool)
+    reads = DiskReads(len(files), pool, 5.0)
     bufs = open_all(reads, files)  # reads write into them until close
     reads.fetch(0, LAYER)  # object 3 still has its first layer
     with pytest.raises(OSError) as exc:
@@ -108,7 +109,7 @@ def test_a_torn_file_raises_and_a_corrupt_one_fails(files: list[Path],
     assert exc.value.errno == errno.EIO
     reads.close()
 
-    eager = DiskReads(len(files), pool)
+    eager = DiskReads(len(files), pool, 5.0)
     bufs += open_all(eager, files)
     assert eager.fetch_all() == 1  # the first bad object ends the leading run
     assert eager.codes()[:2] == [PROMOTE, CORRUPT]
@@ -140,7 +141,7 @@ class SlowPool(ThreadPoolExecutor):
 
 def test_close_waits_for_reads_in_flight(files: list[Path]) -> None:
     with SlowPool() as pool:
-        reads = DiskReads(len(files), pool)
+        reads = DiskReads(len(files), pool, 5.0)
         bufs = open_all(reads, files)
         reads.fetch(0, LAYER)  # the other 18 ranges are queued or running
         assert pool.finished < 4 * len(files)
@@ -148,3 +149,62 @@ def test_close_waits_for_reads_in_flight(files: list[Path]) -> None:
         assert pool.running == 0  # nothing can still write into the lease's memory
         del bufs
         assert pool.submit(lambda: 7).result() == 7  # cancelled reads left the pool usable
+
+
+class HungPool(ThreadPoolExecutor):
+    """A disk that stops answering: every read waits for ``gate`` before it reads."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.gate = threading.Event()
+        self.running = 0
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
+        def hung() -> Any:
+            with self.lock:
+                self.running += 1
+            try:
+                self.gate.wait()
+                return fn(*args, **kw)
+            finally:
+                with self.lock:
+                    self.running -= 1
+        return super().submit(hung)
+
+
+def test_a_hung_disk_bounds_every_wait(files: list[Path]) -> None:
+    """Reads that do not come back fail the fetch within the timeout, and ``close``
+    returns within it too; the lease's end (``then``) waits for the stragglers, which
+    write into its memory, and runs once they are done."""
+    with HungPool() as pool:
+        reads = DiskReads(len(files), pool, 0.2)
+        bufs = open_all(reads, files)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            reads.fetch(0, LAYER)
+        assert time.monotonic() - t0 < 1.0
+        ended: list[list[int]] = []
+        t0 = time.monotonic()
+        assert reads.close(ended.append) is False  # two reads are stuck in the "disk"
+        assert time.monotonic() - t0 < 1.0 and not ended and pool.running == 2
+        pool.gate.set()
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ended and pool.running == 0  # ended only once nothing writes any more
+        del bufs
+
+    with HungPool() as pool:
+        eager = DiskReads(len(files), pool, 0.2)
+        bufs = open_all(eager, files)
+        assert eager.fetch_all() == 0  # nothing arrived in time: an empty leading run
+        assert eager.codes()[0] == 0  # a slow disk is not a corrupt file
+        pool.gate.set()
+        done: list[list[int]] = []
+        eager.close(done.append)
+        deadline = time.monotonic() + 10
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done and pool.running == 0
+        del bufs

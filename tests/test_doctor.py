@@ -24,7 +24,7 @@ import yaml
 from kvcentric import doctor, doctor_probe
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KEY_PREFIX
-from kvcentric.store import open_store
+from kvcentric.store import StoreUnavailable, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.mooncake.config import MooncakeSettings
 from kvcentric.testing.models import build_model
@@ -119,19 +119,17 @@ def test_store_running(store_cfg: StoreConfig) -> None:
 
 
 def test_store_larger_than_its_shm(runtime_dir: Path) -> None:
-    """The arena file is sparse, so the store starts; it would SIGBUS once it fills."""
+    """A coordinator cannot reserve an arena larger than its tmpfs: it refuses to start,
+    and the doctor says why from the config alone."""
     st = os.statvfs(runtime_dir)
     size = st.f_blocks * st.f_frsize
     cfg = StoreConfig(name=f"big{uuid.uuid4().hex[:6]}", capacity_bytes=size + (1 << 30),
                       runtime_dir=runtime_dir, prefault=False)
-    try:
-        open_store(cfg).close()
-        reach, stats = doctor.check_local_store(cfg)
-        assert reach.status == "ok" and stats and stats["capacity_bytes"] > size
-        f = doctor.check_shm(cfg, stats)
-        assert f.status == "fail" and "exceeds" in f.message and "sizeLimit" in f.fix
-    finally:
-        launcher.stop(cfg)
+    with pytest.raises(StoreUnavailable, match="cannot reserve"):
+        open_store(cfg)
+    assert not launcher.is_running(cfg)
+    f = doctor.check_shm(cfg, None)
+    assert f.status == "fail" and "exceeds" in f.message and "sizeLimit" in f.fix
 
 
 # ---- Mooncake ----

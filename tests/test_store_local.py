@@ -19,6 +19,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_CORRUPT, ERR_UNAVAILABLE, OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.ownership import generation_files
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
 from tests.store_contract import WORKER, StoreContract, get, put, run_worker
@@ -55,7 +56,7 @@ def test_store_outlives_its_starter_and_idle_timeout(store_cfg: StoreConfig) -> 
         pid = s.stats()["pid"]
     # watch the pid, not the socket: a probe connection counts as a client
     assert _wait(lambda: not launcher.pid_alive(pid), timeout=10)
-    assert not launcher.is_running(cfg) and not cfg.arena_path.exists()
+    assert not launcher.is_running(cfg) and not generation_files(cfg, "arena")
 
 
 def test_concurrent_first_clients_start_one_coordinator(store_cfg: StoreConfig) -> None:

@@ -84,7 +84,7 @@ def test_a_store_of_pinned_objects_refuses_puts(store: KVStore) -> None:
 def test_pins_are_bounded(store: KVStore) -> None:
     slots = [s for s in store.batch_alloc(["x"], [OBJ]) if s is not None]
     with pytest.raises(Exception, match="pin"):
-        store._call("commit", ["x"], [None], 1e9)  # type: ignore[attr-defined]
+        store._link.call("commit", ["x"], [None], 1e9)  # type: ignore[attr-defined]
     store.batch_abort(slots)
 
 

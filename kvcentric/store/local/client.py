@@ -7,19 +7,17 @@ physical pages.
 
 Ownership: memory behind caller ``ptrs`` is the caller's. ``WriteSlot.ptr`` and
 ``ReadLease.ptrs`` point into the shared arena and are valid only until commit/abort and
-release respectively.
+release respectively; each keeps its arena mapping alive until then, and its session
+(:mod:`kvcentric.store.local.session`) says whether the coordinator still honours it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import StoreConfig
@@ -37,10 +35,9 @@ from kvcentric.store.base import (
     WriteSlot,
     checksum,
 )
-from kvcentric.store.local import launcher
 from kvcentric.store.local.disk_reads import READ_THREADS, DiskReads
-from kvcentric.store.local.rpc import RpcClient
-from kvcentric.store.local.shared_index import SharedIndexReader
+from kvcentric.store.local.link import Link
+from kvcentric.store.local.session import Session
 
 if TYPE_CHECKING:
     from kvcentric.cuda.pinning import HostPinner
@@ -48,127 +45,55 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcentric.store")
 
 
-class _Arena:
-    """A mapping of the coordinator's arena file; ``base`` is its address here."""
-
-    def __init__(self, path: str, capacity: int, arena_id: str, prefault: bool) -> None:
-        fd = os.open(path, os.O_RDWR)
-        # MAP_POPULATE maps every page now: a first touch later would cost a page fault
-        # per 4 KiB inside the copy, which halves put bandwidth on a fresh mapping.
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-        try:
-            self.mm = mmap.mmap(fd, capacity, flags)
-        finally:
-            os.close(fd)
-        self._anchor: Any = ctypes.c_char.from_buffer(self.mm)
-        self.base = ctypes.addressof(self._anchor)
-        self.capacity = capacity
-        self.arena_id = arena_id
-
-    def close(self) -> None:
-        self._anchor = None
-        try:
-            self.mm.close()
-        except BufferError:  # a view handed to a caller is still alive; the GC will unmap
-            pass
-
-
 class LocalStore(KVStore):
-    """Client of a local store; starts the coordinator on first use when ``autostart``."""
+    """Client of a local store; starts the coordinator on first use when ``autostart``.
+
+    Hot-path calls (lookups, ``reserve``, ``commit``, ``abort``, ``acquire``) wait at most
+    ``cfg.hot_timeout_s`` and never connect: while the link's circuit breaker is open they
+    fail at once (a miss, ``ERR_UNAVAILABLE`` or ``StoreUnavailable``: the engine
+    recomputes) and a background thread reconnects (:mod:`kvcentric.store.local.link`).
+    """
 
     def __init__(self, cfg: StoreConfig, required: bool = True) -> None:
         self.cfg = cfg
-        self._rpc = RpcClient(cfg.socket_path, cfg.op_timeout_s)
-        self._arena: _Arena | None = None
-        self._arena_gen = -1
-        self._retry_at = 0.0
-        self._index: SharedIndexReader | None = None
-        self._lease_ttl_s = 0.0
-        self._disk_tier = False  # the coordinator runs a disk tier (its hello says)
-        self._pinner: HostPinner | None = None
+        self._link = Link(cfg)
         self._read_pool: ThreadPoolExecutor | None = None  # disk-tier reads, made on first use
         try:
-            self._connect()
+            self._link.connect()
         except StoreUnavailable as exc:
             if required:
+                self._link.close()
                 raise
             log.warning("store %r unavailable (%s); serving by recompute until it is back",
                         cfg.name, exc)
-
-    # ---- connection management ----
-    def _connect(self) -> None:
-        """(Re)connect, starting the coordinator if allowed. Every failure is
-        ``StoreUnavailable``; after one, calls fail fast for ``reconnect_interval_s`` so a
-        coordinator that cannot be (re)started never stalls each engine step."""
-        now = time.monotonic()
-        if now < self._retry_at:
-            raise StoreUnavailable(f"store {self.cfg.name!r} unavailable; next reconnect "
-                                   f"attempt in {self._retry_at - now:.1f} s")
-        try:
-            if self.cfg.autostart:
-                launcher.ensure_running(self.cfg)
-            hello = self._rpc.call("hello")
-            if self._arena is None or self._arena.arena_id != hello["arena_id"]:
-                self._close_arena()
-                self._arena = _Arena(hello["arena"], hello["capacity"], hello["arena_id"],
-                                     self.cfg.prefault)
-                if self._pinner is not None:
-                    self._pinner.register(self._arena.base, self._arena.capacity)
-            self._open_index(hello.get("index"))
-            self._lease_ttl_s = float(hello.get("lease_ttl_s") or 0.0)
-            # a coordinator that does not say predates the residency op
-            self._disk_tier = bool(hello.get("disk_tier", False))
-        except (StoreUnavailable, OSError, ValueError) as exc:
-            self._rpc.close()
-            self._retry_at = time.monotonic() + self.cfg.reconnect_interval_s
-            if isinstance(exc, StoreUnavailable):
-                raise
-            raise StoreUnavailable(f"cannot open store {self.cfg.name!r}: {exc}") from exc
-        self._arena_gen = self._rpc.generation
-
-    def _open_index(self, path: str | None) -> None:
-        """Map the coordinator's shared lookup index (a new one after every reconnect:
-        a restarted coordinator writes a new file)."""
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-        if path and self.cfg.shared_index:
-            try:
-                self._index = SharedIndexReader(Path(path))
-            except (OSError, ValueError) as exc:
-                log.warning("shared lookup index unusable (%s); lookups use the socket", exc)
-
-    def _call(self, op: str, *args: Any) -> Any:
-        """One round trip; reconnects (and restarts the coordinator) after a failure."""
-        if not self._rpc.connected:
-            self._connect()
-        return self._rpc.call(op, *args)
-
-    @property
-    def arena(self) -> _Arena:
-        if self._arena is None or self._rpc.generation != self._arena_gen:
-            self._connect()
-        assert self._arena is not None
-        return self._arena
+            self._link.kick()
 
     def arena_view(self, ptr: int, size: int) -> memoryview:
-        """A writable memoryview of ``size`` arena bytes at ``ptr`` (from a slot or lease)."""
-        off = ptr - self.arena.base
-        if off < 0 or off + size > self.arena.capacity:
+        """A writable memoryview of ``size`` arena bytes at ``ptr`` (from a slot or lease
+        of the current generation)."""
+        arena = self._link.arena
+        off = ptr - arena.base if arena is not None else -1
+        if arena is None or off < 0 or off + size > arena.capacity:
             raise ValueError("pointer is not inside the arena")
-        return memoryview(self.arena.mm)[off : off + size]
+        return memoryview(arena.mm)[off : off + size]
 
     # ---- KVStore ----
     def batch_exists(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
-        index = self._index
-        if index is not None and self._arena_gen == self._rpc.generation and self._rpc.peer_alive():
-            n = index.leading_run(keys)
+        s = self._link.session
+        if s is None:
+            self._link.kick()
+            return 0
+        if s.index is not None and s.peer_alive():
+            try:
+                n = s.index.leading_run(keys)  # None: stale heartbeat, writer busy...
+            except ValueError:  # the session closed under us: its index is unmapped
+                n = None
             if n is not None:
                 return n
         try:
-            return int(self._call("exists", list(keys)))
+            return int(self._link.hot(s, "exists", list(keys)))
         except StoreUnavailable:
             return 0
 
@@ -178,12 +103,11 @@ class LocalStore(KVStore):
         (the shared index, no round trip). An unreachable store holds nothing (run 0)."""
         if not keys:
             return Residency(0)
+        s = self._link.session
+        if s is None or not s.disk_tier:
+            return Residency(self.batch_exists(keys))
         try:
-            if not self._rpc.connected:
-                self._connect()
-            if not self._disk_tier:
-                return Residency(self.batch_exists(keys))
-            run, disk_only = self._call("residency", list(keys))
+            run, disk_only = self._link.hot(s, "residency", list(keys))
         except StoreUnavailable:
             return Residency(0)
         return Residency(int(run), tuple(int(i) for i in disk_only))
@@ -194,37 +118,67 @@ class LocalStore(KVStore):
 
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int],
                  parents: Sequence[str | None] | None) -> tuple[list[WriteSlot | None], list[int]]:
-        """Slots for new keys (None where the key exists or space ran out) and reserve codes."""
+        """Slots for new keys (None where the key exists or space ran out) and reserve
+        codes. Each slot holds a reference on its arena until committed or aborted."""
         if len(keys) != len(sizes) or (parents is not None and len(parents) != len(keys)):
             raise ValueError("keys, sizes and parents must have equal lengths")
         if not keys:
             return [], []
-        arena = self.arena
-        gen = self._rpc.generation
-        codes = self._call("reserve", list(keys), [int(s) for s in sizes],
-                           list(parents) if parents is not None else [None] * len(keys))
-        slots = [WriteSlot(k, arena.base + off, int(s), gen) if off >= 0 else None
-                 for k, s, off in zip(keys, sizes, codes)]
+        s = self._link.live()
+        arena = s.arena
+        if not arena.hold():  # taken before the call: the mapping cannot go meanwhile
+            raise StoreUnavailable(f"store {self.cfg.name!r}: arena released")
+        try:
+            codes = self._link.hot(s, "reserve", list(keys), [int(n) for n in sizes],
+                                   list(parents) if parents is not None else [None] * len(keys))
+        except BaseException:
+            arena.drop()
+            raise
+        slots = [WriteSlot(k, arena.base + off, int(n), s) if off >= 0 else None
+                 for k, n, off in zip(keys, sizes, codes)]
+        live = sum(1 for x in slots if x is not None)
+        if live == 0:
+            arena.drop()
+        elif live > 1:
+            arena.hold(live - 1)  # one reference per slot; we hold one, so this succeeds
         return slots, codes
 
+    @staticmethod
+    def _end_slots(slots: Sequence[WriteSlot]) -> None:
+        """Slots are done (committed, aborted or stale): drop their arena references."""
+        for slot in slots:
+            s, slot.handle = slot.handle, None
+            if isinstance(s, Session):
+                s.arena.drop()
+
     def batch_commit(self, slots: Sequence[WriteSlot], pin_s: float = 0.0) -> list[int]:
+        """Publish written slots. Slots of a dead session (the connection dropped since
+        their reserve: the coordinator reclaimed them) are ``ERR_UNAVAILABLE``."""
         if not slots:
             return []
-        if any(s.handle != self._rpc.generation for s in slots):
-            return [ERR_UNAVAILABLE] * len(slots)  # reconnected: those slots were reclaimed
-        sums = [checksum(s.ptr, s.size) if self.cfg.verify_checksums else None for s in slots]
-        try:
-            return list(self._call("commit", [s.key for s in slots], sums, float(pin_s)))
-        except StoreUnavailable:
+        s = self._link.session
+        if s is None or any(x.handle is not s for x in slots):
+            self._end_slots(slots)
             return [ERR_UNAVAILABLE] * len(slots)
+        sums = [checksum(x.ptr, x.size) if self.cfg.verify_checksums else None for x in slots]
+        try:
+            codes = list(self._link.hot(s, "commit", [x.key for x in slots], sums,
+                                        float(pin_s)))
+        except StoreUnavailable:
+            codes = [ERR_UNAVAILABLE] * len(slots)
+        self._end_slots(slots)
+        return codes
 
     def batch_abort(self, slots: Sequence[WriteSlot]) -> None:
-        live = [s.key for s in slots if s.handle == self._rpc.generation]
-        if live:
-            try:
-                self._call("abort", live)
-            except StoreUnavailable:
-                pass  # the coordinator reclaims them with the connection
+        s = self._link.session
+        live = [x.key for x in slots if s is not None and x.handle is s]
+        try:
+            if live and s is not None:
+                self._link.hot(s, "abort", live)
+        except StoreUnavailable:
+            pass  # the coordinator reclaims them with the connection
+        finally:
+            self._end_slots(slots)
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
                        parents: Sequence[str | None] | None = None) -> list[int]:
@@ -252,34 +206,46 @@ class LocalStore(KVStore):
         return self._acquire(keys, eager=False)
 
     def _acquire(self, keys: Sequence[str], eager: bool) -> ReadLease:
+        """Lease the leading run; the lease holds a reference on its arena (and its
+        session decides its validity) until released."""
         if not keys:
             return ReadLease([], [], [], [], None)
-        arena = self.arena
-        gen = self._rpc.generation
-        asked = time.monotonic()
-        lease_id, entries = self._call("acquire", list(keys))
-        # the coordinator reclaims the lease lease_ttl_s after it granted it, which is
-        # after we asked: treating it as lapsed from asked + ttl is always on the safe side
-        deadline = asked + self._lease_ttl_s if self._lease_ttl_s > 0 else float("inf")
-        reads = (DiskReads(len(entries), self._disk_pool()) if any(len(e) > 3 for e in entries)
-                 else None)
-        ptrs: list[int] = []
-        for i, ent in enumerate(entries):
-            if len(ent) == 3:
-                ptrs.append(arena.base + ent[0])
-                continue
-            assert reads is not None
-            promo = arena.base + ent[0] if ent[0] >= 0 else None
-            ptr = reads.open(i, ent[3], ent[1], ent[4], promo)
-            if ptr is None:
-                break  # its file is gone: the leading run ends here
-            ptrs.append(ptr)
-        n = len(ptrs)
-        if reads is not None and eager:
-            bad = reads.fetch_all()
-            n = bad if 0 <= bad < n else n
+        s = self._link.live()
+        arena = s.arena
+        if not arena.hold():
+            raise StoreUnavailable(f"store {self.cfg.name!r}: arena released")
+        reads = None
+        try:
+            asked = time.monotonic()
+            lease_id, entries = self._link.hot(s, "acquire", list(keys))
+            # the coordinator reclaims the lease lease_ttl_s after it granted it, which is
+            # after we asked: treating it as lapsed from asked + ttl is always on the safe side
+            deadline = asked + s.lease_ttl_s if s.lease_ttl_s > 0 else float("inf")
+            if any(len(e) > 3 for e in entries):
+                reads = DiskReads(len(entries), self._disk_pool(), self.cfg.disk_read_timeout_s)
+            ptrs: list[int] = []
+            for i, ent in enumerate(entries):
+                if len(ent) == 3:
+                    ptrs.append(arena.base + ent[0])
+                    continue
+                assert reads is not None
+                promo = arena.base + ent[0] if ent[0] >= 0 else None
+                ptr = reads.open(i, ent[3], ent[1], ent[4], promo)
+                if ptr is None:
+                    break  # its file is gone: the leading run ends here
+                ptrs.append(ptr)
+            n = len(ptrs)
+            if reads is not None and eager:
+                bad = reads.fetch_all()
+                n = bad if 0 <= bad < n else n
+        except BaseException:
+            if reads is None:
+                arena.drop()
+            else:  # once no read can still write into the arena
+                reads.close(lambda _: arena.drop())
+            raise
         return ReadLease(list(keys[:n]), ptrs[:n], [e[1] for e in entries[:n]],
-                         [e[2] for e in entries[:n]], (lease_id, gen, deadline, reads, n))
+                         [e[2] for e in entries[:n]], (lease_id, s, deadline, reads, n))
 
     def _disk_pool(self) -> ThreadPoolExecutor:
         if self._read_pool is None:
@@ -292,33 +258,44 @@ class LocalStore(KVStore):
             return  # DRAM objects are in place already
         try:
             reads.fetch(offset, size, lease.handle[4])
-        except OSError as exc:
-            raise StoreUnavailable(f"disk-tier read failed: {exc}") from exc
+        except OSError as exc:  # TimeoutError included: the disk is too slow
+            raise StoreUnavailable(f"disk-tier read failed: {exc or type(exc).__name__}"
+                                   ) from exc
 
     def release(self, lease: ReadLease) -> None:
+        """End ``lease``: tell its coordinator (if its session lives) and drop its arena
+        reference, once no disk read writes into its memory (bounded wait: a read still
+        running then ends the lease itself)."""
         if lease.handle is None:
             return
-        lease_id, gen, _, reads, _ = lease.handle
+        lease_id, s, _, reads, _ = lease.handle
         lease.handle = None
-        live = lease_id and gen == self._rpc.generation
-        if reads is not None:
-            codes = reads.codes()
-            reads.close()
-            if live:
-                self._rpc.send("settle", lease_id, codes)
-        elif live:
-            self._rpc.send("release", lease_id)
+
+        def end(codes: list[int] | None = None) -> None:
+            if lease_id and s.alive:
+                if codes is not None:
+                    s.rpc.send("settle", lease_id, codes)
+                else:
+                    s.rpc.send("release", lease_id)
+            s.arena.drop()
+
+        if reads is None:
+            end()
+        elif not reads.close(end):
+            log.warning("store %r: a disk-tier read outlived its lease's release; the lease "
+                        "ends when it does", self.cfg.name)
 
     def lease_valid(self, lease: ReadLease) -> bool:
-        """False when the connection dropped since ``lease`` was taken, or its TTL ran out
-        (either way the coordinator reclaimed it and its bytes may have been reused), or
-        when an object read from the disk tier is incomplete or fails its checksum."""
+        """False when ``lease``'s session died since it was taken (a failed or timed-out
+        call, or the coordinator closed the connection or died: either way its leases
+        were reclaimed or its generation is gone), or its TTL ran out, or an object read
+        from the disk tier is incomplete or fails its checksum."""
         if lease.handle is None:
             return False
-        _, gen, deadline, reads, n = lease.handle
+        _, s, deadline, reads, n = lease.handle
         if reads is not None and not reads.verified(n):
             return False
-        return gen == self._rpc.generation and time.monotonic() < deadline
+        return time.monotonic() < deadline and s.peer_alive()
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
                        sizes: Sequence[int]) -> list[int]:
@@ -352,40 +329,27 @@ class LocalStore(KVStore):
                 out[i] = ERR_CORRUPT
 
     def remove(self, key: str, force: bool = False) -> int:
-        return int(self._call("remove", key, force))
+        return int(self._link.call("remove", key, force))
 
     def list_keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
         """Committed keys that start with ``prefix`` (for inspection and tests)."""
-        return list(self._call("keys", prefix, limit))
+        return list(self._link.call("keys", prefix, limit))
 
     def clear(self) -> int:
         """Remove every unleased object; returns how many."""
-        return int(self._call("clear"))
+        return int(self._link.call("clear"))
 
     def stats(self) -> dict[str, Any]:
-        return dict(self._call("stats"))
+        return dict(self._link.call("stats"))
 
     def pin_host_memory(self, pinner: HostPinner) -> None:
-        self._pinner = pinner
-        if self._arena is not None:
-            pinner.register(self._arena.base, self._arena.capacity)
-
-    def _close_arena(self) -> None:
-        """Unmap the arena, unregistering it from CUDA first (a registered range must
-        never outlive its mapping)."""
-        if self._arena is None:
-            return
-        if self._pinner is not None:
-            self._pinner.unregister(self._arena.base)
-        self._arena.close()
-        self._arena = None
+        self._link.pin(pinner)
 
     def close(self) -> None:
-        if self._read_pool is not None:  # no read may land in the arena after it is unmapped
-            self._read_pool.shutdown(wait=True, cancel_futures=True)
+        """Close the link. Mappings still used by unreleased leases or slots stay until
+        those are released; disk reads in flight are not waited for (each holds its
+        lease's memory until it ends)."""
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=False, cancel_futures=True)
             self._read_pool = None
-        self._rpc.close()
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-        self._close_arena()
+        self._link.close()

@@ -19,6 +19,12 @@ the first range asked for, and the first layer waited for all of them (measured 
 project's 2-core box, 64 objects of 1 MiB read in 2-layer ranges: first range after 36 ms
 with readahead hints and one thread, after 16 ms with the pool; every range read after
 ~57 ms either way).
+
+Every wait is bounded by ``timeout_s`` (``StoreConfig.disk_read_timeout_s``): a read that
+does not finish in time fails its fetch (the lease is then incomplete, the engine
+recomputes), and :meth:`DiskReads.close` does not wait past it either: it hands the end
+of the lease (its settle, its memory) to the last straggling read, so the memory a read
+still writes into is never given back before that read ends.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 
@@ -71,11 +80,12 @@ class _DiskObject:
 class DiskReads:
     """The disk-resident objects of one lease. One thread at a time (the lease's) calls
     its methods; ``pool`` threads only read into the objects' memory, and :meth:`close`
-    waits for them."""
+    ends the lease once they are done."""
 
-    def __init__(self, n: int, pool: Executor) -> None:
+    def __init__(self, n: int, pool: Executor, timeout_s: float) -> None:
         self.objects: list[_DiskObject] = []
         self.codes_ = [0] * n  # per lease position; filled for failures and verifications
+        self.timeout_s = timeout_s
         self._pool = pool
         self._jobs: list[tuple[_DiskObject, int, int, Future[None]]] = []
         self._queued = False
@@ -116,30 +126,38 @@ class DiskReads:
 
     def fetch(self, offset: int, size: int, upto: int | None = None) -> None:
         """Read bytes ``[offset, offset + size)`` of every object (of the first ``upto``
-        lease positions); ``OSError`` on an I/O error or a file shorter than its header
-        says (torn or truncated under us)."""
+        lease positions); ``OSError`` on an I/O error, a file shorter than its header
+        says (torn or truncated under us), or reads not done within ``timeout_s``
+        (``TimeoutError``)."""
+        deadline = time.monotonic() + self.timeout_s
         self._queue(offset, size, upto)
         end_ = offset + size
         for obj, start, end, fut in self._jobs:
             if start < end_ and offset < end and (upto is None or obj.index < upto):
-                fut.result()
+                fut.result(max(0.0, deadline - time.monotonic()))
                 obj.add_span(start, end)
         for obj in self.objects:  # whatever the queued ranges did not cover: read it now
             if upto is not None and obj.index >= upto:
                 break
             start, end = min(offset, obj.size), min(end_, obj.size)
             if start < end and not obj.has(start, end):
-                _pread_into(obj.fd, obj.ptr + start, end - start, DATA_OFFSET + start)
+                fut = self._pool.submit(_pread_into, obj.fd, obj.ptr + start, end - start,
+                                        DATA_OFFSET + start)
+                self._jobs.append((obj, start, end, fut))
+                fut.result(max(0.0, deadline - time.monotonic()))
                 obj.add_span(start, end)
 
     def fetch_all(self) -> int:
         """Read every object whole and verify it; returns the lease position of the first
         object that failed (the lease's leading run ends there), or -1."""
+        deadline = time.monotonic() + self.timeout_s
         self._queue(0, max((o.size for o in self.objects), default=1), None)
         for obj, _, _, fut in self._jobs:
             try:
-                fut.result()
+                fut.result(max(0.0, deadline - time.monotonic()))
                 obj.add_span(0, obj.size)
+            except TimeoutError:
+                return obj.index  # a slow disk, not a bad file: nothing to report
             except OSError:
                 self.codes_[obj.index] = CORRUPT
             if not self._check(obj):
@@ -165,12 +183,33 @@ class DiskReads:
             self._check(obj)
         return self.codes_
 
-    def close(self) -> None:
-        """Stop queued reads and wait for running ones (they write into memory the lease
-        is about to give back), then close the files."""
+    def close(self, then: Callable[[list[int]], None] | None = None) -> bool:
+        """End the lease's reads, then call ``then(codes())`` (if given): queued reads are
+        cancelled; running ones write into memory the lease is about to give back, so
+        ``then`` runs only once they are done. Waits ``timeout_s`` at most: True when
+        ``then`` ran here, False when the last straggling read will run it (on a pool
+        thread)."""
         for *_, fut in self._jobs:
             fut.cancel()
-        wait([fut for *_, fut in self._jobs])
+        _, pending = wait([fut for *_, fut in self._jobs], self.timeout_s)
+        if not pending:
+            self._finish(then)
+            return True
+        left, lock = [len(pending)], threading.Lock()
+
+        def one_done(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._finish(then)
+
+        for fut in pending:
+            fut.add_done_callback(one_done)
+        return False
+
+    def _finish(self, then: Callable[[list[int]], None] | None) -> None:
+        codes = self.codes()
         self._jobs = []
         for obj in self.objects:
             try:
@@ -180,6 +219,8 @@ class DiskReads:
                 pass
             os.close(obj.fd)
         self.objects = []
+        if then is not None:
+            then(codes)
 
 
 def _pread_into(fd: int, ptr: int, size: int, pos: int) -> None:

@@ -2,7 +2,9 @@
 
 The first client that finds no coordinator starts one as a detached process (its own
 session, so it outlives the client); a file lock makes concurrent first clients start
-exactly one. ``kvcentric store serve`` runs one in the foreground instead.
+exactly one, and the coordinator's own lifetime lock (:mod:`~kvcentric.store.local.ownership`)
+makes sure no client starts one while another lives, even a stopped one. ``kvcentric
+store serve`` runs one in the foreground instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
+from kvcentric.store.local import ownership
 
 
 def config_json(cfg: StoreConfig) -> str:
@@ -61,12 +64,15 @@ def start_lock(cfg: StoreConfig) -> Iterator[None]:
 
 
 def ensure_running(cfg: StoreConfig) -> None:
-    """Make sure a coordinator serves ``cfg``; start a detached one if needed.
+    """Make sure a coordinator serves ``cfg``; start a detached one if none lives.
 
+    Never starts a second coordinator: one that holds the store's lock but does not answer
+    (stopped, swamped) is reported, not replaced (:mod:`kvcentric.store.local.ownership`).
     Raises ``StoreUnavailable`` (the store error contract, docs/architecture.md §4) when
-    none runs and none can be started: the runtime dir cannot be created or locked, the
-    process cannot be spawned, it exits with an error, or it does not answer within
-    ``cfg.start_timeout_s``.
+    none answers and none can be started: the runtime dir cannot be created or locked, a
+    silent coordinator holds the store, the process cannot be spawned, it refuses to start
+    (the message says why, e.g. the arena does not fit its tmpfs), or it does not answer
+    within ``cfg.start_timeout_s``.
     """
     if is_running(cfg):
         return
@@ -75,18 +81,38 @@ def ensure_running(cfg: StoreConfig) -> None:
         with start_lock(cfg):
             if is_running(cfg):
                 return
+            pid = ownership.holder(cfg)
+            if pid is not None:
+                raise StoreUnavailable(
+                    f"the coordinator of store {cfg.name!r} (pid {pid or 'unknown'}) holds "
+                    f"{cfg.owner_path} but does not answer at {cfg.socket_path}; not "
+                    "starting a second one")
             with open(log_path, "ab") as logf:
+                start = logf.tell()
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "kvcentric.store.local.server",
                      "--config-json", config_json(cfg), "--detach"],
                     stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                 )
             if proc.wait(timeout=cfg.start_timeout_s) != 0:
-                raise StoreUnavailable(f"store coordinator failed to start; see {log_path}")
+                raise StoreUnavailable(f"store coordinator failed to start: "
+                                       f"{_last_line(log_path, start)} (see {log_path})")
             _wait_up(cfg, log_path)
     except (OSError, subprocess.SubprocessError) as exc:
         raise StoreUnavailable(f"cannot start the store coordinator in {cfg.runtime_dir}: "
                                f"{exc}") from exc
+
+
+def _last_line(path: Path, start: int) -> str:
+    """The last non-empty line written to ``path`` after byte ``start`` (the refusing
+    coordinator's message) or a placeholder."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = [ln.strip() for ln in f.read(1 << 16).decode(errors="replace").splitlines()]
+    except OSError:
+        return "no message"
+    return next((ln for ln in reversed(lines) if ln), "no message")
 
 
 def _wait_up(cfg: StoreConfig, log_path: Path) -> None:
@@ -106,6 +132,7 @@ def stop(cfg: StoreConfig, timeout_s: float = 10.0) -> bool:
     if not is_running(cfg):
         return False
     with RpcClient(cfg.socket_path, timeout_s) as rpc:
+        rpc.connect()
         rpc.call("shutdown")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and is_running(cfg):

@@ -1,6 +1,7 @@
 """The local store's coordinator: owns the arena file and all metadata; moves no data.
 
-One coordinator per (runtime_dir, name). Clients map the arena themselves and copy bytes
+One coordinator per (runtime_dir, name), each a new generation with fresh files
+(:mod:`kvcentric.store.local.ownership`). Clients map the arena themselves and copy bytes
 directly; the coordinator only hands out offsets, leases and commits over a Unix socket
 (msgpack frames, :mod:`kvcentric.store.local.wire`) and publishes the committed set in a
 shared-memory lookup index (:mod:`kvcentric.store.local.shared_index`).
@@ -21,9 +22,9 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import selectors
 import socket
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -33,6 +34,7 @@ from kvcentric.store.local import wire
 from kvcentric.store.local.demoter import DiskWorker
 from kvcentric.store.local.holdback import Holdback
 from kvcentric.store.local.index import ObjectIndex
+from kvcentric.store.local.ownership import Generation, StartRefused
 from kvcentric.store.local.shared_index import SharedIndexWriter, slots_for
 from kvcentric.store.local.tiered import TieredIndex
 from kvcentric.store.metrics import log_line
@@ -73,20 +75,26 @@ class Coordinator:
             self._holdback = Holdback(self.index, cfg.disk.put_wait_s)
         else:
             self.index = ObjectIndex(cfg.capacity_bytes)
-        self.arena_id = secrets.token_hex(8)
+        self.gen: Generation | None = None
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Client] = {}
         self._shared: SharedIndexWriter | None = None
         self._running = True
         self._idle_since = time.monotonic()
 
-    def _create_arena(self) -> None:
-        self.cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.cfg.arena_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    def prepare(self) -> None:
+        """Claim the store and reserve its memory (the lifetime lock, a fresh arena and
+        lookup index); ``StartRefused`` says why it cannot. Runs before a detaching fork,
+        so a refusal reaches the launcher as this process's exit status and message."""
+        gen = Generation.claim(self.cfg)
         try:
-            os.ftruncate(fd, self.cfg.capacity_bytes)
-        finally:
-            os.close(fd)
+            self._shared = SharedIndexWriter(gen.index_path,
+                                             slots_for(self.cfg.capacity_bytes))
+        except OSError as exc:
+            gen.release()
+            raise StartRefused(f"cannot reserve the store's lookup index at "
+                               f"{gen.index_path}: {exc}") from exc
+        self.gen = gen
 
     def _submit(self, job: object) -> None:
         assert self._disk is not None
@@ -99,7 +107,8 @@ class Coordinator:
         root = self.index.root
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         assert self.cfg.disk is not None
-        self._disk = DiskWorker(self.cfg.arena_path, self.cfg.capacity_bytes, root,
+        assert self.gen is not None
+        self._disk = DiskWorker(self.gen.arena_path, self.cfg.capacity_bytes, root,
                                 self.cfg.disk.writers)
         self._sel.register(self._disk.wake_fd, selectors.EVENT_READ, DISK_EVENT)
         self.index.recovering = True
@@ -129,15 +138,18 @@ class Coordinator:
         return sock
 
     def serve(self) -> None:
-        """Create the arena, accept clients and answer them until stopped."""
-        self._create_arena()
-        self._shared = SharedIndexWriter(self.cfg.index_path, slots_for(self.cfg.capacity_bytes))
+        """Claim the store (unless :meth:`prepare` did), accept clients and answer them
+        until stopped."""
+        if self.gen is None:
+            self.prepare()
+        assert self.gen is not None and self._shared is not None
+        self.gen.record_pid()  # after a detaching fork, the pid is the child's
         self.index.shared = self._shared
         self._start_disk()
         lsock = self._listen()
         self._sel.register(lsock, selectors.EVENT_READ, None)
         log.info("kvcentric local store %r up: %s, capacity %d B, pid %d", self.cfg.name,
-                 self.cfg.arena_path, self.cfg.capacity_bytes, os.getpid())
+                 self.gen.arena_path, self.cfg.capacity_bytes, os.getpid())
         last_log = last_sweep = time.monotonic()
         try:
             while self._running:
@@ -339,11 +351,15 @@ class Coordinator:
                     "shared_index": int(bool(shared and shared.enabled))}
         if op == "hello":
             shared = self._shared
-            return {"arena": str(self.cfg.arena_path), "capacity": idx.alloc.capacity,
-                    "arena_id": self.arena_id, "pid": os.getpid(),
-                    "index": str(self.cfg.index_path) if shared and shared.enabled else None,
+            assert self.gen is not None
+            return {"arena": str(self.gen.arena_path), "capacity": idx.alloc.capacity,
+                    "generation": self.gen.id, "pid": os.getpid(),
+                    "index": str(self.gen.index_path) if shared and shared.enabled else None,
                     "lease_ttl_s": self.cfg.lease_ttl_s,
-                    "disk_tier": isinstance(idx, TieredIndex)}
+                    "disk_tier": isinstance(idx, TieredIndex),
+                    # clients' hot-path bound covers a reserve held back this long
+                    "reserve_wait_s": (self.cfg.disk.put_wait_s if self.cfg.disk is not None
+                                       and self._holdback is not None else 0.0)}
         if op == "shutdown":
             self._running = False
             return None
@@ -359,11 +375,10 @@ class Coordinator:
         if self._shared is not None:
             self._shared.disable("coordinator stopped")
             self._shared.close()
-        for path in (self.cfg.socket_path, self.cfg.arena_path, self.cfg.index_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.socket_path)
+        if self.gen is not None:
+            self.gen.release()  # last: the lock keeps a second coordinator out until here
         log.info("kvcentric local store %r stopped", self.cfg.name)
 
 
@@ -373,10 +388,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--detach", action="store_true",
                     help="fork into the background (the launcher's parent exits at once)")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    coordinator = Coordinator(StoreConfig.from_dict(json.loads(args.config_json)))
+    try:
+        coordinator.prepare()
+    except StartRefused as exc:
+        print(f"kvcentric local store refused to start: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if args.detach and os.fork() > 0:
         os._exit(0)  # the daemon is re-parented to init: no zombie in the starting engine
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    Coordinator(StoreConfig.from_dict(json.loads(args.config_json))).serve()
+    coordinator.serve()
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def _map(path: Path, nbytes: int, writable: bool) -> tuple[mmap.mmap, memoryview
 
 
 class SharedIndexWriter:
-    """The coordinator's side: creates the file and keeps it equal to the committed set.
+    """The coordinator's side: creates the file (allocated whole: ``OSError`` when the
+    file system has no room) and keeps it equal to the committed set.
 
     Single-threaded (the coordinator's loop). Mutations must happen inside ``write()``,
     which holds the seqlock odd; nested sections are one section.
@@ -96,7 +97,8 @@ class SharedIndexWriter:
         nbytes = 8 * (HEADER_WORDS + SLOT_WORDS * nslots)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            # allocated now: a write into a hole of a full tmpfs would be a SIGBUS later
+            os.posix_fallocate(fd, 0, nbytes)
         finally:
             os.close(fd)
         self._mm, self._w = _map(path, nbytes, writable=True)
