@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,7 @@ from kvcentric.connector.vllm.settings import ConnectorSettings  # noqa: E402
 from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec  # noqa: E402
 from kvcentric.connector.vllm.worker import KVCentricWorker  # noqa: E402
 from kvcentric.hashing import KeySpace  # noqa: E402
+from kvcentric.integrity import ObjectRef  # noqa: E402
 from kvcentric.kernels import explain_impl, pack_blocks, unpack_blocks  # noqa: E402
 from kvcentric.kernels.staged import staged_pack, staged_unpack  # noqa: E402
 from kvcentric.store import open_store  # noqa: E402
@@ -95,12 +97,16 @@ class Case:
         w.register(kv)
         return w
 
+    def refs(self, tag: str) -> list[ObjectRef]:
+        return [ObjectRef(xxhash.xxh3_128_digest(f"{tag}-{i}".encode()), i, OBJECT_TOKENS)
+                for i in range(len(self.pages))]
+
     def keys(self, tag: str) -> list[str]:
-        return [f"{self.engine.keyspace.prefix}{tag}-{i}" for i in range(len(self.pages))]
+        return [r.key(self.engine.keyspace) for r in self.refs(tag)]
 
     def save(self, tag: str) -> float:
-        keys = self.keys(tag)
-        plan = StepPlan(saves=[TransferSpec(tag, keys, self.pages, [None] * len(keys))],
+        refs = self.refs(tag)
+        plan = StepPlan(saves=[TransferSpec(tag, refs, self.pages, [None] * len(refs))],
                         commit_now=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -111,7 +117,7 @@ class Case:
         return time.perf_counter() - t0
 
     def load(self, tag: str, forward: Callable[[], None] | None = None) -> float:
-        plan = StepPlan(loads=[TransferSpec(tag, self.keys(tag), self.pages)] if tag else [])
+        plan = StepPlan(loads=[TransferSpec(tag, self.refs(tag), self.pages)] if tag else [])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         self.loader.start_load(plan)

@@ -45,7 +45,7 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """The keys one engine writes: ``kvc/v1/{model_id}/{layout_sig}/{rank}/...``."""
+    """The keys one engine writes: ``kvc/v2/{model_id}/{layout_sig}/{rank}/...``."""
 
     url: str
     model_id: str

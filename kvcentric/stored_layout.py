@@ -5,6 +5,8 @@ rank. Its bytes depend on the number of layers, the block size, the number of KV
 the head size, the dtype, how the engine lays a block out in memory, and whether K and V
 are split (MHA) or fused into one latent (MLA). All of that goes into :meth:`signature`,
 which is part of every key, so two engines share KV only when the bytes mean the same.
+So does the model's ``revision`` (:mod:`kvcentric.model_revision`): new weights served
+under an old name never load the old weights' KV.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class KVLayout:
     dtype: str
     layout: str
     mla: bool = False
+    revision: str = ""  # the model's revision digest ("" = not known)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -59,8 +62,12 @@ class KVLayout:
         return self.num_layers * self.bytes_per_layer
 
     def signature(self) -> str:
-        """16 hex chars of xxh3_64 over the canonical JSON of every field."""
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """16 hex chars of xxh3_64 over the canonical JSON of every field (an unknown
+        revision is left out, so such signatures stay what they were before revisions)."""
+        fields = asdict(self)
+        if not self.revision:
+            del fields["revision"]
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_64_hexdigest(canon.encode())
 
 

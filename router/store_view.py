@@ -12,7 +12,7 @@ Keys: ``KeySpace(model_id, layout_sig, 0, tp_size)``, exactly the connector's ra
 The layout signature folds in engine details (ISA, KV layout, dtype, block size) the router
 cannot see, so it is either configured (``keys.layout_sig``: for fleets mixing layouts, and
 for large mooncake deployments, whose ``list_keys`` dumps every key) or discovered once
-from the keys engines have stored (``list_keys("kvc/v1/{model_id}/")``). Before any engine
+from the keys engines have stored (``list_keys("kvc/v2/{model_id}/")``). Before any engine
 stored a block there is nothing to find, which is also the right answer (0 blocks).
 
 Thread use: store calls run on one worker thread so a slow store never blocks the event

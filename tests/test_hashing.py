@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcentric.hashing import KeySpace, block_hashes, hash_seed
+from kvcentric.hashing import KeySpace, block_hashes, extra_digest, hash_seed
 from kvcentric.stored_layout import KVLayout
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "hash_vectors.json").read_text())["vectors"]
@@ -17,7 +17,8 @@ VECTORS = json.loads((Path(__file__).parent / "data" / "hash_vectors.json").read
 def test_vectors(v: dict) -> None:
     seed = hash_seed(v["model_id"], v["cache_salt"])
     assert seed.decode() == v["seed_utf8"]
-    hashes = block_hashes(v["tokens"], v["block_size"], seed)
+    extras = [extra_digest(x) for x in v["extras"]] if "extras" in v else None
+    hashes = block_hashes(v["tokens"], v["block_size"], seed, extras=extras)
     assert [h.hex() for h in hashes] == v["hashes"]
     ks = KeySpace(v["model_id"], v["layout_sig"], v["tp_rank"], v["tp_size"])
     assert ks.keys(hashes) == v["keys"]
@@ -79,7 +80,7 @@ def test_layout_signature_separates_everything() -> None:
 
 
 SCRIPT = """
-from kvcentric.hashing import KeySpace, block_hashes, hash_seed
+from kvcentric.hashing import KeySpace, block_hashes, extra_digest, hash_seed
 hs = block_hashes(list(range(5000)), 256, hash_seed("model-x", "salt"))
 print(",".join(KeySpace("model-x", "abcd", 0, 1).keys(hs)))
 """
@@ -91,7 +92,7 @@ def test_deterministic_across_processes_and_hash_seeds() -> None:
         env = {**os.environ, "PYTHONHASHSEED": hseed}
         outs.append(subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True,
                                    capture_output=True, text=True).stdout)
-    assert outs[0] == outs[1] and outs[0].count("kvc/v1/model-x/abcd/0of1/") == 19
+    assert outs[0] == outs[1] and outs[0].count("kvc/v2/model-x/abcd/0of1/") == 19
 
 
 def test_tails_never_collide_with_blocks_or_other_prefixes() -> None:
@@ -119,3 +120,30 @@ def test_tails_never_collide_with_blocks_or_other_prefixes() -> None:
     assert short == TailRef(tail_hash(root_hash(seed), toks[:7]), 7)
     # the tail tag keeps a tail apart from a block of the same tokens
     assert tail_hash(hashes[0], toks[16:32]) != hashes[1]
+
+
+def test_extra_keys_separate_blocks_and_tails() -> None:
+    """A block's extra keys (LoRA adapter, multimodal input, prompt embeddings) change its
+    hash and every later one; no extra keys hash exactly as before; tuples and lists of
+    the same keys are the same keys; values msgpack cannot encode are refused."""
+    from kvcentric.hashing import prompt_tail
+
+    seed = hash_seed("m")
+    toks = list(range(40))
+    plain = block_hashes(toks, 8, seed)
+    assert block_hashes(toks, 8, seed, extras=[None] * 5) == plain
+    lora_a = extra_digest([("lora", "a", "/p/a")])
+    lora_b = extra_digest([("lora", "b", "/p/b")])
+    assert extra_digest([]) is None and lora_a == extra_digest([["lora", "a", "/p/a"]])
+    with_a = block_hashes(toks, 8, seed, extras=[lora_a] * 5)
+    with_b = block_hashes(toks, 8, seed, extras=[lora_b] * 5)
+    assert len({*plain, *with_a, *with_b}) == 15
+    image = block_hashes(toks, 8, seed, extras=[None, None, extra_digest([("mm", "x", 3)])])
+    assert image[:2] == plain[:2] and not set(image[2:]) & set(plain)
+    embeds = [extra_digest([("prompt_embeds", bytes([i]) * 32)]) for i in range(2)]
+    assert embeds[0] != embeds[1]
+    t_plain = prompt_tail(toks[:21], 8, seed, plain[:2])
+    t_a = prompt_tail(toks[:21], 8, seed, plain[:2], lora_a)
+    assert t_plain is not None and t_a is not None and t_plain.digest != t_a.digest
+    with pytest.raises(TypeError):
+        extra_digest([("mm", object())])

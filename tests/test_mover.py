@@ -48,8 +48,9 @@ def test_pack_then_unpack_round_trip(layout: str) -> None:
     for layer, kv in enumerate(src):
         plan.pack_layer(layer, kv)
     mem = torch.frombuffer(arena, dtype=torch.uint8)
-    for obj, off in enumerate(offsets):  # object layout [layer][page][bytes]
-        o = mem[off:off + size].view(torch.float32).view(LAYERS, PAGES, *PAGE_SHAPE)
+    for obj, off in enumerate(offsets):  # object layout [header][layer][page][bytes]
+        o = mem[off + geo.header_bytes:off + size].view(torch.float32).view(
+            LAYERS, PAGES, *PAGE_SHAPE)
         for layer in range(LAYERS):
             for j in range(PAGES):
                 assert torch.equal(o[layer, j], src[layer][pages[obj][j]])

@@ -19,6 +19,7 @@ import pytest
 
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import block_hashes, hash_seed
+from kvcentric.integrity import HEADER_BYTES
 from kvcentric.store import open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
@@ -90,17 +91,21 @@ def test_reuse_across_processes(servers: dict[str, VllmServer]) -> None:
     assert m["vllm:kvcentric_tail_hits_total"] >= 1
 
 
-def _corrupt(store_cfg: dict[str, Any], p: list[int]) -> int:
-    """Overwrite every stored object of prompt ``p`` with random bytes; returns how many."""
+def _corrupt(store_cfg: dict[str, Any], p: list[int], header: bool = False) -> int:
+    """Overwrite every stored object of prompt ``p`` with random bytes: its payload (the
+    header still names the object), or with ``header`` its header region; returns how
+    many objects."""
     hexes = {h.hex() for h in block_hashes(p, STORED_BLOCK, hash_seed("tiny"))}
     store = open_store(store_cfg)
     assert isinstance(store, LocalStore)
     try:
-        keys = [k for k in store.list_keys("kvc/v1/tiny/") if k.rsplit("/", 1)[1] in hexes]
+        keys = [k for k in store.list_keys("kvc/v2/tiny/") if k.rsplit("/", 1)[1] in hexes]
         lease = store.batch_acquire(keys)
         rng = np.random.default_rng(0)
         for ptr, size in zip(lease.ptrs, lease.sizes):
-            store.arena_view(ptr, size)[:] = rng.integers(0, 256, size, np.uint8).tobytes()
+            start, end = (0, HEADER_BYTES) if header else (HEADER_BYTES, size)
+            view = store.arena_view(ptr, size)
+            view[start:end] = rng.integers(0, 256, end - start, np.uint8).tobytes()
         store.release(lease)
         return len(lease.ptrs)
     finally:
@@ -114,7 +119,8 @@ def test_corruption_is_used_then_caught_by_checksums(
     want = servers["base"].tokens(p)
     assert servers["a"].tokens(p) == want  # a stores p, with checksums
     assert _corrupt(store_x, p) == (len(p) - 1) // STORED_BLOCK
-    # b trusts the store: the corrupted KV is really used, so its tokens change
+    # b trusts the payload (checksums off, headers intact): the corrupted KV is really
+    # used, so its tokens change
     servers["b"].reset_prefix_cache()
     before = hits(servers["b"])
     assert servers["b"].tokens(p) != want
@@ -129,6 +135,25 @@ def test_corruption_is_used_then_caught_by_checksums(
         assert checker.metrics()["vllm:kvcentric_load_errors_total"] >= 1
     finally:
         checker.stop()
+
+
+def test_a_damaged_header_is_always_caught(servers: dict[str, VllmServer],
+                                           store_x: dict[str, Any]) -> None:
+    """The integrity header is checked by every reader, checksums or not: objects whose
+    headers no longer name them are never unpacked; the engine recomputes, same tokens."""
+    p = prompt(8)
+    want = servers["base"].tokens(p)
+    assert servers["a"].tokens(p) == want
+    assert _corrupt(store_x, p, header=True) == (len(p) - 1) // STORED_BLOCK
+    b = servers["b"]
+    b.reset_prefix_cache()
+    before = b.metrics()
+    assert b.tokens(p) == want
+    after = b.metrics()
+    assert after["vllm:kvcentric_integrity_errors_total"] - before.get(
+        "vllm:kvcentric_integrity_errors_total", 0.0) >= 1
+    assert after["vllm:kvcentric_load_errors_total"] > before.get(
+        "vllm:kvcentric_load_errors_total", 0.0)
 
 
 def test_prefill_decode_disaggregation(servers: dict[str, VllmServer], store_x: dict[str, Any],

@@ -11,60 +11,30 @@ sleep, so a pack that did not wait for the compute stream would store stale byte
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvcentric.config import StoreConfig
-from kvcentric.connector.vllm.engine_layout import EngineLayout
-from kvcentric.connector.vllm.mover import SKIP, ObjectGeometry
-from kvcentric.connector.vllm.settings import ConnectorSettings
-from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
-from kvcentric.connector.vllm.worker import KVCentricWorker
-from kvcentric.hashing import KeySpace
+from kvcentric.connector.vllm.mover import SKIP
+from kvcentric.connector.vllm.transfers import StepPlan
 from kvcentric.store import open_store
-from kvcentric.stored_layout import KVLayout
-
-LAYERS, NB, BS, H, D, K = 3, 24, 16, 2, 32, 2  # layers, blocks, page tokens, heads, dim, k
-SHAPES = {  # vLLM's per-layer KV cache shapes (and block dim)
-    "flash_attn": ((2, NB, BS, H, D), 1),
-    "flashinfer": ((NB, 2, BS, H, D), 0),
-    "mla": ((NB, BS, 576), 0),
-    "cpu": ((NB, H, BS, 2 * D), 0),
-}
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
-
-
-def page_bytes(layout: str) -> int:
-    shape, bd = SHAPES[layout]
-    return torch.Size(shape).numel() // shape[bd] * 2  # bfloat16
-
-
-def engine(layout: str) -> EngineLayout:
-    mla = layout == "mla"
-    kv = KVLayout(num_layers=LAYERS, block_size=BS * K, num_kv_heads=1 if mla else H,
-                  head_dim=576 if mla else D, dtype="bfloat16", layout=f"test:{layout}", mla=mla)
-    return EngineLayout(kv, ObjectGeometry(LAYERS, K, page_bytes(layout)),
-                        KeySpace("gpu-test", kv.signature()), BS)
-
-
-def caches(layout: str, device: str, seed: int | None) -> dict[str, torch.Tensor]:
-    """Random bit patterns (``seed``) or zeros, one tensor per layer, in ``layout``."""
-    shape, _ = SHAPES[layout]
-    gen = torch.Generator().manual_seed(seed or 0)
-    out = {}
-    for i in range(LAYERS):
-        bits = (torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=gen)
-                if seed is not None else torch.zeros(shape, dtype=torch.int16))
-        out[f"model.layers.{i}.attn"] = bits.view(torch.bfloat16).to(device)
-    return out
-
-
-def page(kv: torch.Tensor, layout: str, block: int) -> torch.Tensor:
-    _, bd = SHAPES[layout]
-    return kv.select(bd, block).view(torch.int16).cpu()
+from tests.helpers.kv_worker import (
+    DEVICES,
+    NB,
+    SHAPES,
+    caches,
+    engine,
+    load,
+    page,
+    refs,
+    same_pages,
+    save,
+    spec,
+    untouched,
+    worker,
+)
 
 
 @pytest.fixture
@@ -72,41 +42,12 @@ def store(store_cfg: StoreConfig) -> Iterator[StoreConfig]:
     yield store_cfg
 
 
-def worker(cfg: StoreConfig, layout: str, kv: dict[str, torch.Tensor]) -> KVCentricWorker:
-    w = KVCentricWorker(ConnectorSettings(store=cfg), engine(layout), open_store(cfg),
-                        list(kv))
-    w.register(kv)
-    return w
-
-
-def spec(req: str, keys: list[str], pages: list[list[int]]) -> TransferSpec:
-    return TransferSpec(req, keys, pages, [None, *keys[:-1]])
-
-
-def save(w: KVCentricWorker, kv: dict[str, torch.Tensor], plan: StepPlan,
-         before_save: Any = None) -> None:
-    w.plan_saves(plan)
-    for i, (name, layer) in enumerate(kv.items()):
-        if before_save is not None:
-            before_save(i, layer)  # the forward writes this layer, then the hook saves it
-        w.save_layer(name, layer)
-    w.finish_step()
-
-
-def load(w: KVCentricWorker, kv: dict[str, torch.Tensor], plan: StepPlan) -> set[int]:
-    w.start_load(plan)
-    for name in kv:
-        w.wait_for_layer(name)
-    w.finish_step()
-    return w.take_load_errors()
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", list(SHAPES))
 def test_saved_pages_load_bit_exact_into_another_cache(store: StoreConfig, layout: str,
                                                         device: str) -> None:
     src_kv, dst_kv = caches(layout, device, seed=1), caches(layout, device, seed=None)
-    keys = [f"{engine(layout).keyspace.prefix}obj{i}" for i in range(3)]
+    keys = refs("obj", 3)
     src_pages = [[5, 9], [0, 23], [12, 7]]
     dst_pages = [[1, 2], [3, 4], [SKIP, 6]]  # the engine already has one page: untouched
     src, dst = worker(store, layout, src_kv), worker(store, layout, dst_kv)
@@ -139,7 +80,7 @@ def test_saved_pages_load_bit_exact_into_another_cache(store: StoreConfig, layou
 def test_saves_wait_for_the_layer_written_by_the_forward(store: StoreConfig,
                                                          layout: str) -> None:
     kv = caches(layout, "cuda", seed=None)
-    keys = [f"{engine(layout).keyspace.prefix}ord{i}" for i in range(4)]
+    keys = refs("ord", 4)
     pages = [[2 * i, 2 * i + 1] for i in range(4)]
     w = worker(store, layout, kv)
     compute = torch.cuda.Stream()
@@ -178,3 +119,99 @@ def test_cuda_worker_pins_the_store_arena_and_stages_copies(store: StoreConfig) 
     finally:
         w.close()
     assert path.pinner.registered_bytes == 0  # unregistered before the arena is unmapped
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_tp_rank_stores_and_loads_its_own_shard(store: StoreConfig, device: str) -> None:
+    """A TP engine's scheduler sends every rank the same plan; each rank keys the objects
+    in its own key space, so both shards are stored and each rank reads back its own."""
+    layout, objs, pages = "flash_attn", refs("tp", 2), [[0, 1], [2, 3]]
+    shards = [caches(layout, device, seed=10 + r) for r in range(2)]
+    plan = StepPlan(saves=[spec("r", objs, pages)], commit_now=True)
+    for r in range(2):
+        w = worker(store, layout, shards[r], rank=r)
+        try:
+            save(w, shards[r], plan)
+            assert w.stats.data["saved_blocks"] == 2  # rank 1 is not refused as "exists"
+        finally:
+            w.close()
+    for r in (1, 0):
+        got = caches(layout, device, seed=None)
+        w = worker(store, layout, got, rank=r)
+        try:
+            assert load(w, got, StepPlan(loads=[spec("r2", objs, pages)])) == set()
+        finally:
+            w.close()
+        assert same_pages(got, shards[r], layout, pages, pages)
+        assert not same_pages(got, shards[1 - r], layout, pages, pages)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_objects_written_for_another_block_rank_or_format_are_never_loaded(
+        store: StoreConfig, device: str) -> None:
+    """The integrity header: an object under the key a load asks for, but written for
+    another rank, another block position or in another format, is caught before a byte
+    of it is unpacked: every page of the step is reported for recompute, none written."""
+    layout, objs, pages = "flash_attn", refs("hdr", 2), [[0, 1], [2, 3]]
+    src = caches(layout, device, seed=5)
+    w0 = worker(store, layout, src, rank=0)
+    try:
+        save(w0, src, StepPlan(saves=[spec("r", objs, pages)], commit_now=True))
+    finally:
+        w0.close()
+    eng0 = replace(engine(layout).keyspace, tp_rank=0, tp_size=2)
+    eng1 = replace(eng0, tp_rank=1)
+    st = open_store(store)
+    try:  # rank 0's bytes under rank 1's key: what the TP bug used to store
+        lease = st.batch_acquire([o.key(eng0) for o in objs])
+        assert st.batch_put_from([o.key(eng1) for o in objs], lease.ptrs, lease.sizes) == [0, 0]
+        st.release(lease)
+        size = lease.sizes[0]
+        junk = torch.randint(0, 256, (size,), dtype=torch.uint8)  # no header at all
+        assert st.batch_put_from([o.key(eng0) for o in refs("junk", 1)],
+                                 [junk.data_ptr()], [size]) == [0]
+    finally:
+        st.close()
+    moved = [o for o in objs]  # the right key, but the plan expects another block index
+    moved[1] = replace(objs[1], index=7)
+    cases = [(1, objs, pages), (0, moved, pages), (0, refs("junk", 1), pages[:1])]
+    for rank, asked, want_pages in cases:
+        got = caches(layout, device, seed=None)
+        w = worker(store, layout, got, rank=rank)
+        try:
+            errors = load(w, got, StepPlan(loads=[spec("r2", asked, want_pages)]))
+            assert errors == {p for ps in want_pages for p in ps}, (rank, asked)
+            assert w.stats.data["integrity_errors"] >= 1
+        finally:
+            w.close()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert untouched(got), (rank, asked)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_without_layer_hooks_load_before_and_save_after_the_forward(
+        store: StoreConfig, device: str) -> None:
+    """A step replaying a full CUDA graph runs no layer hooks: ``start_load(hooks_run=
+    False)`` returns with every layer loaded (ordered before the compute stream's next
+    work), and ``finish_step`` saves every layer itself."""
+    layout, objs, pages = "flash_attn", refs("graph", 3), [[4, 5], [6, 7], [8, 9]]
+    src = caches(layout, device, seed=6)
+    w = worker(store, layout, src)
+    try:
+        w.plan_saves(StepPlan(saves=[spec("r", objs, pages)], commit_now=True))
+        w.finish_step()  # no save_layer call: the forward ran as one graph
+        assert w.stats.data["saved_blocks"] == 3
+    finally:
+        w.close()
+    got = caches(layout, device, seed=None)
+    r = worker(store, layout, got)
+    try:
+        r.start_load(StepPlan(loads=[spec("r2", objs, pages)]), hooks_run=False)
+        if device == "cuda":  # what the next kernel on the compute stream would see
+            torch.cuda.current_stream().synchronize()
+        assert same_pages(got, src, layout, pages, pages)  # before the step ends
+        r.finish_step()
+        assert r.take_load_errors() == set() and r.stats.data["graph_steps"] == 1
+    finally:
+        r.close()

@@ -12,6 +12,11 @@ so ``kv_connector_module_path`` may be left out). Roles: ``kv_producer`` only sa
 
 The scheduler-side logic lives in :mod:`kvcentric.connector.vllm.scheduler`, the worker
 side in :mod:`kvcentric.connector.vllm.worker`; this class only routes vLLM's calls.
+
+CUDA graphs: vLLM's default ``FULL_AND_PIECEWISE`` stays on. A step that replays a full
+graph runs none of the layer hooks, so the worker then loads before and saves after the
+forward (:func:`layer_hooks_run`); ``full_cudagraphs: false`` asks vLLM for PIECEWISE
+graphs instead (:meth:`KVCentricConnector.requires_piecewise_for_cudagraph`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -29,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcentric.compat import TESTED_VLLM, check_engine, missing_attrs
 from kvcentric.connector.vllm.affinity import spare_thread
-from kvcentric.connector.vllm.engine_layout import engine_layout
+from kvcentric.connector.vllm.engine_layout import engine_layout, model_revision
 from kvcentric.connector.vllm.metadata import KVCentricMetadata
 from kvcentric.connector.vllm.scheduler import KVCentricScheduler
 from kvcentric.connector.vllm.settings import ConnectorSettings
@@ -70,6 +76,17 @@ def _call(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+def layer_hooks_run(forward_context: Any) -> bool:
+    """True only when this step's attention layers will call ``wait_for_layer_load`` and
+    ``save_kv_layer``: ``start_load_kv`` runs inside the forward's own context (attention
+    metadata bound) and the step does not replay a full CUDA graph (whose captured
+    attention ops run no Python). vLLM's model runner v2 starts a full graph's loads
+    outside any forward context, so an unknown context counts as no hooks too."""
+    if forward_context is None or forward_context.attn_metadata is None:
+        return False
+    return bool(forward_context.cudagraph_runtime_mode != CUDAGraphMode.FULL)
+
+
 class KVCentricConnector(KVConnectorBase_V1):
     """Layer-wise streaming save and load of prefix KV through a kvcentric store."""
 
@@ -87,7 +104,8 @@ class KVCentricConnector(KVConnectorBase_V1):
         page = int(vllm_config.cache_config.block_size)
         self.layout = engine_layout(vllm_config, kv_cache_config,
                                     self.settings.stored_block_size(page), model_id,
-                                    _tp_rank(role))
+                                    _tp_rank(role),
+                                    model_revision(vllm_config, self.settings.model_revision))
         # a cache never stops vLLM (required=False); a worker opens it on a spare CPU, so
         # the store client's own threads inherit that CPU, not the compute cores
         opener = spare_thread if role != KVConnectorRole.SCHEDULER and \
@@ -126,6 +144,12 @@ class KVCentricConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a preempted request may simply recompute
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM asks this before capturing graphs (``VllmConfig``): full graphs are safe
+        with us (see the module docstring) unless ``full_cudagraphs`` is false."""
+        return not ConnectorSettings.from_extra_config(extra_config).full_cudagraphs
+
     # ---- scheduler side ----
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -158,7 +182,7 @@ class KVCentricConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVCentricMetadata)
-        self.worker.start_load(meta)
+        self.worker.start_load(meta, hooks_run=layer_hooks_run(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer(layer_name)

@@ -25,6 +25,12 @@ FIELDS = {
     "commit_seconds": "Time the worker spent reserving and committing saves (blocks the "
                       "step)",
     "skipped_blocks": "Blocks not saved: already stored or no space",
+    "integrity_errors": "Leased objects whose integrity header named another key, rank, "
+                        "layout or format (their step's loads were recomputed)",
+    "unkeyed_requests": "Requests whose KV depends on inputs the keys cannot name "
+                        "(neither loaded nor saved)",
+    "graph_steps": "Steps whose forward replayed a full CUDA graph (no layer hooks: loads "
+                   "finished before it, saves ran after it)",
 }
 
 

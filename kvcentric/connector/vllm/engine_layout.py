@@ -7,13 +7,19 @@ worker checks the registered tensors against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from kvcentric.connector.vllm.mover import ObjectGeometry
 from kvcentric.hashing import KeySpace
+from kvcentric.integrity import ObjectHeaders
+from kvcentric.model_revision import directory_revision
 from kvcentric.stored_layout import KVLayout, dtype_name
+
+log = logging.getLogger("kvcentric.connector")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,36 @@ class EngineLayout:
     def pages_per_object(self) -> int:
         return self.geometry.pages_per_object
 
+    def rank_keyspaces(self) -> list[KeySpace]:
+        """The key space of every TP rank of this engine (the scheduler looks up all)."""
+        ks = self.keyspace
+        if ks.tp_size == 1:
+            return [ks]
+        return [replace(ks, tp_rank=r) for r in range(ks.tp_size)]
+
+    def headers(self) -> ObjectHeaders:
+        """Header writer/checker for this rank's objects (:mod:`kvcentric.integrity`)."""
+        return ObjectHeaders(self.keyspace, self.geometry.payload_bytes)
+
+
+def model_revision(vllm_config: object, configured: str | None) -> str:
+    """``configured``, else the digest of the model's directory when it is a local one
+    (:func:`kvcentric.model_revision.directory_revision`), else the revision vLLM was
+    asked for; ``""`` (logged) when none is known: keys then name the model only."""
+    if configured:
+        return configured
+    mc = vllm_config.model_config  # type: ignore[attr-defined]
+    if Path(str(mc.model)).is_dir():
+        rev = directory_revision(str(mc.model))
+        if rev:
+            return rev
+    rev = str(mc.revision or "")
+    if not rev:
+        log.warning("the revision of model %s is not known; set kvcentric's "
+                    "model_revision so that new weights under this name never load old KV",
+                    mc.model)
+    return rev
+
 
 def _cpu_isa(dtype: torch.dtype, page_size: int, head_size: int, cache_dtype: str) -> str:
     """The ISA vLLM CPU packs pages for (pages are prepacked per ISA, so it is in the key)."""
@@ -45,7 +81,7 @@ def _cpu_isa(dtype: torch.dtype, page_size: int, head_size: int, cache_dtype: st
 
 
 def engine_layout(vllm_config: object, kv_cache_config: object, stored_block_size: int,
-                  model_id: str, tp_rank: int = 0) -> EngineLayout:
+                  model_id: str, tp_rank: int = 0, revision: str = "") -> EngineLayout:
     """Layout, geometry and key space for ``vllm_config`` / ``kv_cache_config``.
 
     Raises ``ValueError`` for models the connector cannot serve (several KV cache groups,
@@ -68,7 +104,7 @@ def engine_layout(vllm_config: object, kv_cache_config: object, stored_block_siz
         name += ":" + _cpu_isa(spec.dtype, page, int(spec.head_size), cache_dtype)
     layout = KVLayout(num_layers=len(groups[0].layer_names), block_size=stored_block_size,
                       num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
-                      dtype=dtype_name(spec.dtype), layout=name, mla=mla)
+                      dtype=dtype_name(spec.dtype), layout=name, mla=mla, revision=revision)
     page_bytes = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
     geometry = ObjectGeometry(layout.num_layers, stored_block_size // page, page_bytes)
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """Copy KV pages between an engine's paged cache and store objects, one layer at a time.
 
-A stored object holds one block of ``k`` engine pages for every layer, laid out
-``[num_layers][k][page_bytes]``, where a page is one engine block of one layer: the
+A stored object is a header region (``header_bytes``, :mod:`kvcentric.integrity`; the
+mover never touches it) and a payload holding one block of ``k`` engine pages for every
+layer, laid out ``[num_layers][k][page_bytes]``, where a page is one engine block of one layer: the
 layer tensor with its block dim removed (``PageKernel.block_dim``), e.g. vLLM CPU's
 ``[num_blocks, num_kv_heads, block_size, 2*head_size]`` (block dim 0), FlashAttention's
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (block dim 1: a page is K then V),
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcentric import kernels
+from kvcentric.integrity import HEADER_BYTES
 from kvcentric.kernels.staged import staged_pack, staged_unpack
 
 SKIP = -1  # a page id that must not be written (already computed by the engine)
@@ -68,15 +70,29 @@ def block_dim_of(kv_layer: torch.Tensor, page_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class ObjectGeometry:
-    """``num_layers`` x ``pages_per_object`` pages of ``page_bytes`` per object."""
+    """A ``header_bytes`` header region, then ``num_layers`` x ``pages_per_object`` pages
+    of ``page_bytes`` per object."""
 
     num_layers: int
     pages_per_object: int
     page_bytes: int
+    header_bytes: int = HEADER_BYTES
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_layers * self.pages_per_object * self.page_bytes
 
     @property
     def object_bytes(self) -> int:
-        return self.num_layers * self.pages_per_object * self.page_bytes
+        return self.header_bytes + self.payload_bytes
+
+    def layer_range(self, first: int, count: int) -> tuple[int, int]:
+        """(offset, size) in an object of layers ``[first, first + count)``; a range that
+        starts at layer 0 includes the header (one fetch brings both)."""
+        span = self.pages_per_object * self.page_bytes
+        start = self.header_bytes + first * span
+        end = self.header_bytes + (first + count) * span
+        return (0, end) if first == 0 else (start, end - start)
 
 
 def host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
@@ -144,7 +160,7 @@ class PagePlan:
 
     Args:
         geometry: object shape.
-        ptrs: host address of each object.
+        ptrs: host address of each object (its header's first byte).
         page_ids: per object, ``k`` engine block ids (``SKIP`` = leave that page alone).
         kernel: the layers' block dim and the implementations to copy with.
     """
@@ -160,9 +176,10 @@ class PagePlan:
         self.kernel = kernel
         self._runs: list[_Run] = []
         size = geometry.object_bytes
+        head = geometry.header_bytes
         for start, end, stride in find_runs(ptrs, size):
             n = end - start
-            mem = host_bytes(ptrs[start], (n - 1) * stride + size)
+            mem = host_bytes(ptrs[start] + head, (n - 1) * stride + size - head)
             view = mem.as_strided((n, geometry.num_layers, k, geometry.page_bytes),
                                   (stride, k * geometry.page_bytes, geometry.page_bytes, 1))
             ids = torch.tensor([list(p) for p in page_ids[start:end]], dtype=torch.int64)

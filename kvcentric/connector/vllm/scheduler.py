@@ -1,13 +1,20 @@
 """Scheduler side of the vLLM connector: lookups, and which pages to load and save.
 
-Runs in vLLM's engine-core process. Per request it keeps the ``Request`` (tokens and
-``cache_salt``), the chained block hashes computed so far, and a save tracker (the
-request's block table and how many stored blocks are already saved).
+Runs in vLLM's engine-core process. Per request it keeps the ``Request`` (tokens,
+``cache_salt``, LoRA, multimodal inputs, prompt embeddings), the chained block hashes
+computed so far, and a save tracker (the request's block table and how many stored
+blocks are already saved).
 
-- Lookup (``get_num_new_matched_tokens``): one batched ``batch_exists`` over the stored
-  blocks beyond the engine's own prefix-cache hit, followed by the key of the prompt's
-  *tail* (its partial last block), so an exact repeat hits up to ``num_tokens - 1``: vLLM
-  computes one token (docs/architecture.md §2.3). Loads are synchronous and layer-wise
+- Keys (:class:`~kvcentric.integrity.ObjectRef`): a block's chain hash folds in
+  everything vLLM's own prefix cache hashes besides token ids
+  (:mod:`kvcentric.connector.vllm.extra_keys`); a request whose inputs cannot be keyed
+  is neither loaded nor saved (counted, logged once). Workers key each object in their
+  own rank's key space.
+- Lookup (``get_num_new_matched_tokens``): one batched ``batch_exists`` per TP rank over
+  the stored blocks beyond the engine's own prefix-cache hit, followed by the key of the
+  prompt's *tail* (its partial last block), so an exact repeat hits up to
+  ``num_tokens - 1``: vLLM computes one token (docs/architecture.md §2.3). A block counts
+  only when every rank's shard of it is stored. Loads are synchronous and layer-wise
   inside the same step, so the answer is ``(tokens, False)``. It is side-effect free
   apart from an overwritable note of the last answer (vLLM may ask again).
 - Loads (``update_state_after_alloc``): the engine pages of the matched blocks and tail,
@@ -27,10 +34,12 @@ from typing import Any
 
 from kvcentric.connector.vllm.counters import Counters
 from kvcentric.connector.vllm.engine_layout import EngineLayout
+from kvcentric.connector.vllm.extra_keys import ExtraKeys, Unkeyable, has_extras
 from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
 from kvcentric.connector.vllm.mover import SKIP
 from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.hashing import block_hashes, hash_seed, prompt_tail
+from kvcentric.integrity import ObjectRef
 from kvcentric.store import KVStore, StoreUnavailable
 
 log = logging.getLogger("kvcentric.connector")
@@ -41,7 +50,7 @@ class _Lookup:
     num_computed: int  # engine's own hit, tokens
     first_block: int  # first stored block to load
     num_blocks: int  # full stored blocks present from first_block on
-    tail_key: str | None = None  # a tail object present after them
+    tail: ObjectRef | None = None  # a tail object present after them
 
 
 @dataclass
@@ -57,6 +66,8 @@ class _ReqState:
     hashes: list[bytes] = field(default_factory=list)
     tracker: _Tracker | None = None
     loaded: _Tracker | None = None  # what this step loads from the store (not re-saved)
+    extras: bool = False  # its KV depends on LoRA/multimodal/embeddings (extra keys)
+    unkeyable: bool = False  # ... in a way keys cannot name: neither loaded nor saved
 
 
 class KVCentricScheduler:
@@ -73,32 +84,77 @@ class KVCentricScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._pending_loads: list[TransferSpec] = []
+        self._extra_keys = ExtraKeys()
+        self._warned_unkeyable = False
 
     # ---- hashes ----
     def _state(self, request: Any) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = self._reqs[request.request_id] = _ReqState(request)
+            st = self._reqs[request.request_id] = _ReqState(request, extras=has_extras(request))
         return st
 
+    def _unkeyable(self, st: _ReqState, exc: Unkeyable) -> None:
+        st.unkeyable = True
+        self.stats.add(unkeyed_requests=1)
+        if not self._warned_unkeyable:
+            self._warned_unkeyable = True
+            log.warning("request %s: its KV depends on inputs kvcentric cannot key (%s); "
+                        "such requests are neither loaded nor saved (counted as "
+                        "kvcentric_unkeyed_requests)", st.request.request_id, exc)
+
+    def _extra(self, st: _ReqState, start: int, end: int) -> bytes | None:
+        return self._extra_keys.digest(st.request, start, end) if st.extras else None
+
     def _hashes(self, st: _ReqState, num_blocks: int) -> list[bytes]:
-        """Chained hashes of the first ``num_blocks`` stored blocks of the request's tokens."""
+        """Chained hashes of the first ``num_blocks`` stored blocks of the request's tokens
+        (``Unkeyable`` when its extra keys cannot be computed)."""
         have = len(st.hashes)
         if num_blocks > have:
             s = self.layout.stored_block_size
             toks = st.request.all_token_ids[have * s : num_blocks * s]
             seed = hash_seed(self.layout.keyspace.model_id, st.request.cache_salt)
-            st.hashes.extend(block_hashes(toks, s, seed,
+            extras = ([self._extra(st, i * s, (i + 1) * s) for i in range(have, num_blocks)]
+                      if st.extras else None)
+            st.hashes.extend(block_hashes(toks, s, seed, extras=extras,
                                           parent=st.hashes[-1] if st.hashes else None))
         return st.hashes[:num_blocks]
 
-    def _tail(self, st: _ReqState, end: int) -> tuple[str, int] | None:
-        """Key and token count of the tail of the request's first ``end`` tokens
-        (:func:`kvcentric.hashing.prompt_tail`)."""
+    def _refs(self, st: _ReqState, first: int, end: int) -> list[ObjectRef]:
+        """Objects of stored blocks ``[first, end)``."""
+        s = self.layout.stored_block_size
+        return [ObjectRef(h, first + i, s) for i, h in enumerate(self._hashes(st, end)[first:])]
+
+    def _tail(self, st: _ReqState, end: int) -> ObjectRef | None:
+        """The tail object of the request's first ``end`` tokens
+        (:func:`kvcentric.hashing.prompt_tail`), None under 2 tokens."""
         s = self.layout.stored_block_size
         seed = hash_seed(self.layout.keyspace.model_id, st.request.cache_salt)
-        tail = prompt_tail(st.request.all_token_ids[:end], s, seed, self._hashes(st, end // s))
-        return None if tail is None else (self.layout.keyspace.tail_key(tail), tail.count)
+        full = end // s
+        extra = self._extra(st, full * s, end) if end - full * s >= 2 else None
+        tail = prompt_tail(st.request.all_token_ids[:end], s, seed, self._hashes(st, full),
+                           extra)
+        return None if tail is None else ObjectRef(tail.digest, full, tail.count, tail=True)
+
+    def object_refs(self, request: Any, num_tokens: int) -> list[ObjectRef]:
+        """The stored objects of ``request``'s first ``num_tokens`` tokens: its full blocks,
+        then its tail (inspection, tools and tests; ``Unkeyable`` when they have no key)."""
+        st = self._state(request)
+        refs = self._refs(st, 0, num_tokens // self.layout.stored_block_size)
+        tail = self._tail(st, num_tokens)
+        return refs + ([tail] if tail is not None else [])
+
+    def _present(self, refs: list[ObjectRef]) -> int:
+        """Leading ``refs`` stored for every TP rank (one ``batch_exists`` per rank)."""
+        run = len(refs)
+        for ks in self.layout.rank_keyspaces():
+            if run == 0:
+                break
+            try:
+                run = min(run, self.store.batch_exists([r.key(ks) for r in refs[:run]]))
+            except StoreUnavailable:
+                run = 0
+        return run
 
     # ---- lookup and loads ----
     def get_num_new_matched_tokens(self, request: Any,
@@ -110,26 +166,29 @@ class KVCentricScheduler:
         s, n = self.layout.stored_block_size, request.num_tokens
         full, first = n // s, num_computed_tokens // s
         st = self._state(request)
-        tail = self._tail(st, n)
-        keys = self.layout.keyspace.keys(self._hashes(st, full)[first:])
+        if st.unkeyable:
+            return 0, False
+        try:
+            tail = self._tail(st, n)
+            refs = self._refs(st, first, full)
+        except Unkeyable as exc:
+            self._unkeyable(st, exc)
+            return 0, False
         if tail is not None:
-            keys.append(tail[0])  # after the blocks: present only if they all are
-        if not keys:
+            refs.append(tail)  # after the blocks: present only if they all are
+        if not refs:
             return 0, False
         t0 = time.perf_counter()
-        try:
-            run = self.store.batch_exists(keys)
-        except StoreUnavailable:
-            run = 0
+        run = self._present(refs)
         self.stats.add(lookups=1, lookup_seconds=time.perf_counter() - t0)
         blocks = min(run, full - first)
-        tail_key, tail_tokens = tail if tail is not None and run == len(keys) else (None, 0)
+        tail_hit = tail if tail is not None and run == len(refs) else None
         # never the whole prompt: vLLM must compute at least the last token
-        end = min((first + blocks) * s + tail_tokens, n - 1)
+        end = min((first + blocks) * s + (tail_hit.count if tail_hit else 0), n - 1)
         if end <= num_computed_tokens:
             return 0, False
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, first, blocks,
-                                                    tail_key)
+                                                    tail_hit)
         return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -143,13 +202,13 @@ class KVCentricScheduler:
         num_objects = -(-end // s) - lk.first_block
         st = self._state(request)
         last = lk.first_block + min(num_objects, lk.num_blocks)
-        keys = self.layout.keyspace.keys(self._hashes(st, last)[lk.first_block:])
+        refs = self._refs(st, lk.first_block, last)  # hashed by the lookup: cannot raise
         if num_objects > lk.num_blocks:
-            assert lk.tail_key is not None and num_objects == lk.num_blocks + 1
-            keys.append(lk.tail_key)
-        pages = self._pages(blocks.get_block_ids()[0], lk.first_block, len(keys),
+            assert lk.tail is not None and num_objects == lk.num_blocks + 1
+            refs.append(lk.tail)
+        pages = self._pages(blocks.get_block_ids()[0], lk.first_block, len(refs),
                             lk.num_computed // page, -(-end // page))
-        self._pending_loads.append(TransferSpec(request.request_id, keys, pages))
+        self._pending_loads.append(TransferSpec(request.request_id, refs, pages))
         tail_loaded = num_objects > lk.num_blocks
         if lk.first_block == 0:  # the store holds these: saving them again costs a reserve
             st.loaded = _Tracker([], saved_blocks=min(num_objects, lk.num_blocks),
@@ -202,9 +261,16 @@ class KVCentricScheduler:
     def _plan_save(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
         tr = st.tracker
         assert tr is not None
+        if st.unkeyable:
+            return
         planned = len(meta.saves)
-        self._plan_blocks(st, computed_after, meta)
-        self._plan_tail(st, computed_after, meta)
+        try:
+            self._plan_blocks(st, computed_after, meta)
+            self._plan_tail(st, computed_after, meta)
+        except Unkeyable as exc:
+            del meta.saves[planned:]
+            self._unkeyable(st, exc)
+            return
         req = st.request
         if (len(meta.saves) > planned and computed_after >= req.num_prompt_tokens
                 and req.num_output_tokens + 1 >= req.max_tokens):
@@ -218,12 +284,12 @@ class KVCentricScheduler:
         s, k = self.layout.stored_block_size, self.layout.pages_per_object
         full = min(limit // s, len(tr.block_ids) // k)
         if full > tr.saved_blocks:
-            keys = self.layout.keyspace.keys(self._hashes(st, full))
             first = tr.saved_blocks
+            refs = self._refs(st, max(first - 1, 0), full)
+            parents: list[ObjectRef | None] = [None, *refs[:-1]] if first == 0 else [*refs[:-1]]
             meta.saves.append(TransferSpec(
-                st.request.request_id, keys[first:],
-                [tr.block_ids[b * k:(b + 1) * k] for b in range(first, full)],
-                [keys[b - 1] if b else None for b in range(first, full)]))
+                st.request.request_id, refs[-(full - first):],
+                [tr.block_ids[b * k:(b + 1) * k] for b in range(first, full)], parents))
             tr.saved_blocks = full
 
     def _plan_tail(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
@@ -244,13 +310,11 @@ class KVCentricScheduler:
         block = end // s
         if -(-end // page) > len(tr.block_ids):
             return  # its pages are not all allocated (cannot happen after a real step)
-        parents: list[str | None] = [None]
-        if block:
-            parents = [self.layout.keyspace.key(self._hashes(st, block)[-1])]
+        parent = self._refs(st, block - 1, block)[0] if block else None
         meta.saves.append(TransferSpec(
-            req.request_id, [tail[0]],
+            req.request_id, [tail],
             self._pages(tr.block_ids, block, 1, block * s // page, -(-end // page)),
-            parents))
+            [parent]))
         tr.tail_end = end
         self.stats.add(saved_tails=1)
 

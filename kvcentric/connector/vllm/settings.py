@@ -30,6 +30,10 @@ class ConnectorSettings:
             last stored block, so a block coarser than the page costs TTFT (measured: 256
             on 128-token pages made a 2k-token hit 1.8x slower than the engine's own hit).
         model_id: namespace of the keys; ``None`` uses the served model name.
+        model_revision: names the model's weights in the keys; ``None`` uses a digest of
+            the model directory's weights and configs when it is local
+            (:mod:`kvcentric.model_revision`), else the revision vLLM loads. Set it when
+            neither is known, so new weights under an old name never load old KV.
         load_failure_policy: what vLLM does after a failed load. ``"recompute"`` (our
             default; a cache is best effort) or ``"fail"``.
         save_decode: also store full blocks of generated tokens (multi-turn reuse).
@@ -59,11 +63,16 @@ class ConnectorSettings:
         pin_host_memory: on a CUDA worker, register the store's host memory with CUDA so
             copies run as asynchronous DMA (refusals are logged and counted; the copies
             then go through the driver's staging, synchronously).
+        full_cudagraphs: keep vLLM's full CUDA graphs (``FULL_AND_PIECEWISE``): a step
+            that replays one runs no layer hooks, so its loads finish before the forward
+            and its saves run after it. ``False`` asks vLLM for PIECEWISE graphs (layer
+            hooks in every step, at the cost of splitting every decode graph).
     """
 
     store: StoreConfig = field(default_factory=StoreConfig)
     block_size: int | None = None
     model_id: str | None = None
+    model_revision: str | None = None
     load_failure_policy: str = "recompute"
     save_decode: bool = True
     load_timeout_s: float = 10.0
@@ -74,6 +83,7 @@ class ConnectorSettings:
     handoff_pin_s: float = 30.0
     copy_impl: str = "auto"
     pin_host_memory: bool = True
+    full_cudagraphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:

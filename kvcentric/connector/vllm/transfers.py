@@ -6,21 +6,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcentric.integrity import ObjectRef
+
 
 @dataclass
 class TransferSpec:
     """Objects to move for one request in one step.
 
-    ``keys[i]`` is the object of stored block ``first_block + i``; ``page_ids[i]`` are its
-    ``k`` engine block ids in token order (``SKIP`` = a page the engine already has).
-    ``parents[i]`` is the chain predecessor's key (saves only; lets the store evict
-    leaves first).
+    ``refs[i]`` names one stored object (chain hash, block index, token count); every
+    worker keys it in *its own* key space (each TP rank stores its own shard) and checks
+    the object's header against it before unpacking. ``page_ids[i]`` are its ``k`` engine
+    block ids in token order (``SKIP`` = a page the engine already has). ``parents[i]`` is
+    the chain predecessor (saves only; lets the store evict leaves first).
     """
 
     req_id: str
-    keys: list[str]
+    refs: list[ObjectRef]
     page_ids: list[list[int]]
-    parents: list[str | None] = field(default_factory=list)
+    parents: list[ObjectRef | None] = field(default_factory=list)
 
 
 @dataclass

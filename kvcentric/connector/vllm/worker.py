@@ -1,16 +1,22 @@
 """Worker side of the vLLM connector: layer-wise loads and saves around the forward pass.
 
-Runs in each vLLM worker process. Per step (vLLM's call order):
+Runs in each vLLM worker process. Objects are keyed in this worker's own key space (its
+TP rank's), and every object carries an integrity header (:mod:`kvcentric.integrity`):
+written with the slot, checked before any byte of the object is unpacked. Per step
+(vLLM's call order):
 
 1. ``start_load(meta)`` leases every object to load (one store call per request; the local
    store hands out pointers into shared memory, no copy; a streamed lease, e.g. Mooncake's
    get session, moves no bytes yet) and queues, per layer in layer order on the copy
    thread, the fetch of that layer's byte range and its unpack, so loading runs ahead of
-   compute and the forward waits for one layer's transfer, not the whole prefix's.
+   compute and the forward waits for one layer's transfer, not the whole prefix's. The
+   first fetch brings the headers too, and layer 0's unpack starts only once every
+   header matched (else the step's loads are recomputed, counted ``integrity_errors``).
 2. ``wait_for_layer(l)`` before layer ``l``'s attention: waits for that layer's load.
 3. ``save_layer(l, kv)`` after layer ``l``'s attention: on the first layer, reserves
-   in-place write slots for all objects completed in this step (one store call); then
-   queues the pack of layer ``l``'s pages into them, overlapping the next layers.
+   in-place write slots for all objects completed in this step (one store call) and
+   writes their headers; then queues the pack of layer ``l``'s pages into them,
+   overlapping the next layers.
 4. ``finish_step()`` at the step's end: waits for the copies, reports the pages of any
    lease that lapsed meanwhile (bytes possibly torn) as load errors, releases the read
    leases, and commits the written objects (they become visible all at once, never torn).
@@ -19,6 +25,12 @@ Runs in each vLLM worker process. Per step (vLLM's call order):
    commit thread and the step returns at once -- unless a request saving in this step
    may finish with it (``commit_now``): its response must not complete before its KV is
    in the store.
+
+A step whose forward replays a *full* CUDA graph runs no layer hooks (vLLM captures the
+attention ops, hooks and all, and replays them without Python): ``start_load(meta,
+hooks_run=False)`` then completes every layer's load before returning (before the
+replay), and ``finish_step`` saves every layer from the cache after the forward, so
+vLLM's ``FULL_AND_PIECEWISE`` stays on and stays exact (docs/architecture.md, CUDA graphs).
 
 On a CUDA worker (:mod:`kvcentric.connector.vllm.device_path`) the store's host memory is
 pinned, the kernels per direction are measured once, and the copies run on a copy stream
@@ -48,10 +60,15 @@ from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.mover import SKIP, PageKernel, PagePlan
 from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
+from kvcentric.integrity import ObjectRef, describe
 from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
 
 log = logging.getLogger("kvcentric.connector")
 MAX_PENDING_COMMITS = 4  # steps whose commits may be in flight before a step waits
+
+
+class IntegrityError(RuntimeError):
+    """A leased object's header names another key, rank, layout or format."""
 
 
 class KVCentricWorker:
@@ -64,6 +81,7 @@ class KVCentricWorker:
         self._pin_s = pin_s
         self.layout = layout
         self.store = store
+        self._headers = layout.headers()
         self.stats = Counters()
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
         self._kv: list[torch.Tensor] = []
@@ -72,7 +90,8 @@ class KVCentricWorker:
                                         initargs=(spare,)) if settings.async_copy else None
         self._load_futs: list[Future[None]] = []
         self._load_failed = False
-        self._load_plans: list[tuple[ReadLease, PagePlan]] = []
+        self._poisoned = False  # the copy thread found a bad header: unpack nothing more
+        self._load_plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]] = []
         self._fetch_group = 1  # layers per ranged fetch, set per step
         self._leases: list[ReadLease] = []
         self._load_errors: set[int] = set()
@@ -130,13 +149,16 @@ class KVCentricWorker:
             self.stats.add(**{stat: time.perf_counter() - t0})
 
     # ---- loads ----
-    def start_load(self, meta: StepPlan) -> None:
+    def start_load(self, meta: StepPlan, hooks_run: bool = True) -> None:
+        """Lease and queue this step's loads. ``hooks_run=False``: the forward replays a
+        full CUDA graph, so no ``wait_for_layer`` will come: every layer is loaded (and,
+        on CUDA, ordered before the compute stream's next work) before this returns."""
         for spec in meta.loads:
             self._timed("fetch_seconds", self._lease_and_plan, spec)
         if self._load_plans:
             g = self.layout.geometry
             per_layer = g.pages_per_object * g.page_bytes * sum(
-                plan.num_objects for _, plan in self._load_plans)
+                plan.num_objects for _, plan, _ in self._load_plans)
             # one ranged store call per group of layers: each call has a fixed cost
             # (Mooncake over TCP: ~5 ms), which small per-layer ranges would pay L times
             self._fetch_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
@@ -144,28 +166,35 @@ class KVCentricWorker:
                 self._path.ordering.begin_loads(len(self._kv))
             self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer)
                                for layer in range(len(self._kv))]
+            if not hooks_run:
+                for layer in range(len(self._kv)):
+                    self._wait_layer(layer)
+        if not hooks_run:
+            self.stats.add(graph_steps=1)
 
     def _lease_and_plan(self, spec: TransferSpec) -> None:
         size = self.layout.geometry.object_bytes
+        keys = [ref.key(self.layout.keyspace) for ref in spec.refs]
         # a checksum covers the whole object: verified leases must be eager
         acquire = (self.store.batch_acquire if self.settings.store.verify_checksums
                    else self.store.batch_acquire_streamed)
         try:
-            lease = acquire(spec.keys, [size] * len(spec.keys))
+            lease = acquire(keys, [size] * len(keys))
         except StoreUnavailable as exc:
-            log.warning("store unavailable, recomputing %d blocks: %s", len(spec.keys), exc)
+            log.warning("store unavailable, recomputing %d blocks: %s", len(keys), exc)
             self._fail_pages(spec.page_ids)
             return
         self._leases.append(lease)
         good = self._verified_prefix(lease)
         good = next((i for i in range(good) if lease.sizes[i] != size), good)
-        if good < len(spec.keys):
+        if good < len(keys):
             log.info("request %s: %d of %d stored blocks unavailable, recomputing them",
-                     spec.req_id, len(spec.keys) - good, len(spec.keys))
+                     spec.req_id, len(keys) - good, len(keys))
             self._fail_pages(spec.page_ids[good:])
         if good:
             self._load_plans.append((lease, PagePlan(self.layout.geometry, lease.ptrs[:good],
-                                                     spec.page_ids[:good], self._path.kernel)))
+                                                     spec.page_ids[:good], self._path.kernel),
+                                     spec.refs[:good]))
             self.stats.add(loaded_blocks=good, loaded_bytes=good * size)
 
     def _verified_prefix(self, lease: ReadLease) -> int:
@@ -182,27 +211,51 @@ class KVCentricWorker:
         self.stats.add(load_errors=len(page_ids))
 
     def _unpack_layer(self, layer: int) -> None:
-        """Copy thread: fetch this layer's group of byte ranges (first layer of a group),
-        then move the layer's pages into the cache."""
+        """Copy thread: fetch this layer's group of byte ranges (first layer of a group;
+        the first group brings the headers, checked before anything is unpacked), then
+        move the layer's pages into the cache."""
+        if self._load_failed or self._poisoned:
+            return  # the step's loads are being recomputed: leave the pages alone
         g = self.layout.geometry
-        span = g.pages_per_object * g.page_bytes  # objects are [num_layers][k][page_bytes]
         if layer % self._fetch_group == 0:
-            layers = min(self._fetch_group, len(self._kv) - layer)
-            for lease, _ in self._load_plans:
-                self.store.fetch_range(lease, layer * span, layers * span)
+            offset, size = g.layer_range(layer, min(self._fetch_group, len(self._kv) - layer))
+            for lease, _, _ in self._load_plans:
+                self.store.fetch_range(lease, offset, size)
+        if layer == 0:
+            self._check_headers()
         ordering = self._path.ordering
         if ordering is None:
             self._unpack_all(layer)
         else:  # the bytes are in host memory: the GPU copies them on the copy stream
             ordering.run_load(layer, lambda: self._unpack_all(layer))
 
+    def _check_headers(self) -> None:
+        """Every leased object's header against the object this step asked for;
+        ``IntegrityError`` (the step's loads are recomputed) on any mismatch."""
+        bad = 0
+        for lease, _, refs in self._load_plans:
+            for ptr, ref, key in zip(lease.ptrs, refs, lease.keys):
+                if not self._headers.check(ptr, ref):
+                    bad += 1
+                    log.error("integrity: object %s was written for %s, this load expects "
+                              "%s; recomputing", key, self._headers.describe(ptr),
+                              describe(self._headers.expected(ref)))
+        if bad:
+            self._poisoned = True
+            self.stats.add(integrity_errors=bad)
+            raise IntegrityError(f"{bad} leased objects failed their header check")
+
     def _unpack_all(self, layer: int) -> None:
-        for _, plan in self._load_plans:
+        for _, plan, _ in self._load_plans:
             plan.unpack_layer(layer, self._kv[layer])
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self.layer_of(layer_name)
-        if not self._load_futs or self._load_failed or layer is None:
+        if layer is not None:
+            self._wait_layer(layer)
+
+    def _wait_layer(self, layer: int) -> None:
+        if not self._load_futs or self._load_failed:
             return
         t0 = time.perf_counter()
         try:
@@ -221,9 +274,9 @@ class KVCentricWorker:
         self._load_failed = True
         for fut in self._load_futs:
             fut.cancel()
-        for _, plan in self._load_plans:
+        for _, plan, _ in self._load_plans:
             self._load_errors.update(plan.page_ids())
-        self.stats.add(load_errors=sum(plan.num_objects for _, plan in self._load_plans))
+        self.stats.add(load_errors=sum(plan.num_objects for _, plan, _ in self._load_plans))
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -249,30 +302,39 @@ class KVCentricWorker:
                                              lambda: pack(layer, kv_layer)))
 
     def _reserve(self) -> bool:
-        """Reserve write slots for all of this step's new blocks (one store call)."""
-        keys, pages, parents = [], [], []
+        """Reserve write slots for all of this step's new blocks (one store call) and
+        write their headers."""
+        ks = self.layout.keyspace
+        refs, pages, parents = [], [], []
         for spec in self._save_specs:
-            keys += spec.keys
+            refs += spec.refs
             pages += spec.page_ids
-            parents += spec.parents
+            parents += [p.key(ks) if p is not None else None for p in spec.parents]
+        keys = [ref.key(ks) for ref in refs]
         size = self.layout.geometry.object_bytes
         try:
             slots = self.store.batch_alloc(keys, [size] * len(keys), parents)
         except StoreUnavailable as exc:
             log.warning("store unavailable, not saving %d blocks: %s", len(keys), exc)
             slots = [None] * len(keys)
-        live = [(s, p) for s, p in zip(slots, pages) if s is not None]
+        live = [(s, p, r) for s, p, r in zip(slots, pages, refs) if s is not None]
         self.stats.add(skipped_blocks=len(keys) - len(live))
         self._save_specs = []
         if not live:
             return False
-        self._slots = [s for s, _ in live]
+        for slot, _, ref in live:
+            self._headers.write(slot.ptr, ref)
+        self._slots = [s for s, _, _ in live]
         self._save_plan = PagePlan(self.layout.geometry, [s.ptr for s in self._slots],
-                                   [p for _, p in live], self._path.kernel)
+                                   [p for _, p, _ in live], self._path.kernel)
         return True
 
     def finish_step(self) -> None:
-        """End of step: wait for copies, commit saves, release load leases."""
+        """End of step: save what no layer hook saved (a full CUDA graph ran no hooks; the
+        cache now holds every layer), wait for copies, commit saves, release leases."""
+        if self._save_specs and self._save_plan is None:
+            for name, layer in self._layer_index.items():
+                self.save_layer(name, self._kv[layer])
         self._finish_loads()
         self._finish_saves()
 
@@ -285,7 +347,7 @@ class KVCentricWorker:
                     self._fail_loads()
         if self._path.ordering is not None:
             self._path.ordering.loads_done()  # the GPU may still read the leased bytes
-        for lease, plan in self._load_plans:
+        for lease, plan, _ in self._load_plans:
             if not self._load_failed and not self.store.lease_valid(lease):
                 # the store reclaimed the lease (its connection dropped) while we copied:
                 # the bytes may be torn, so vLLM recomputes these pages and drops this
@@ -297,7 +359,7 @@ class KVCentricWorker:
         for lease in self._leases:
             self.store.release(lease)
         self._leases, self._load_plans, self._load_futs = [], [], []
-        self._load_failed = False
+        self._load_failed = self._poisoned = False
 
     def _finish_saves(self) -> None:
         slots, self._slots = self._slots, []
