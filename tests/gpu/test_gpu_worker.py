@@ -215,3 +215,35 @@ def test_steps_without_layer_hooks_load_before_and_save_after_the_forward(
         assert r.take_load_errors() == set() and r.stats.data["graph_steps"] == 1
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sleep_mode_drains_then_resumes_on_the_same_caches(store: StoreConfig,
+                                                           device: str) -> None:
+    """vLLM 0.33's sleep mode, in its order: steps, ``unregister_kv_caches`` (transfers
+    drained; the cache's memory is then remapped and its contents lost), nothing touches
+    the cache while asleep, ``restore_kv_caches``, steps on the same tensors."""
+    layout, objs, pages = "flash_attn", refs("sleep", 2), [[0, 1], [2, 3]]
+    kv = caches(layout, device, seed=7)
+    want = {name: t.clone() for name, t in kv.items()}
+    w = worker(store, layout, kv)  # async commits: the save below is still in flight
+    try:
+        w.plan_saves(StepPlan(saves=[spec("s", objs, pages)]))
+        for name, layer in kv.items():
+            w.save_layer(name, layer)
+        w.finish_step()
+        w.suspend()
+        assert w.stats.data["saved_blocks"] == 2  # the pending commit landed before sleep
+        for t in kv.values():
+            t.zero_()  # level 1 sleep discards the cache's contents
+        w.suspend()  # idempotent
+        assert load(w, kv, StepPlan(loads=[spec("x", objs, pages)])) == {0, 1, 2, 3}
+        assert untouched(kv)  # asleep: reported for recompute, never written
+        w.resume()
+        w.resume()
+        assert load(w, kv, StepPlan(loads=[spec("x", objs, pages)])) == set()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert same_pages(kv, want, layout, pages, pages)
+    finally:
+        w.close()

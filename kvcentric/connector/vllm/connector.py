@@ -197,6 +197,14 @@ class KVCentricConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    # vLLM >= 0.33 sleep mode (``supports_sleep_mode`` keeps its default, True): vLLM
+    # drains transfers, calls this, remaps the KV cache memory, then ``restore_kv_caches``
+    def unregister_kv_caches(self) -> None:
+        self.worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        self.worker.resume()
+
     # ---- both sides ----
     def get_kv_connector_stats(self) -> KVCentricStats | None:
         side = self._scheduler or self._worker

@@ -105,6 +105,7 @@ class KVCentricWorker:
             if settings.async_commit else None
         self._commits: list[Future[None]] = []
         self._path = DevicePath(PageKernel())
+        self._asleep: list[torch.Tensor] | None = None  # the caches while vLLM sleeps
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Learn the per-layer cache tensors, find their block dim (ValueError when no
@@ -153,6 +154,10 @@ class KVCentricWorker:
         """Lease and queue this step's loads. ``hooks_run=False``: the forward replays a
         full CUDA graph, so no ``wait_for_layer`` will come: every layer is loaded (and,
         on CUDA, ordered before the compute stream's next work) before this returns."""
+        if self._asleep is not None:  # cannot happen in vLLM's order; never touch the cache
+            for spec in meta.loads:
+                self._fail_pages(spec.page_ids)
+            return
         for spec in meta.loads:
             self._timed("fetch_seconds", self._lease_and_plan, spec)
         if self._load_plans:
@@ -284,7 +289,7 @@ class KVCentricWorker:
 
     # ---- saves ----
     def plan_saves(self, meta: StepPlan) -> None:
-        self._save_specs = list(meta.saves)
+        self._save_specs = list(meta.saves) if self._asleep is None else []
         self._commit_now = meta.commit_now
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -400,6 +405,26 @@ class KVCentricWorker:
             return
         ok = sum(1 for c in codes if c == 0)
         self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes)
+
+    # ---- sleep mode (vLLM >= 0.33: unregister_kv_caches / restore_kv_caches) ----
+    def suspend(self) -> None:
+        """Before vLLM's sleep mode remaps the KV cache: finish what is still in flight
+        (a step's copies, its leases, every pending commit: their bytes are out of the
+        cache already) and stop using the cache tensors; until :meth:`resume`, a step's
+        loads are reported for recompute and its saves dropped. Idempotent."""
+        if self._asleep is not None:
+            return
+        self.finish_step()  # vLLM drains transfers first: then this is a no-op
+        commits, self._commits = self._commits, []
+        for fut in commits:
+            fut.result()  # _commit never raises; each store call is bounded
+        self._asleep, self._kv = self._kv, []
+
+    def resume(self) -> None:
+        """After vLLM's wake-up: the same cache tensors (vLLM remaps their memory at the
+        same addresses; their contents are new) are used again. Idempotent."""
+        if self._asleep is not None:
+            self._kv, self._asleep = self._asleep, None
 
     def close(self) -> None:
         if self._pool is not None:
