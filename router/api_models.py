@@ -11,7 +11,8 @@ and ``SamplingParams``): ``temperature`` 0..2, ``top_p`` in (0, 1], ``top_k`` >=
 ``min_p`` 0..1, the penalties, ``n`` 1..``limits.max_n``, ``logprobs`` /
 ``top_logprobs`` / ``prompt_logprobs`` 0..``limits.max_logprobs`` (vLLM's
 ``--max-logprobs``; -1, the whole vocabulary, is not accepted), ``priority`` in
-``limits.min_priority..max_priority`` (0 by default: an FCFS engine refuses any other),
+``limits.min_priority..max_priority`` (0 by default: a tenant's priority would jump other
+tenants' queues on an engine that schedules by priority; vLLM's own bound is any int64),
 token ids below the vocabulary, ``max_tokens`` / ``min_tokens`` at most the context (or
 ``limits.max_tokens``), ``seed`` a 64-bit integer. vLLM's rules that join two fields are
 both checked and published (``allOf`` of ``if``/``then``): no ``prompt_logprobs`` on a

@@ -213,10 +213,11 @@ EDGES = [
                               "add_generation_prompt": False, "add_special_tokens": True,
                               "max_completion_tokens": 8, "n": 4}),
 ]
-# Each past the router's bound; True where the bound is vLLM's own (vLLM refuses it too).
+# Each past the router's bound; True where the bound is vLLM's own (vLLM refuses it too;
+# priority, n, max_tokens and the refused fields are the router's policy).
 PAST = [
     ("prompt_logprobs", 21, True), ("prompt_logprobs", -1, True), ("logprobs", 21, True),
-    ("priority", 1, True), ("priority", -1, True), ("temperature", 2.01, True),
+    ("priority", 1, False), ("priority", -1, False), ("temperature", 2.01, True),
     ("top_p", 0, True), ("min_p", 1.01, True), ("presence_penalty", 2.5, True),
     ("repetition_penalty", 0, True), ("stop_token_ids", [4096], True),
     ("max_tokens", 9, False), ("n", 5, False), ("chat_template", SPIN, False),
@@ -248,7 +249,7 @@ def test_hostile_requests_against_a_real_engine(real: Real) -> None:
              {**CHAT, "chat_template_kwargs": {"chat_template": SPIN}})
     assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"]
     # a chat longer than the prompt bound is refused before it reaches the engine
-    long = {**CHAT, "messages": [{"role": "user", "content": "river stone " * 300}]}
+    long = {**CHAT, "messages": [{"role": "user", "content": "river stone " * 250}]}
     r = post(real.router, "/v1/chat/completions", long)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     # an instance nothing answers at, added at run time, takes no traffic
