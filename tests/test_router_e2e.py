@@ -314,7 +314,7 @@ def keyed_router(c: Cluster, tmp: Path, keys: dict[str, str], admin: str) -> Ite
     proc = spawn([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
                   str(tmp / "keyed.yaml")], log)
     try:
-        wait_http(f"http://127.0.0.1:{port}/metrics", proc, log, 60)
+        wait_http(f"http://127.0.0.1:{port}/openapi.json", proc, log, 60)  # /metrics is keyed
         yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
