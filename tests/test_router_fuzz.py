@@ -3,7 +3,7 @@ requests through it to a real engine: the published OpenAPI document is exactly 
 router enforces (schema-valid requests are served, invalid ones get a documented 4xx), no
 500s, documented statuses and content types only, and the router is alive afterwards.
 
-With the stub engine (``benchmarks/stub_engine.py``, no vLLM):
+With the stub engine (``benchmarks.lib.stub_engine``, no vLLM):
 
 * an open router (loopback, no keys, default limits), the setting issue 32's run used:
   ``schemathesis run URL/openapi.json --checks all`` with schemathesis' own defaults is
@@ -37,6 +37,7 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.lib.paths import module_command
 from kvcentric.testing.servers import (
     VllmServer,
     free_port,
@@ -46,6 +47,10 @@ from kvcentric.testing.servers import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+# the stub engine (benchmarks/lib/ after the benchmarks' reorganisation, benchmarks/ before)
+STUB = next((p for p in (ROOT / "benchmarks" / "lib" / "stub_engine.py",
+                         ROOT / "benchmarks" / "stub_engine.py") if p.exists()),
+            ROOT / "benchmarks" / "lib" / "stub_engine.py")
 TENANT, ADMIN, METRICS = "sk-fuzz-tenant", "sk-fuzz-admin", "sk-fuzz-metrics"
 ENGINE = "engine-7f3a"  # a name the fuzzer's DELETE /instances/{name} will not guess
 KEYED = {"api_keys": {TENANT: "fuzz"}, "admin_key": ADMIN, "metrics_key": METRICS,
@@ -117,8 +122,8 @@ def router(tmp: Path, engine_url: str, **over: Any) -> Iterator[str]:
 def stub_engine(tmp: Path, tiny_dir: str) -> Iterator[str]:
     port = free_port()
     log = tmp / "stub.log"
-    proc = spawn([sys.executable, str(ROOT / "benchmarks" / "stub_engine.py"), "--ports",
-                  str(port), "--model", "tiny", "--tokenizer", tiny_dir], log)
+    proc = spawn(module_command("benchmarks.lib.stub_engine", "--ports", str(port),
+                                "--model", "tiny", "--tokenizer", tiny_dir), log)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, log, 120)
         yield f"http://127.0.0.1:{port}"
