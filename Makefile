@@ -54,10 +54,10 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 bench: setup
-	$(BIN)/python benchmarks/bench_store.py --quick
-	$(BIN)/python benchmarks/bench_router.py --quick
+	$(BIN)/python -m benchmarks.micro.store --quick
+	$(BIN)/python -m benchmarks.micro.router_decision --quick
 	@for t in conversation synthetic; do f=../shared/traces/$${t}_trace.jsonl; \
-	  [ -f $$f ] && $(BIN)/python benchmarks/simulate_cluster.py --trace $$f --quick || true; done
+	  [ -f $$f ] && $(BIN)/python -m benchmarks.sim.routing --trace $$f --quick || true; done
 
 # Side-by-side comparisons (issue 7); the peer routers are needed only here: sglang-router
 # in the venv, smg and vllm-router each in its own venv under .peers/ (their pins, as in
@@ -68,12 +68,12 @@ compare: setup
 	.peers/smg/bin/pip install -q smg==1.13.0
 	@[ -x .peers/vllm-router/bin/python ] || $(PY) -m venv .peers/vllm-router
 	.peers/vllm-router/bin/pip install -q vllm-router==0.1.17
-	$(BIN)/python benchmarks/compare.py reuse
-	$(BIN)/python benchmarks/compare.py routing
-	$(BIN)/python benchmarks/compare.py trace
-	$(BIN)/python benchmarks/compare.py hotprefix
+	$(BIN)/python -m benchmarks.serving.compare reuse
+	$(BIN)/python -m benchmarks.serving.compare routing
+	$(BIN)/python -m benchmarks.serving.compare trace
+	$(BIN)/python -m benchmarks.serving.compare hotprefix
 
 # Every JSON under benchmarks/results/ -> benchmarks/results/REPORT.md, and README's results
 # block (between <!-- results:begin --> and <!-- results:end -->). Reads files only: no setup.
 report:
-	$(BIN)/python benchmarks/report.py
+	$(BIN)/python -m benchmarks.lib.report

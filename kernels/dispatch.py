@@ -20,7 +20,7 @@ Implementations (``impl``):
 
 These copy page by page. Between a CUDA layer and host objects, the connector uses
 :mod:`kvcentric.kernels.staged` instead (gather in HBM, one 2-D DMA per layer): page by
-page across PCIe is 5-30x slower there (``benchmarks/bench_gpu_path.py``).
+page across PCIe is 5-30x slower there (``benchmarks/micro/gpu_path.py``).
 
 CUDA work is enqueued on the current stream and not synchronised; with
 pinned host rows the caller must synchronise before reading/reusing them.

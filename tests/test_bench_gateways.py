@@ -1,4 +1,4 @@
-"""The peer routers of benchmarks/compare.py (``smg:<policy>``, ``vllm-router:<policy>``)
+"""The peer routers of benchmarks/serving/compare.py (``smg:<policy>``, ``vllm-router:<policy>``)
 started through :func:`benchmarks.serving.gateways.gateway_for` in front of two stub
 OpenAI-compatible servers (no vLLM): they become ready, listen on 127.0.0.1 only, pass
 completions and chat requests, streamed or not, with the benchmark's sampling fields

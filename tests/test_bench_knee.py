@@ -1,4 +1,4 @@
-"""benchmarks/bench_knee.py: the pure parts (workload arithmetic, knee detection, summary
+"""benchmarks/serving/knee.py: the pure parts (workload arithmetic, knee detection, summary
 keys, per-point rows and the figure), without starting vLLM."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_knee as bk
+from benchmarks.serving import knee as bk
 from benchmarks.serving.fleet import CPU_PAGE
 
 PLAN = bk.KneePlan(sessions=4, turns=3, doc_len=1023, turn_input_len=100, output_len=28,

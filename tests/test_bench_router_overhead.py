@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import bench_router_overhead
+from benchmarks.serving import router_overhead
 
 
 def test_small_run_reports_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "ro.json"
-    assert bench_router_overhead.main(["--requests", "3", "--words", "40,200",
+    assert router_overhead.main(["--requests", "3", "--words", "40,200",
                                        "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [r["words"] for r in doc["rows"]] == [40, 200]

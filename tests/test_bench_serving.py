@@ -1,4 +1,4 @@
-"""benchmarks/bench_serving.py: workloads, trace synthesis, metrics, and every workload
+"""benchmarks/serving/loadgen.py: workloads, trace synthesis, metrics, and every workload
 against a real vLLM CPU server (tiny model, one server for the module)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks import bench_serving, plot
-from benchmarks.serving import scrape
+from benchmarks.lib import plot
+from benchmarks.serving import loadgen, scrape
 from benchmarks.serving.client import Api, send
 from benchmarks.serving.metrics import RequestRecord, summarize
 from benchmarks.serving.runner import RunConfig
@@ -307,7 +307,7 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def _run(src: TokenSource, urls: list[str], spec: WorkloadSpec, endpoint: str = "completions",
          fmt: str = "text", model: str = "tiny", **kw: Any) -> dict[str, Any]:
     cfg = RunConfig(tuple(urls), Api(model, endpoint), fmt, max_concurrency=kw.pop("conc", None))
-    return bench_serving.benchmark(src, build(spec, src), cfg, progress=False, **kw)
+    return loadgen.benchmark(src, build(spec, src), cfg, progress=False, **kw)
 
 
 def _check_records(res: dict[str, Any], output_len: int | None) -> list[dict[str, Any]]:
@@ -419,7 +419,7 @@ def test_failures_are_counted_with_reasons(server: VllmServer, src: TokenSource)
 def test_cli_writes_result_json(server: VllmServer, tiny_model: str, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    rc = bench_serving.main(["--base-url", server.url, "--tokenizer", tiny_model,
+    rc = loadgen.main(["--base-url", server.url, "--tokenizer", tiny_model,
                              "--workload", "shared-prefix", "--num-groups", "1",
                              "--prompts-per-group", "2", "--shared-system-prompt-len", "64",
                              "--turn-input-len", "8", "--output-len", "3", "--request-rate",
@@ -436,7 +436,7 @@ def test_cli_writes_result_json(server: VllmServer, tiny_model: str, tmp_path: P
     for suffix in ("_ttft_cdf.png", "_throughput.png"):
         assert (tmp_path / f"cmp{suffix}").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
-        bench_serving.main(["--tokenizer", tiny_model, "--model", "tiny", "--hit-ratio", "2"])
+        loadgen.main(["--tokenizer", tiny_model, "--model", "tiny", "--hit-ratio", "2"])
 
 
 def test_compare_helpers() -> None:

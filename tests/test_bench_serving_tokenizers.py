@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_serving
+from benchmarks.serving import loadgen
 from benchmarks.serving.runner import prompt_kind
 from benchmarks.serving.tokens import TokenSource
 from benchmarks.serving.workloads import WorkloadSpec, build
@@ -68,7 +68,7 @@ def test_cli_explains_what_the_tokenizer_cannot_do(word_model: str, flags: list[
                                                     needle: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        bench_serving.main(["--base-url", "http://127.0.0.1:9", "--model", "m",
+        loadgen.main(["--base-url", "http://127.0.0.1:9", "--model", "m",
                             "--tokenizer", word_model, *flags])
     assert exc.value.code == 2  # argparse's usage error, not a traceback
     err = capsys.readouterr().err
@@ -92,7 +92,7 @@ def test_multi_turn_run_against_vllm_serving_a_word_level_model(
         word_server: VllmServer, word_model: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "word.json"
-    rc = bench_serving.main(["--base-url", word_server.url, "--tokenizer", word_model,
+    rc = loadgen.main(["--base-url", word_server.url, "--tokenizer", word_model,
                              "--workload", "multi-turn", "--num-users", "3", "--turns-mean", "3",
                              "--shared-system-prompt-len", "256", "--user-context-len", "128",
                              "--turn-input-len", "32", "--output-len", str(OUT), "--seed", "21",
@@ -128,5 +128,5 @@ def test_multi_turn_run_against_vllm_serving_a_word_level_model(
     assert len(samples["t_s"]) == util["samples"] and samples["t_s"] == sorted(samples["t_s"])
     assert doc["figures"] == [{"file": "word_utilisation.png", "title": doc["figures"][0]["title"]}]
     assert (tmp_path / "word_utilisation.png").read_bytes()[:4] == b"\x89PNG"
-    assert doc["meta"]["command"].startswith("python benchmarks/bench_serving.py --base-url")
+    assert doc["meta"]["command"].startswith("python -m benchmarks.serving.loadgen --base-url")
     assert doc["meta"]["machine"]["cpus"] >= 1

@@ -1,4 +1,4 @@
-"""benchmarks/bench_tiers.py: the parts that decide what a measurement means (which tier
+"""benchmarks/serving/tiers.py: the parts that decide what a measurement means (which tier
 served a request, the floors, the summary against the targets), without starting vLLM;
 plus the cold-read floor against a real file."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_tiers as bt
+from benchmarks.serving import tiers as bt
 from kvcentric.store.local import disk_probe
 
 BPT = 8192  # the bench model: 8 layers x 4 KV heads x 64 x bf16 x (K, V)

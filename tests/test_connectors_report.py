@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_connectors, connectors_report
+from benchmarks.serving import connectors, connectors_report
 
 
 def _counters(queue: float, prefill: float, n: int, wait: float = 0.0) -> dict[str, float]:
@@ -17,7 +17,7 @@ def _counters(queue: float, prefill: float, n: int, wait: float = 0.0) -> dict[s
 
 
 def test_request_split_is_the_growth_of_each_phase_and_of_our_seconds_counters() -> None:
-    split = bench_connectors.request_split(_counters(1.0, 10.0, 3, 0.5),
+    split = connectors.request_split(_counters(1.0, 10.0, 3, 0.5),
                                            _counters(1.04, 10.9, 4, 0.515))
     assert split == pytest.approx({"queue": 40.0, "prefill": 900.0, "load_wait": 15.0})
 

@@ -127,7 +127,7 @@ def test_cpu_device_path_has_no_streams_or_pinning(store_cfg: StoreConfig) -> No
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_gpu_benchmark_refuses_clearly_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import bench_gpu_path
+    from benchmarks.micro import gpu_path
 
-    assert bench_gpu_path.main(["--quick"]) == 2
+    assert gpu_path.main(["--quick"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err

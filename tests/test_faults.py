@@ -1,4 +1,4 @@
-"""The kill matrix, CI-sized (benchmarks/faults.py): a multi-turn workload through the
+"""The kill matrix, CI-sized (benchmarks/reliability/faults.py): a multi-turn workload through the
 router to two vLLM CPU engines with the connector while the local store's coordinator,
 one engine, and the Mooncake master are SIGKILLed at half load. Every answer is compared
 with a fault-free greedy reference: zero wrong tokens and zero failed requests, and the
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import Workload, matrix
+from benchmarks.reliability.faults import Workload, matrix
 from kvcentric.testing.netns import unavailable_reason
 
 pytestmark = pytest.mark.vllm

@@ -1,4 +1,4 @@
-"""benchmarks/procfs.py's CPU readers and ``quiesce``, on real processes that burn CPU."""
+"""benchmarks/lib/procfs.py's CPU readers and ``quiesce``, on real processes that burn CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks import procfs
+from benchmarks.lib import procfs
 
 # busy for BUSY_S seconds of wall time, then asleep (a vLLM worker polling after a request)
 BURN = "import time,sys\nt=time.time()\nwhile time.time()-t<float(sys.argv[1]): pass\n" \

@@ -1,4 +1,4 @@
-"""benchmarks/report.py and benchmarks/results_writer.py: the committed results render into
+"""benchmarks/lib/report.py and benchmarks/lib/results_writer.py: the committed results render into
 one deterministic REPORT.md that covers every JSON and PNG, and README's results block is
 what the generator makes of the same files."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import report, results_writer
+from benchmarks.lib import report, results_writer
 
 RESULTS = report.RESULTS
 
@@ -80,7 +80,7 @@ def test_writer_records_command_machine_and_figures(tmp_path: Path,
     assert paths == [res / "demo.json", res / "demo_cdf.png"] == [res / "demo.json", *drawn]
     assert "TABLE" in capsys.readouterr().out
     saved = json.loads((res / "demo.json").read_text())
-    assert saved["meta"]["command"] == "python benchmarks/demo.py --x 'a b'"
+    assert saved["meta"]["command"] == "python -m benchmarks.demo --x 'a b'"
     assert saved["meta"]["machine"]["cpus"] >= 1
     assert saved["figures"] == [{"file": "demo_cdf.png", "title": "Demo CDF"}]
     (res / "old.json").write_text(json.dumps({"summary": {"speed": 2.0}}))
@@ -90,7 +90,7 @@ def test_writer_records_command_machine_and_figures(tmp_path: Path,
     (res / "logs" / "server-config.json").write_text("{}")  # scratch: not a result
     sections = _sections(report.render(res))
     machine = results_writer.describe_machine(saved["meta"]["machine"])
-    assert "Command: `python benchmarks/demo.py --x 'a b'`" in sections["demo.json"]
+    assert "Command: `python -m benchmarks.demo --x 'a b'`" in sections["demo.json"]
     assert f"Machine: {machine}" in sections["demo.json"]
     assert "![Demo CDF](demo_cdf.png)" in sections["demo.json"]
     assert "| x_ms | 12.35 |" in sections["demo.json"]

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from benchmarks.dashboard_screenshot import chromium_path, dump_dom
+from benchmarks.serving.dashboard_screenshot import chromium_path, dump_dom
 from kvcentric.router.app import build_app
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks.dashboard_screenshot import (
+from benchmarks.serving.dashboard_screenshot import (
     PNG_MAGIC,
     chromium_path,
     dump_dom,

@@ -47,10 +47,6 @@ from kvcentric.testing.servers import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# the stub engine (benchmarks/lib/ after the benchmarks' reorganisation, benchmarks/ before)
-STUB = next((p for p in (ROOT / "benchmarks" / "lib" / "stub_engine.py",
-                         ROOT / "benchmarks" / "stub_engine.py") if p.exists()),
-            ROOT / "benchmarks" / "lib" / "stub_engine.py")
 TENANT, ADMIN, METRICS = "sk-fuzz-tenant", "sk-fuzz-admin", "sk-fuzz-metrics"
 ENGINE = "engine-7f3a"  # a name the fuzzer's DELETE /instances/{name} will not guess
 KEYED = {"api_keys": {TENANT: "fuzz"}, "admin_key": ADMIN, "metrics_key": METRICS,

@@ -11,9 +11,8 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.lib.paths import module_command
 from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize("level,polls_logged", [("info", False), ("debug", True)])
@@ -26,8 +25,8 @@ def test_health_polls_stay_out_of_the_info_log(tiny_dir: str, tmp_path: Path, le
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(cfg))
     stub = router = None
     try:
-        stub = spawn([sys.executable, str(BENCH / "stub_engine.py"), "--ports", str(eport),
-                      "--tokenizer", tiny_dir], tmp_path / "stub.log")
+        stub = spawn(module_command("benchmarks.lib.stub_engine", "--ports", str(eport),
+                                    "--tokenizer", tiny_dir), tmp_path / "stub.log")
         wait_http(f"http://127.0.0.1:{eport}/health", stub, tmp_path / "stub.log")
         router = spawn([sys.executable, "-m", "kvcentric.router.cli", "serve", "--config",
                         str(tmp_path / "r.yaml")], tmp_path / "router.log")

@@ -1,4 +1,4 @@
-"""bench_ttft --writer's statistics (benchmarks/ttft_writer.py): every prompt reaches every
+"""bench_ttft --writer's statistics (benchmarks/serving/ttft_writer.py): every prompt reaches every
 arm back to back in a rotating order, overheads are paired per round, and the saved blocks
 are read from the connector arm's counters."""
 
@@ -10,8 +10,8 @@ from typing import Any, cast
 
 import pytest
 
-from benchmarks import ttft_writer
-from benchmarks.ttft_writer import RoundTimes
+from benchmarks.serving import ttft_writer
+from benchmarks.serving.ttft_writer import RoundTimes
 from kvcentric.testing.servers import VllmServer
 
 

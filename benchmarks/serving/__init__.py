@@ -1,4 +1,4 @@
-"""The pieces of ``benchmarks/bench_serving.py`` and ``benchmarks/compare.py``.
+"""The pieces of ``benchmarks.serving.loadgen`` and ``benchmarks.serving.compare``.
 
 - :mod:`.tokens`: token-exact synthetic prompts from the model's own tokenizer (text where
   its word tokens allow, token ids with any tokenizer).

@@ -35,12 +35,13 @@ from typing import Any
 import httpx
 import yaml
 
+from benchmarks.lib.paths import ROOT
 from kvcentric.testing.servers import free_port, stop_group
 
 # Peer routers with a virtual environment each, .peers/<name> (the Makefile's compare
 # target installs the same pins).
 PEERS = {"smg": "smg==1.13.0", "vllm-router": "vllm-router==0.1.17"}
-PEERS_DIR = Path(__file__).resolve().parents[2] / ".peers"
+PEERS_DIR = ROOT / ".peers"
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plot, results_writer
+from benchmarks.lib import plot, results_writer
 from benchmarks.serving import utilisation
 
 

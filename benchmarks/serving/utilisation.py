@@ -156,7 +156,7 @@ def boxes(results: Sequence[dict[str, Any]], path: Path, title: str = "") -> Pat
 
     ``results`` are bench_serving result documents with ``utilisation_samples``.
     """
-    from benchmarks.plot import _plt
+    from benchmarks.lib.plot import _plt
 
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 1.2 * _count(results) + 3), 4))

@@ -1,0 +1,2 @@
+"""Shared by the benchmarks: paths, the results writer, the report, /proc readers, plots,
+the stub engine and the benchmark index."""

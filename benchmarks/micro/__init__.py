@@ -1,0 +1,1 @@
+"""Micro-benchmarks: one component against its floor, measured in the same run."""

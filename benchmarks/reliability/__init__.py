@@ -1,0 +1,1 @@
+"""Reliability: faults injected under load, and soaks (memory, descriptors, leases)."""
