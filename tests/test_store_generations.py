@@ -32,7 +32,7 @@ from tests.store_contract import get, put, run_worker
 
 def as_dict(cfg: StoreConfig) -> dict[str, object]:
     return {"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-            "runtime_dir": str(cfg.runtime_dir)}
+            "runtime_dir": str(cfg.runtime_dir), "hot_timeout_s": cfg.hot_timeout_s}
 
 
 def coordinators(cfg: StoreConfig) -> list[int]:
@@ -229,6 +229,32 @@ def test_a_full_tmpfs_refuses_to_start_with_a_clear_message(tmp_path: Path) -> N
             subprocess.run(["umount", str(shm)], check=True)
         else:
             shutil.rmtree(Path("/dev/shm") / shm.name, ignore_errors=True)
+
+
+def test_a_restart_fits_a_tmpfs_sized_for_one_arena(tmp_path: Path) -> None:
+    """kill -9 the coordinator of a store whose tmpfs holds one arena and a bit: the dead
+    generation's pages are freed (its file unlinked by the next coordinator, its mapping
+    dropped by the client before it starts one), so the restart fits."""
+    shm = tmp_path / "shm"
+    if not _mount_tmpfs(shm, "20m"):
+        pytest.skip("cannot mount a tmpfs here")
+    cfg = StoreConfig(name=f"one{uuid.uuid4().hex[:6]}", capacity_bytes=16 << 20,
+                      runtime_dir=shm, reconnect_interval_s=0.1, hot_timeout_s=1.0)
+    try:
+        with open_store(cfg) as store:
+            assert put(store, ["a"]) == [OK]
+            pid = store.stats()["pid"]
+            os.kill(pid, signal.SIGKILL)
+            assert wait_until(lambda: not launcher.pid_alive(pid), 10)
+            assert put(store, ["b"]) == [ERR_UNAVAILABLE]  # the breaker opens ...
+            assert wait_until(lambda: put(store, ["b"]) == [OK], 20)  # ... and it restarts
+            assert store.stats()["pid"] != pid and store.batch_exists(["a"]) == 0
+            pid = store.stats()["pid"]
+        launcher.stop(cfg)
+        assert wait_until(lambda: not launcher.pid_alive(pid), 10)
+    finally:
+        wait_until(lambda: not coordinators(cfg), 10)
+        subprocess.run(["umount", str(shm)], check=True)
 
 
 def get_bytes(store: object, key: str, size: int) -> list[np.ndarray | None]:

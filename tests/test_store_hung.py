@@ -25,8 +25,9 @@ from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
 from tests.store_contract import get, put
 
-HOT_BOUND_S = 0.3  # a hot call's bound (hot_timeout_s 0.1 s, plus one socket poll)
-AT_ONCE_S = 0.05  # the open breaker does not ask the store (well under the hot bound)
+DEFAULT_HOT_S = StoreConfig.hot_timeout_s  # what engines run with (0.1 s)
+HOT_BOUND_S = 0.3  # a hot call's bound at the default (plus one socket wake-up)
+AT_ONCE_S = DEFAULT_HOT_S  # faster than a call to the stopped store could be: none was made
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -47,7 +48,7 @@ def answered(store: LocalStore, stat: str) -> Any:
 
 
 def test_sigstop_bounds_hot_calls_then_the_breaker_answers(store_cfg: StoreConfig) -> None:
-    cfg = store_cfg.with_(reconnect_interval_s=1.0, op_timeout_s=2.0)
+    cfg = store_cfg.with_(hot_timeout_s=DEFAULT_HOT_S, reconnect_interval_s=1.0, op_timeout_s=2.0)
     keys = [f"c/{i}" for i in range(8)]
     store = open_store(cfg)
     looker = open_store(cfg)  # only looks up: its shared index goes stale
@@ -102,7 +103,7 @@ def test_sigstop_bounds_hot_calls_then_the_breaker_answers(store_cfg: StoreConfi
 def test_a_slot_reserved_before_a_stop_commits_as_unavailable(store_cfg: StoreConfig) -> None:
     """The save path: a slot reserved before the stop, committed during it, fails within
     the hot bound; the slot's memory stays mapped until then (the copy into it is safe)."""
-    store = open_store(store_cfg)
+    store = open_store(store_cfg.with_(hot_timeout_s=DEFAULT_HOT_S))
     assert isinstance(store, LocalStore)
     (slot,) = store.batch_alloc(["s"], [size_of("s")])
     assert slot is not None

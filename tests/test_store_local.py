@@ -27,7 +27,8 @@ from tests.store_contract import WORKER, StoreContract, get, put, run_worker
 
 def as_dict(cfg: StoreConfig) -> dict[str, Any]:
     return {"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-            "runtime_dir": str(cfg.runtime_dir), "verify_checksums": cfg.verify_checksums}
+            "runtime_dir": str(cfg.runtime_dir), "verify_checksums": cfg.verify_checksums,
+            "hot_timeout_s": cfg.hot_timeout_s}
 
 
 @pytest.fixture

@@ -146,10 +146,17 @@ class LocalStore(KVStore):
     @staticmethod
     def _end_slots(slots: Sequence[WriteSlot]) -> None:
         """Slots are done (committed, aborted or stale): drop their arena references."""
+        arena, n = None, 0  # one drop per run of slots of one arena (usually all)
         for slot in slots:
             s, slot.handle = slot.handle, None
             if isinstance(s, Session):
-                s.arena.drop()
+                if s.arena is not arena:
+                    if arena is not None:
+                        arena.drop(n)
+                    arena, n = s.arena, 0
+                n += 1
+        if arena is not None:
+            arena.drop(n)
 
     def batch_commit(self, slots: Sequence[WriteSlot], pin_s: float = 0.0) -> list[int]:
         """Publish written slots. Slots of a dead session (the connection dropped since
@@ -270,18 +277,18 @@ class LocalStore(KVStore):
             return
         lease_id, s, _, reads, _ = lease.handle
         lease.handle = None
-
-        def end(codes: list[int] | None = None) -> None:
+        if reads is None:
             if lease_id and s.alive:
-                if codes is not None:
-                    s.rpc.send("settle", lease_id, codes)
-                else:
-                    s.rpc.send("release", lease_id)
+                s.rpc.send("release", lease_id)
+            s.arena.drop()
+            return
+
+        def settle(codes: list[int]) -> None:
+            if lease_id and s.alive:
+                s.rpc.send("settle", lease_id, codes)
             s.arena.drop()
 
-        if reads is None:
-            end()
-        elif not reads.close(end):
+        if not reads.close(settle):
             log.warning("store %r: a disk-tier read outlived its lease's release; the lease "
                         "ends when it does", self.cfg.name)
 

@@ -19,8 +19,9 @@ Contract:
   connect inline, outside the breaker's interval: tools and tests call them, not engines'
   steps.
 - **Generations.** The link keeps one reference on the current generation's arena, so a
-  reconnect to the same coordinator maps and prefaults nothing; a new generation's hello
-  lets the old mapping go (unmapped once no lease or slot uses it).
+  reconnect to the same coordinator maps and prefaults nothing; a new generation's hello,
+  or finding no coordinator holding the store before starting one, lets the old mapping
+  go (unmapped once no lease or slot uses it, so its tmpfs pages are freed).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
-from kvcentric.store.local import launcher, session
+from kvcentric.store.local import launcher, ownership, session
 from kvcentric.store.local.session import Arena, Session
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class Link:
                                        f"attempt in {self._down_until - now:.1f} s")
             try:
                 if self.cfg.autostart:
+                    self._forget_dead_generation()
                     launcher.ensure_running(self.cfg)
                 rpc, hello = session.greet(self.cfg)
                 try:
@@ -95,6 +97,17 @@ class Link:
                 self._down_until = 0.0
                 self._failures = 0
             return new
+
+    def _forget_dead_generation(self) -> None:
+        """Let our mapping go when no coordinator holds the store (its generation is dead):
+        on a tmpfs sized for one arena, the next coordinator can reserve its own only
+        once the dead one's pages are unmapped (leases still in use keep theirs)."""
+        if self.arena is None or ownership.holder(self.cfg) is not None:
+            return
+        with self._state:
+            old, self.arena = self.arena, None
+        if old is not None:
+            old.drop()
 
     def _arena_of(self, hello: dict[str, Any]) -> Arena:
         """The mapping of the hello's generation: ours when it is the same coordinator;

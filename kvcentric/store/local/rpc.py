@@ -116,9 +116,22 @@ class RpcClient:
         """Send a request that gets no reply (the coordinator handles it in order). Never
         waits for a call in flight: the frame is then queued and goes out right after it.
         A send that cannot finish within ``poll_s`` closes the connection."""
-        self._queued.append(wire.encode([op, *args]))
-        if self._lock.acquire(blocking=False):
-            self._flush_locked()
+        frame = wire.encode([op, *args])
+        if not self._lock.acquire(blocking=False):
+            self._queued.append(frame)  # the lock holder sends it (see _unlock)
+            return
+        try:
+            if self._queued:
+                frame = self._take_queued() + frame
+            if self._sock is None:
+                return  # nothing to tell a coordinator we are no longer connected to
+            # blocks up to SO_SNDTIMEO (poll_s) for room; a part sent then cannot be
+            # completed later without desynchronising the stream
+            if self._sock.send(frame) < len(frame):
+                self._close_locked()
+        except OSError:
+            self._close_locked()
+        finally:
             self._unlock()
 
     def _take_queued(self) -> bytes:
