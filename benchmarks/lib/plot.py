@@ -1,4 +1,4 @@
-"""PNG comparisons of bench_serving result files: TTFT CDF and throughput/goodput bars.
+"""PNG comparisons of loadgen result files: TTFT CDF and throughput/goodput bars.
 
     python -m benchmarks.lib.plot A.json B.json [...] --out PREFIX
 

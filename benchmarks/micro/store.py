@@ -1,4 +1,6 @@
-"""Store put/get bandwidth against a plain memcpy of the same bytes, in one run.
+"""How fast are store puts and gets, next to a plain memcpy of the same bytes?
+
+Store put/get bandwidth against a plain memcpy of the same bytes, in one run.
 
     python -m benchmarks.micro.store [--backend local] [--quick] [--disk-dir DIR]
                                      [--out FILE.json]
@@ -20,7 +22,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +30,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.lib.paths import RESULTS
+from benchmarks.lib import results_writer as rw
+from benchmarks.lib.paths import RESULTS, module_command, module_env
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 
@@ -96,8 +98,9 @@ def cross_process(cfg: dict[str, Any], obj_size: int, batch_bytes: int, rounds: 
         codes = store.batch_put_from(keys, [a.ctypes.data for a in src], [obj_size] * n)
         assert codes == [OK] * n, codes[:3]
         out = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps([cfg, obj_size, n, rounds])],
-            capture_output=True, text=True, check=True)
+            module_command("benchmarks.micro.store", "--child",
+                           json.dumps([cfg, obj_size, n, rounds])),
+            capture_output=True, text=True, check=True, env=module_env())
     return json.loads(out.stdout)
 
 
@@ -186,7 +189,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.backend == "mooncake":  # ours vs the raw Mooncake client, see that module
-        from bench_store_mooncake import main as mooncake_main
+        from benchmarks.micro.store_mooncake import main as mooncake_main
 
         mooncake_main((["--quick"] if args.quick else []) + (["--out", str(args.out)]
                       if args.out else []) + rest)
@@ -200,9 +203,7 @@ def main() -> None:
     print_table(res)
     tag = f"{args.backend}{'_disk' if args.disk_dir else ''}{'_quick' if args.quick else ''}"
     out = args.out or RESULTS / f"store_{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    rw.write(out, res, command=rw.command_line(__file__))
 
 
 if __name__ == "__main__":

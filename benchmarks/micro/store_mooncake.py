@@ -1,4 +1,6 @@
-"""Mooncake backend vs the raw Mooncake client doing the same batch puts and gets, one run.
+"""Is our Mooncake backend as fast as the raw Mooncake client doing the same puts and gets?
+
+Mooncake backend vs the raw Mooncake client doing the same batch puts and gets, one run.
 
     python -m benchmarks.micro.store_mooncake [--quick] [--out FILE.json]
     python -m benchmarks.micro.store --backend mooncake [--quick]     (the same)
@@ -27,7 +29,6 @@ hits both); CPU caches are evicted before every timed call.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, module_env
 from kvcentric.store import OK, open_store
 from kvcentric.store.mooncake.service import master_command, wait_master
@@ -374,9 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     res = run(args.quick, RESULTS / "logs")
     print_table(res)
     out = args.out or RESULTS / f"store_mooncake{'_quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    rw.write(out, res, command=rw.command_line(__file__, argv))
     plot(res, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Kill matrix under load: faults injected for real while a multi-turn workload runs.
+"""Does serving survive a process killed under load: failed requests, wrong tokens, recovery?
+
+Kill matrix under load: faults injected for real while a multi-turn workload runs.
 
     python -m benchmarks.reliability.faults [--backends local,mooncake] [--faults engine,...]
                                             [--quick] [--out FILE.json]

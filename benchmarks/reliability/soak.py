@@ -1,4 +1,6 @@
-"""Soak: hours-long behaviour in minutes -- memory, descriptors, leases under constant eviction.
+"""Do memory, descriptors and leases stay flat over hours of load under constant eviction?
+
+Soak: hours-long behaviour in minutes -- memory, descriptors, leases under constant eviction.
 
     python -m benchmarks.reliability.soak [--minutes 22] [--users 6] [--capacity 64mb] [--out FILE]
                               [--no-connector]   # baseline: vLLM alone, same stack and load

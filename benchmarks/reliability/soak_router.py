@@ -1,4 +1,4 @@
-"""Router-only soak: does the router's memory stay flat over tens of thousands of requests?
+"""Does the router's memory stay flat over tens of thousands of requests?
 
     python -m benchmarks.reliability.soak_router [--requests 20000 | --minutes M] [--rate 40]
                                      [--users 8] [--mix mixed|soak] [--latency-ms LO,HI]

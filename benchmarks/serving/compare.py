@@ -1,4 +1,6 @@
-"""Side-by-side serving comparisons: every arm in one run, same instances, same workload.
+"""How do routers and caches compare side by side: same instances, same workload, one run?
+
+Side-by-side serving comparisons: every arm in one run, same instances, same workload.
 
     python -m benchmarks.serving.compare reuse   [--quick] [--users N] [--turns N] ...
     python -m benchmarks.serving.compare routing [--quick] ...

@@ -1,4 +1,6 @@
-"""Multi-turn serving through vLLM: no connector vs vLLM's MooncakeStoreConnector vs ours,
+"""How does our connector serve multi-turn load next to vLLM's MooncakeStoreConnector?
+
+Multi-turn serving through vLLM: no connector vs vLLM's MooncakeStoreConnector vs ours,
 the last two on Mooncake Stores set up the same way, in one run.
 
     python -m benchmarks.serving.connectors [--quick] [--repeats N] [--arms A,B,...]
@@ -387,8 +389,7 @@ def main() -> None:
            "worker_threads": f"cores - {reserved} reserved", "workload": asdict(w),
            "repeats": args.repeats, "arms": arms, "summary": summarise(arms, w.users)}
     print_table(res)
-    res["meta"] = {"command": results_writer.command_line(__file__),
-                   "machine": results_writer.machine()}
+    res["meta"] = results_writer.meta(results_writer.command_line(__file__))
     out = args.out or RESULTS / f"connectors{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     if any(r["status"] == "ok" for r in arms.values()):

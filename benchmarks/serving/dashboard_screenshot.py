@@ -1,6 +1,8 @@
-"""Screenshot of a running router's ``/dashboard`` with headless Chromium.
+"""What does the router's /dashboard show (a headless Chromium screenshot)?
 
-    python -m benchmarks.serving.dashboard_screenshot --url http://127.0.0.1:8000 \
+Screenshot of a running router's ``/dashboard`` with headless Chromium.
+
+    python -m benchmarks.serving.dashboard_screenshot --url http://127.0.0.1:8000 \\
         [--out benchmarks/results/dashboard.json]
 
 Refreshes the committed ``benchmarks/results/dashboard.json`` (the command and machine)

@@ -1,4 +1,6 @@
-"""Capacity knee (issue 17 part 1): reuse and TTFT p90 vs the engine's KV capacity, for
+"""How do reuse and TTFT p90 change with the engine's KV capacity, with and without the store?
+
+Capacity knee (issue 17 part 1): reuse and TTFT p90 vs the engine's KV capacity, for
 vLLM alone, + the kvcentric local store (DRAM), + a DRAM-limited store with a disk tier.
 
     python -m benchmarks.serving.knee [--quick] [--out benchmarks/results/knee.json]

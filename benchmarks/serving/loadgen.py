@@ -1,4 +1,6 @@
-"""Serving benchmark for any OpenAI-compatible endpoint: multi-turn, shared-prefix,
+"""How does an OpenAI-compatible endpoint serve multi-turn, shared-prefix or trace load?
+
+Serving benchmark for any OpenAI-compatible endpoint: multi-turn, shared-prefix,
 hit-ratio and Mooncake-trace workloads, with ``vllm bench serve``'s metrics.
 
     python -m benchmarks.serving.loadgen --base-url http://127.0.0.1:8000 \\

@@ -1,4 +1,6 @@
-"""What the router adds to a request: streamed TTFT through it vs straight to the engine.
+"""What does the router add to a request's TTFT, next to going straight to the engine?
+
+What the router adds to a request: streamed TTFT through it vs straight to the engine.
 
     python -m benchmarks.serving.router_overhead [--requests 60] [--words 3000,750]
                                                [--out FILE.json]

@@ -1,4 +1,6 @@
-"""Tier latency: TTFT of a reused prefix served by each tier, next to each tier's floor.
+"""What TTFT does each tier (engine, DRAM, disk) give a reused prefix, next to its floor?
+
+Tier latency: TTFT of a reused prefix served by each tier, next to each tier's floor.
 
     python -m benchmarks.serving.tiers [--quick] [--lengths 1024,2048,4096,8192,16384]
                                      [--reps 3] [--disk-dir DIR] [--out FILE.json]

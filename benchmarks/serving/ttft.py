@@ -1,4 +1,6 @@
-"""TTFT: recompute vs store hit vs the engine's own prefix-cache hit, and TTFT vs hit ratio.
+"""How much faster is a store hit than a recompute, and how close to the engine's own hit?
+
+TTFT: recompute vs store hit vs the engine's own prefix-cache hit, and TTFT vs hit ratio.
 
     python -m benchmarks.serving.ttft [--quick] [--lengths 1024,4096,8192] [--no-lmcache]
                                     [--out FILE.json]
@@ -303,9 +305,9 @@ def main() -> None:
            "summary": summarize(rows, ratios)}
     print_table(res)
     out = args.out or RESULTS / f"ttft{'_quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    results_writer.write(out, res, command=results_writer.command_line(__file__))
     plot(res, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
 
 
 def setup(args: argparse.Namespace, name: str) -> tuple[str, dict[str, str], str,

@@ -1,4 +1,6 @@
-"""Hit rate vs capacity: DRAM only vs DRAM + disk, replaying Mooncake's FAST'25 traces
+"""How does the store's hit rate grow with capacity, DRAM only vs DRAM + disk?
+
+Hit rate vs capacity: DRAM only vs DRAM + disk, replaying Mooncake's FAST'25 traces
 through the local store's own eviction logic (no engine, no I/O).
 
     python -m benchmarks.sim.capacity [--quick] [--out benchmarks/results/capacity.json]

@@ -1,6 +1,8 @@
-"""Replay a Mooncake trace through a simulated P/D cluster under each routing policy.
+"""Which routing policy serves a Mooncake trace best on a simulated P/D cluster?
 
-    python -m benchmarks.sim.routing --trace ../shared/traces/conversation_trace.jsonl \
+Replay a Mooncake trace through a simulated P/D cluster under each routing policy.
+
+    python -m benchmarks.sim.routing --trace ../shared/traces/conversation_trace.jsonl \\
         [--quick] [--out FILE.json] [--prefill 4 --decode 4 ...]
 
 Every policy replays the same requests on the same cluster model (``benchmarks.sim.cluster``):
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
 from benchmarks.sim.cluster import BLOCK, Cluster, Outcome, Request, SimConfig
 
@@ -178,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                "slo_attainment_by_policy": {p: r["slo_attainment"] for p, r in res.items()},
                "rejected_by_policy": {p: r["rejected"] for p, r in res.items()},
                "kvcentric_wins": wins}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"trace": str(args.trace.name), "requests": len(reqs),
-                               "quick": args.quick, "wall_s": wall, "config": asdict(cfg),
-                               "summary": summary, "policies": res}, indent=2) + "\n")
+    rw.write(out, {"trace": str(args.trace.name), "requests": len(reqs), "quick": args.quick,
+                   "wall_s": wall, "config": asdict(cfg), "summary": summary, "policies": res},
+             command=rw.command_line(__file__, argv))
     png = out.with_suffix(".png")
     plot(res, ttfts, f"{args.trace.name}: {len(reqs)} requests, {cfg.prefill}P+{cfg.decode}D",
          png)
