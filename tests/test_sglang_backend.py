@@ -146,6 +146,19 @@ def test_legacy_and_v1_interfaces_share_objects(harness: Harness, store_config: 
     harness.call("check_legacy_shares_objects", store=store_config, mla=mla, layout=layout)
 
 
+@pytest.mark.parametrize(("mla", "layout"), CASES, ids=CASE_IDS)
+def test_objects_written_for_another_page_rank_or_layout_read_as_misses(
+        harness: Harness, store_config: dict[str, Any], mla: bool, layout: str) -> None:
+    harness.call("check_integrity", store=store_config, mla=mla, layout=layout)
+
+
+@pytest.mark.parametrize(("mla", "layout"), CASES, ids=CASE_IDS)
+def test_legacy_interface_by_pointer_round_trips(harness: Harness,
+                                                 store_config: dict[str, Any], mla: bool,
+                                                 layout: str) -> None:
+    harness.call("check_legacy_pointer_round_trip", store=store_config, mla=mla, layout=layout)
+
+
 def test_mla_only_rank0_writes_every_rank_reads(harness: Harness,
                                                 store_config: dict[str, Any]) -> None:
     harness.call("check_mla_writer", store=store_config)
@@ -167,7 +180,8 @@ def test_clear_removes_only_this_key_space(harness: Harness,
 
 def _local(cfg: StoreConfig) -> dict[str, Any]:
     return {"name": cfg.name, "capacity": cfg.capacity_bytes,
-            "runtime_dir": str(cfg.runtime_dir), "op_timeout_s": 2.0}
+            "runtime_dir": str(cfg.runtime_dir), "op_timeout_s": 2.0,
+            "hot_timeout_s": cfg.hot_timeout_s}
 
 
 def test_store_never_started_reads_as_misses(sglang: Harness, store_cfg: StoreConfig) -> None:

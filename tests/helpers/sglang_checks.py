@@ -9,6 +9,8 @@ that the rest of the suite must not inherit.
 
 from __future__ import annotations
 
+import ctypes
+import time
 import uuid
 from typing import Any
 
@@ -129,6 +131,142 @@ def check_legacy_shares_objects(store: dict[str, Any], mla: bool, layout: str) -
     backend.close()
 
 
+def _stored(api: Any, key: str, size: int) -> bytes:
+    """The bytes of the object stored under ``key`` (store API, not the backend)."""
+    lease = api.batch_acquire([key], [size])
+    try:
+        assert lease.keys == [key], f"{key} is not stored"
+        return ctypes.string_at(lease.ptrs[0], lease.sizes[0])
+    finally:
+        api.release(lease)
+
+
+def _store_raw(api: Any, key: str, data: bytes) -> None:
+    """Store ``data`` as is under ``key`` (store API: slot, copy, commit)."""
+    (slot,) = api.batch_alloc([key], [len(data)])
+    assert slot is not None, f"{key} is stored already"
+    ctypes.memmove(slot.ptr, data, len(data))
+    _eq(api.batch_commit([slot]), [0], f"commit {key}")
+
+
+def _all_zero(pool: Any, but: tuple[int, ...] = ()) -> bool:
+    return all(not any(page_bytes(pool, p)) for p in range(pool.page_num) if p not in but)
+
+
+def check_integrity(store: dict[str, Any], mla: bool, layout: str) -> None:
+    """Objects carry the header of the page they were written for; an object under a
+    key whose page, rank, layout or format it was not written for reads as a miss in
+    both interfaces, counted as ``integrity_errors``, and no byte of it reaches SGLang's
+    host pool or a legacy target."""
+    from kvcentric.integrity import HEADER, HEADER_BYTES
+    from kvcentric.store import open_store
+
+    model = f"int-{uuid.uuid4()}"
+    pool = written_pool(mla, layout, [1, 2], seed=11)
+    writer = create(store, pool, mla=mla, layout=layout, model=model, tp_rank=0, tp_size=2)
+    keys = page_keys("integrity", 2)
+    _eq(writer.batch_set_v1(keys, indices(pool, [1, 2])), [True, True], "set")
+    geo = writer.geometry
+    size, payload = geo.object_bytes, geo.payload_bytes
+    forged = page_keys("forged", 5)
+    fkeys, frefs = geo.keys(forged), geo.refs(forged)
+    other_layout = "layer_first" if layout == "page_first" else "page_first"
+    other = create(store, make_pool(mla, other_layout), mla=mla, layout=other_layout,
+                   model=model, tp_rank=0, tp_size=2)
+    _eq(other.geometry.payload_bytes, payload, "the other layout's page size")
+    with open_store(store) as api:
+        obj = [_stored(api, k, size) for k in geo.keys(keys)]
+        # the format: a header region naming the page, then the page's bytes
+        for o, page, ref in zip(obj, (1, 2), geo.refs(keys)):
+            _eq(len(o), size, "object size")
+            assert o[HEADER_BYTES:] == page_bytes(pool, page), "payload is not the page"
+            _eq(o[:HEADER.size], geo.headers.expected(ref), "header")
+            assert not any(o[HEADER.size:HEADER_BYTES]), "header region padding"
+        page1 = obj[0][HEADER_BYTES:]
+        other_rank = bytearray(geo.headers.expected(frefs[1]))
+        other_rank[8:12] = bytes([1, 0, 2, 0])  # tp_rank 1 of 2
+        pad = bytes(HEADER_BYTES - HEADER.size)
+        _store_raw(api, fkeys[0], obj[0])  # page 1's object under another page's key
+        _store_raw(api, fkeys[1], bytes(other_rank) + pad + page1)  # another rank's
+        _store_raw(api, fkeys[2], other.geometry.headers.expected(frefs[2]) + pad + page1)
+        _store_raw(api, fkeys[3], bytes(HEADER_BYTES) + page1)  # header region zeroed
+        _store_raw(api, fkeys[4], page1)  # no header at all (the format before headers)
+        if not mla:  # rank 0's page under rank 1's key (MLA: one key space for all ranks)
+            rank1 = create(store, make_pool(mla, layout), mla=mla, layout=layout,
+                           model=model, tp_rank=1, tp_size=2)
+            _store_raw(api, rank1.geometry.keys(keys[:1])[0], obj[0])
+    fresh = make_pool(mla, layout)
+    reader = create(store, fresh, mla=mla, layout=layout, model=model, tp_rank=0, tp_size=2)
+
+    def counted(same_size: int, headerless: int, what: str) -> None:
+        """``integrity_errors`` is ``same_size`` plus ``headerless`` (reads of the short,
+        headerless object). Mooncake may refuse to get an object into a buffer of another
+        size (TRANSFER_FAIL): then that read is a store-level miss, never leased, and
+        uncounted."""
+        got = int(reader.get_stats().kvcentric["integrity_errors"])
+        mooncake = store.get("backend") == "mooncake"
+        ok = same_size <= got <= same_size + headerless if mooncake else \
+            got == same_size + headerless
+        assert ok, f"{what}: {got} integrity errors, want {same_size} + {headerless}"
+
+    _eq(reader.batch_exists(forged), 5, "lookups find the forged objects (a hint)")
+    for i, key in enumerate(forged):
+        _eq(reader.batch_get_v1([key], indices(fresh, [3])), [False], f"v1 load of forged {i}")
+        counted(min(i + 1, 4), int(i == 4), f"counted forged {i}")
+    assert _all_zero(fresh), "a forged object reached the host pool"
+    got = reader.batch_get_v1([keys[0], forged[0], keys[1]], indices(fresh, [4, 5, 6]))
+    _eq(got, [True, False, False], "v1 load stops at the forged page")
+    assert page_bytes(fresh, 4) == page_bytes(pool, 1), "page 1 differs"
+    assert _all_zero(fresh, but=(4,)), "bytes past the forged page reached the host pool"
+    counted(5, 1, "counted in a batch")
+    dummy = fresh.get_dummy_flat_data_page()
+    buf = torch.zeros(payload, dtype=torch.uint8)
+    for i, key in enumerate(forged):
+        _eq(reader.get(key, dummy), None, f"legacy get of forged {i}")
+        _eq(reader.get(key, buf.data_ptr(), payload), False, f"pointer get of forged {i}")
+    assert not dummy.view(torch.uint8).any() and not buf.any(), "forged bytes copied"
+    counted(13, 3, "counted in the legacy interface")
+    dummies = [fresh.get_dummy_flat_data_page() for _ in range(3)]
+    got = reader.batch_get([forged[0], keys[1], forged[4]], dummies)
+    _eq([g is d for g, d in zip(got, dummies)], [False, True, False], "legacy batch_get")
+    assert bytes(dummies[1].view(torch.uint8).numpy()) == page_bytes(pool, 2), "page 2 differs"
+    assert not dummies[0].view(torch.uint8).any() and not dummies[2].view(torch.uint8).any()
+    counted(14, 4, "counted per key")
+    _eq(reader.get(keys[0], buf.data_ptr(), payload), True, "pointer get")
+    assert bytes(buf.numpy()) == page_bytes(pool, 1), "pointer get differs"
+    _eq(reader.get_stats().kvcentric["errors"], 0, "no store error")
+    if not mla:
+        fresh1 = make_pool(mla, layout)
+        rank1.register_mem_pool_host(fresh1)
+        _eq(rank1.batch_get_v1(keys[:1], indices(fresh1, [2])), [False], "rank 1 load")
+        assert _all_zero(fresh1), "rank 0's page reached rank 1's host pool"
+        _eq(rank1.get_stats().kvcentric["integrity_errors"], 1, "rank 1 counted it")
+        rank1.close()
+    for b in (writer, other, reader):
+        b.close()
+
+
+def check_legacy_pointer_round_trip(store: dict[str, Any], mla: bool, layout: str) -> None:
+    """The legacy interface by pointer and size (Mooncake's convention), both ways."""
+    pool = written_pool(mla, layout, [1, 2], seed=13)
+    backend = create(store, pool, mla=mla, layout=layout, model=f"ptr-{uuid.uuid4()}")
+    keys = page_keys("pointer", 2)
+    pages = [pool.get_data_page(p * pool.page_size).contiguous() for p in (1, 2)]
+    assert backend.batch_set(keys, None, [t.data_ptr() for t in pages],
+                             [t.numel() * t.element_size() for t in pages]), "pointer set"
+    bufs = [torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8) for t in pages]
+    _eq(backend.batch_get(keys, [b.data_ptr() for b in bufs], [b.numel() for b in bufs]),
+        [True, True], "pointer get")
+    for b, p in zip(bufs, (1, 2)):
+        assert bytes(b.numpy()) == page_bytes(pool, p), f"page {p} differs"
+    fresh = make_pool(mla, layout)
+    backend.register_mem_pool_host(fresh)
+    _eq(backend.batch_get_v1(keys, indices(fresh, [5, 6])), [True, True], "v1 load")
+    assert page_bytes(fresh, 6) == page_bytes(pool, 2), "v1 load of a pointer-set page"
+    _eq(backend.get_stats().kvcentric["integrity_errors"], 0, "no integrity error")
+    backend.close()
+
+
 def check_mla_writer(store: dict[str, Any]) -> None:
     pool = written_pool(True, "page_first", [1, 2])
     model, keys = f"mla-{uuid.uuid4()}", page_keys("mla", 2)
@@ -144,6 +282,9 @@ def check_mla_writer(store: dict[str, Any]) -> None:
     _eq(rank1.batch_exists(keys), 2, "rank 1 sees rank 0's pages")
     _eq(rank1.batch_get_v1(keys, indices(fresh, [4, 5])), [True, True], "rank 1 load")
     assert page_bytes(fresh, 5) == page_bytes(pool, 2), "page differs"
+    # the header names the rank every rank expects (0of1), not the writer's TP rank
+    _eq(rank1.get_stats().kvcentric["integrity_errors"], 0, "rank 1 accepts rank 0's headers")
+    _eq((rank1.geometry.keyspace.tp_rank, rank1.geometry.keyspace.tp_size), (0, 1), "MLA rank")
     rank0.close()
     rank1.close()
 
@@ -231,7 +372,12 @@ def check_store_stops_midway(store: dict[str, Any]) -> None:
     launcher.stop(StoreConfig.from_dict(store))  # autostart brings up an empty one later
     _eq(backend.batch_exists(keys), 0, "lookup right after the stop")
     _eq(backend.batch_get_v1(keys, indices(pool, [3, 4])), [False, False], "load")
-    _eq(backend.batch_set_v1(keys, indices(pool, [1, 2])), [True, True], "set again")
+    # the client reconnects in the background once its breaker's interval has passed
+    # (never inline in a set); autostart brings up an empty coordinator meanwhile
+    deadline = time.monotonic() + 20
+    while backend.batch_set_v1(keys, indices(pool, [1, 2])) != [True, True]:
+        assert time.monotonic() < deadline, "set again: the store never came back"
+        time.sleep(0.1)
     _eq(backend.batch_exists(keys), 2, "recovered on a fresh coordinator")
     backend.close()
 

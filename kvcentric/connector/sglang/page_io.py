@@ -4,62 +4,150 @@ Memory: ``ptrs`` point into SGLang's host pool (its memory, registered with the 
 a page is ``geo.segments`` consecutive entries of ``ptrs``. Slot and lease pointers
 belong to the store and are used only between alloc and commit, acquire and release.
 
-- One segment per page (MLA ``page_first``): the page *is* the object; one
-  ``batch_put_from`` / ``batch_get_into`` per batch, straight on pool memory.
-- Several segments: written into in-place slots (``batch_alloc`` / ``batch_commit``;
-  invisible until committed, so never torn) and read out of leases (``batch_acquire``;
-  never evicted while held). One memcpy per segment, like the direct path.
+Every object is ``[integrity header][page]`` (:mod:`kvcentric.integrity`; what the header
+names: :meth:`~kvcentric.connector.sglang.pages.PageGeometry.refs`), so no page moves
+straight between pool memory and the store any more:
+
+- Saves write in-place slots (``batch_alloc`` / ``batch_commit``; invisible until
+  committed, so never torn): the header, then the page, one memcpy per segment.
+- Loads lease the objects (``batch_acquire``; never evicted while held) and check every
+  leased object's size, header and (``verify``) checksum *before a byte reaches the
+  host pool*; then the page is copied out, one memcpy per segment. An object whose size
+  or header is not the one asked for is a miss, reported in :attr:`Loaded.mismatched`.
+  A lease that lapsed while copying makes its pages misses (bytes may be torn).
+
+A one-segment page (MLA ``page_first``) costs what it did on the local store (its
+``batch_put_from`` / ``batch_get_into`` are the same slot and lease with one memcpy);
+on Mooncake a load now lands in staging and is copied from there (one memcpy more than
+a get straight into the pool: the header is checked before the pool sees a byte).
 
 These functions may raise store exceptions; the backend turns them into misses.
 """
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvcentric.connector.sglang.pages import PageGeometry
+from kvcentric.integrity import HEADER, HEADER_BYTES, ObjectHeaders, ObjectRef, describe
 from kvcentric.store import OK, KVStore
 
 Target = tuple[int, int, torch.Tensor | None]  # (ptr, nbytes, tensor or None)
 
 
-def load_pages(store: KVStore, geo: PageGeometry, keys: list[str], ptrs: list[int],
-               verify: bool) -> list[bool]:
-    """Copy stored objects ``keys`` into their pages; ``True`` per page loaded. Stops at
-    the first missing, wrong-sized or (``verify``) corrupt object."""
-    n, seg, size = len(keys), geo.segments, geo.object_bytes
-    if seg == 1:  # the store checks checksums itself on this path
-        got = store.batch_get_into(keys, ptrs, [size] * n)
-        return [g == size for g in got]
-    ok = [False] * n
-    lease = store.batch_acquire(keys, [size] * n)
-    try:
-        for i, (src, got_size) in enumerate(zip(lease.ptrs, lease.sizes)):
-            if got_size != size or (verify and not lease.verified(i)):
-                break
-            geo.scatter(src, ptrs[i * seg:(i + 1) * seg])
-            ok[i] = True
-        if not store.lease_valid(lease):
-            return [False] * n  # the lease lapsed while copying: bytes may be torn
-    finally:
-        store.release(lease)
-    return ok
+@dataclass
+class Loaded:
+    """Result of a load: ``ok`` per key; ``mismatched``, one line per object stored under
+    a key it was not written for (header, or size, not the expected one)."""
+
+    ok: list[bool]
+    mismatched: list[str] = field(default_factory=list)
 
 
-def save_pages(store: KVStore, geo: PageGeometry, keys: list[str], ptrs: list[int],
-               parents: list[str | None]) -> list[bool]:
-    """Store each page under its key; ``True`` per page stored or already present."""
-    n, seg, size = len(keys), geo.segments, geo.object_bytes
-    if seg == 1:
-        return [c == OK for c in store.batch_put_from(keys, ptrs, [size] * n, parents)]
-    slots = store.batch_alloc(keys, [size] * n, parents)
+def load_pages(store: KVStore, geo: PageGeometry, keys: list[str], refs: list[ObjectRef],
+               ptrs: list[int], verify: bool) -> Loaded:
+    """Copy stored objects ``keys`` (written for ``refs``) into their pages; ``True`` per
+    page loaded. Loads the leading run of present, well-formed objects: stops at the
+    first missing, wrong-sized, mismatched or (``verify``) corrupt one."""
+    seg, size = geo.segments, geo.object_bytes
+    return _load(store, keys, [size] * len(keys), [geo.headers] * len(keys), refs, verify,
+                 lambda i, src: geo.scatter(src, ptrs[i * seg:(i + 1) * seg]), leading=True)
+
+
+def load_objects(store: KVStore, geo: PageGeometry, keys: list[str], refs: list[ObjectRef],
+                 targets: Sequence[Target], verify: bool) -> Loaded:
+    """The legacy interface's loads: each object's payload into its target (``nbytes`` at
+    ``ptr``); each key on its own (a miss does not end the batch)."""
+    sizes = [HEADER_BYTES + t[1] for t in targets]
+    heads = [geo.headers_for(t[1]) for t in targets]
+
+    def copy(i: int, src: int) -> None:
+        ctypes.memmove(targets[i][0], src + HEADER_BYTES, targets[i][1])
+
+    return _load(store, keys, sizes, heads, refs, verify, copy, leading=False)
+
+
+def _load(store: KVStore, keys: list[str], sizes: list[int], heads: list[ObjectHeaders],
+          refs: list[ObjectRef], verify: bool, copy: Callable[[int, int], None],
+          leading: bool) -> Loaded:
+    """Lease ``keys``, check each leased object, then ``copy(i, object ptr)`` the good
+    ones: the leading run (``leading``) or every one (leasing again past each gap)."""
+    out = Loaded([False] * len(keys))
+    start = 0
+    while start < len(keys):
+        lease = store.batch_acquire(keys[start:], sizes[start:])
+        try:
+            good: list[int] = []
+            for j, (src, got) in enumerate(zip(lease.ptrs, lease.sizes)):
+                i = start + j
+                bad = _mismatch(heads[i], src, got, sizes[i], refs[i])
+                if bad is not None:
+                    out.mismatched.append(f"{keys[i]}: {bad}")
+                elif not verify or lease.verified(j):
+                    if not leading or len(good) == j:
+                        good.append(j)
+            for j in good:
+                copy(start + j, lease.ptrs[j])
+            if store.lease_valid(lease):  # else: the lease lapsed while copying
+                for j in good:
+                    out.ok[start + j] = True
+        finally:
+            store.release(lease)
+        if leading:
+            break
+        start += len(lease.keys) + 1  # past the leased run and the key that ended it
+    return out
+
+
+def _mismatch(heads: ObjectHeaders, ptr: int, got: int, want: int,
+              ref: ObjectRef) -> str | None:
+    """Why the object at ``ptr`` (``got`` bytes) is not the one written for ``ref``, or
+    ``None`` when it is."""
+    if got == want and heads.check(ptr, ref):
+        return None
+    claims = (heads.describe(ptr) if got >= HEADER.size else "no header")
+    return (f"{got} B, written for {claims}; expected {want} B, "
+            f"{describe(heads.expected(ref))}")
+
+
+def save_pages(store: KVStore, geo: PageGeometry, keys: list[str], refs: list[ObjectRef],
+               ptrs: list[int], parents: list[str | None]) -> list[bool]:
+    """Store each page under its key, its header naming ``refs[i]``; ``True`` per page
+    stored or already present."""
+    seg = geo.segments
+
+    def fill(i: int, dst: int) -> None:
+        geo.headers.write(dst, refs[i])
+        geo.gather(ptrs[i * seg:(i + 1) * seg], dst)
+
+    return _save(store, keys, [geo.object_bytes] * len(keys), parents, fill)
+
+
+def save_objects(store: KVStore, geo: PageGeometry, keys: list[str], refs: list[ObjectRef],
+                 sources: Sequence[Target], parents: list[str | None]) -> list[bool]:
+    """The legacy interface's saves: each source's ``nbytes`` at ``ptr`` as an object's
+    payload, behind its header."""
+    def fill(i: int, dst: int) -> None:
+        ptr, nbytes, _ = sources[i]
+        geo.headers_for(nbytes).write(dst, refs[i])
+        ctypes.memmove(dst + HEADER_BYTES, ptr, nbytes)
+
+    return _save(store, keys, [HEADER_BYTES + t[1] for t in sources], parents, fill)
+
+
+def _save(store: KVStore, keys: list[str], sizes: list[int], parents: list[str | None],
+          fill: Callable[[int, int], None]) -> list[bool]:
+    slots = store.batch_alloc(keys, sizes, parents)
     live = [s for s in slots if s is not None]
     try:
         for i, slot in enumerate(slots):
             if slot is not None:
-                geo.gather(ptrs[i * seg:(i + 1) * seg], slot.ptr)
+                fill(i, slot.ptr)
     except BaseException:
         store.batch_abort(live)
         raise

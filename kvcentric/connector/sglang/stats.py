@@ -3,7 +3,8 @@
 SGLang's storage metrics collector expects a ``StorageMetrics`` (four lists since the
 last call: pages and GiB/s per prefetch and per backup); we fill those when SGLang's
 storage metrics are on (``--enable-metrics``), and always keep cumulative counters,
-attached to the returned object as ``.kvcentric`` (a dict).
+attached to the returned object as ``.kvcentric`` (a dict; :data:`COUNTERS`, among them
+``integrity_errors``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ COUNTERS = {
     "set_bytes": "bytes written or already present",
     "set_seconds": "time spent storing",
     "errors": "store errors turned into misses",
+    "integrity_errors": "stored objects whose header named another page, rank, layout or "
+                        "format (or of another size): read as misses",
 }
 
 _SGLANG_METRICS = "sglang.srt.observability.metrics_collector"

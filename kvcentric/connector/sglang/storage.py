@@ -17,8 +17,16 @@ it, the legacy tensor interface (:meth:`get`, :meth:`set`, :meth:`batch_get`,
 key (see :mod:`kvcentric.connector.sglang.pages`), so SGLang instances of one model share KV.
 
 Memory: the host pool's buffers belong to SGLang; they are registered with the store
-once (RDMA backends need that) and must outlive this object. Pages move straight
-between pool memory and the store (:mod:`kvcentric.connector.sglang.page_io`).
+once (RDMA backends need that) and must outlive this object. Pages move between pool
+memory and the store's slots and leases, one memcpy per segment
+(:mod:`kvcentric.connector.sglang.page_io`).
+
+Integrity, always on: every object, through either interface, starts with a header
+naming the page it was written for (its SGLang page hash, token count, the key space's
+model, layout and rank, its size; :mod:`kvcentric.integrity`,
+:mod:`kvcentric.connector.sglang.pages`). Every load checks it before a byte reaches the
+host pool or a legacy target; an object that names anything else reads as a miss,
+counted as ``integrity_errors`` in :meth:`get_stats` and logged.
 
 Failures never raise into SGLang: a missing key, a full store, a store that is down or
 slow all read as "not stored" (``False`` / ``0`` / ``None``), and SGLang recomputes.
@@ -43,10 +51,18 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvcentric.compat import TESTED_SGLANG, check_engine, missing_attrs
-from kvcentric.connector.sglang.page_io import legacy_target, load_pages, save_pages
+from kvcentric.connector.sglang.page_io import (
+    Loaded,
+    legacy_target,
+    load_objects,
+    load_pages,
+    save_objects,
+    save_pages,
+)
 from kvcentric.connector.sglang.pages import PageGeometry, page_geometry
 from kvcentric.connector.sglang.settings import SGLangSettings
 from kvcentric.connector.sglang.stats import SGLangStats
+from kvcentric.integrity import HEADER_BYTES
 from kvcentric.store import OK, KVStore, open_store
 
 log = logging.getLogger("kvcentric.connector.sglang")
@@ -89,6 +105,7 @@ class KVCentricHiCacheStorage(HiCacheStorage):
         self._next_open = 0.0
         self._closed = False
         self._last_warning = float("-inf")
+        self._last_mismatch = float("-inf")
         self._warned_v2 = False
         self._open()  # early, so a misconfigured store shows in the start-up log
 
@@ -164,6 +181,19 @@ class KVCentricHiCacheStorage(HiCacheStorage):
             log.warning("kvcentric %s failed (%s: %s); SGLang recomputes", what,
                         type(exc).__name__, exc)
 
+    def _checked(self, loaded: Loaded) -> list[bool]:
+        """Count (and log, at most once per 10 s) the objects that failed their header
+        check; ``loaded.ok``."""
+        if loaded.mismatched:
+            self.stats.add(integrity_errors=len(loaded.mismatched))
+            now = time.monotonic()
+            if now - self._last_mismatch > 10.0:
+                self._last_mismatch = now
+                log.error("integrity: %d stored objects were written for another page, rank, "
+                          "layout or format; read as misses, SGLang recomputes. First: %s",
+                          len(loaded.mismatched), loaded.mismatched[0])
+        return loaded.ok
+
     # ---- zero-copy v1 interface ----
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -191,8 +221,8 @@ class KVCentricHiCacheStorage(HiCacheStorage):
         t0 = time.perf_counter()
         try:
             ptrs = geo.page_ptrs(self.mem_pool_host, host_indices, len(keys))
-            ok = load_pages(store, geo, geo.keys(keys), ptrs,
-                            self.settings.store.verify_checksums)
+            ok = self._checked(load_pages(store, geo, *geo.objects(keys), ptrs,
+                                          self.settings.store.verify_checksums))
         except Exception as exc:
             self._failed("load", exc)
             return [False] * len(keys)
@@ -217,9 +247,9 @@ class KVCentricHiCacheStorage(HiCacheStorage):
         t0 = time.perf_counter()
         try:
             ptrs = geo.page_ptrs(self.mem_pool_host, host_indices, len(keys))
-            skeys = geo.keys(keys)
+            skeys, refs = geo.objects(keys)
             prefix = extra_info.prefix_keys if extra_info is not None else None
-            ok = save_pages(store, geo, skeys, ptrs, geo.parents(skeys, prefix))
+            ok = save_pages(store, geo, skeys, refs, ptrs, geo.parents(skeys, prefix))
         except Exception as exc:
             self._failed("store", exc)
             return [False] * len(keys)
@@ -254,15 +284,15 @@ class KVCentricHiCacheStorage(HiCacheStorage):
         tgt = [t for t in targets if t is not None]
         t0 = time.perf_counter()
         try:
-            got = store.batch_get_into(geo.keys(keys), [t[0] for t in tgt], [t[1] for t in tgt])
+            ok = self._checked(load_objects(store, geo, *geo.objects(keys), tgt,
+                                            self.settings.store.verify_checksums))
         except Exception as exc:
             self._failed("load", exc)
             return miss
-        out = [(t[2] if t[2] is not None else True) if g == t[1] else m
-               for t, g, m in zip(tgt, got, miss)]
-        hits = sum(1 for g, t in zip(got, tgt) if g == t[1])
-        self.stats.add(get_pages=n, get_hits=hits, get_seconds=time.perf_counter() - t0,
-                       get_bytes=sum(t[1] for g, t in zip(got, tgt) if g == t[1]))
+        out = [(t[2] if t[2] is not None else True) if o else m
+               for t, o, m in zip(tgt, ok, miss)]
+        self.stats.add(get_pages=n, get_hits=sum(ok), get_seconds=time.perf_counter() - t0,
+                       get_bytes=sum(HEADER_BYTES + t[1] for t, o in zip(tgt, ok) if o))
         return out
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -291,14 +321,12 @@ class KVCentricHiCacheStorage(HiCacheStorage):
         tgt = [t for t in targets if t is not None]
         t0 = time.perf_counter()
         try:
-            skeys = geo.keys(keys)
-            codes = store.batch_put_from(skeys, [t[0] for t in tgt], [t[1] for t in tgt],
-                                         geo.parents(skeys, None))
+            skeys, refs = geo.objects(keys)
+            ok = save_objects(store, geo, skeys, refs, tgt, geo.parents(skeys, None))
         except Exception as exc:
             self._failed("store", exc)
             return False
-        ok = [c == OK for c in codes]
-        self._count_set(n, sum(ok), sum(t[1] for t, o in zip(tgt, ok) if o), t0)
+        self._count_set(n, sum(ok), sum(HEADER_BYTES + t[1] for t, o in zip(tgt, ok) if o), t0)
         return all(ok)
 
     def exists(self, key: str) -> bool:
