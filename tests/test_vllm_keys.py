@@ -159,3 +159,17 @@ def test_new_weights_under_the_same_name_are_another_key_space(tmp_path: Path) -
     assert replace(layout, revision=rev).signature() != replace(
         layout, revision=directory_revision(copy)).signature()
     assert directory_revision(tmp_path / "missing") == ""
+
+
+def test_mla_keys_are_shared_by_tp_ranks_and_mha_keys_are_not() -> None:
+    """vLLM's parallel config -> (key rank, key ranks, writer) per TP rank."""
+    from vllm.config import ParallelConfig
+
+    from kvcentric.connector.vllm.engine_layout import key_rank
+
+    tp2 = ParallelConfig(tensor_parallel_size=2)
+    assert [key_rank(tp2, False, r) for r in (0, 1)] == [(0, 2, True), (1, 2, True)]
+    assert [key_rank(tp2, True, r) for r in (0, 1)] == [(0, 1, True), (0, 1, False)]
+    dcp = ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2)
+    assert [key_rank(dcp, True, r) for r in range(4)] == [
+        (0, 2, True), (1, 2, True), (0, 2, False), (1, 2, False)]

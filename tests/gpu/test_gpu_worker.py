@@ -247,3 +247,31 @@ def test_sleep_mode_drains_then_resumes_on_the_same_caches(store: StoreConfig,
         assert same_pages(kv, want, layout, pages, pages)
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mla_kv_is_stored_once_for_every_tp_rank(store: StoreConfig, device: str) -> None:
+    """MLA's latent KV is the same on every TP rank: both ranks key it ``0of1``, only the
+    first rank writes, and both load the one copy (what ``engine_layout`` derives for
+    ``tensor_parallel_size=2``: tests/test_vllm_keys.py)."""
+    layout, objs, pages = "mla", refs("mla", 2), [[0, 1], [2, 3]]
+    kv = caches(layout, device, seed=9)
+    w0, w1 = worker(store, layout, kv), worker(store, layout, caches(layout, device, seed=10))
+    w1.layout = replace(w1.layout, writer=False)  # rank 1 of 2: another rank stores it
+    try:
+        for w in (w1, w0):
+            save(w, kv, StepPlan(saves=[spec("s", objs, pages)], commit_now=True))
+        assert w1.stats.data["saved_blocks"] == 0 and w0.stats.data["saved_blocks"] == 2
+    finally:
+        w0.close()
+        w1.close()
+    with open_store(store) as st:
+        assert len(st.list_keys(engine(layout).keyspace.prefix)) == 2  # one copy, 0of1
+    for _ in range(2):  # each rank reads the one copy
+        got = caches(layout, device, seed=None)
+        r = worker(store, layout, got)
+        try:
+            assert load(r, got, StepPlan(loads=[spec("r", objs, pages)])) == set()
+        finally:
+            r.close()
+        assert same_pages(got, kv, layout, pages, pages)

@@ -24,12 +24,19 @@ log = logging.getLogger("kvcentric.connector")
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """Keys and object geometry of one engine (one TP rank)."""
+    """Keys and object geometry of one engine (one TP rank).
+
+    ``writer``: this rank stores what it computes. False on the ranks whose KV another
+    rank already stores: MLA's latent KV is the same on every TP rank, so its key space
+    is ``{dcp_rank}of{dcp_size}`` (``0of1`` without decode context parallelism) and only
+    the ranks of the first DCP group write; every rank reads the one copy.
+    """
 
     layout: KVLayout
     geometry: ObjectGeometry
     keyspace: KeySpace
     page_size: int  # engine tokens per page
+    writer: bool = True
 
     @property
     def stored_block_size(self) -> int:
@@ -107,6 +114,19 @@ def engine_layout(vllm_config: object, kv_cache_config: object, stored_block_siz
                       dtype=dtype_name(spec.dtype), layout=name, mla=mla, revision=revision)
     page_bytes = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
     geometry = ObjectGeometry(layout.num_layers, stored_block_size // page, page_bytes)
-    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
-    keyspace = KeySpace(model_id, layout.signature(), tp_rank, tp_size)
-    return EngineLayout(layout, geometry, keyspace, page)
+    rank, size, writer = key_rank(vllm_config.parallel_config, mla, tp_rank)  # type: ignore[attr-defined]
+    keyspace = KeySpace(model_id, layout.signature(), rank, size)
+    return EngineLayout(layout, geometry, keyspace, page, writer)
+
+
+def key_rank(parallel: object, mla: bool, tp_rank: int) -> tuple[int, int, bool]:
+    """(key rank, key ranks, writer) of TP rank ``tp_rank``: MHA shards KV heads over TP
+    ranks, each rank its own keys; MLA's latent KV is replicated over TP ranks except for
+    decode context parallelism, whose groups are consecutive TP ranks of ``dcp`` (vLLM's
+    ``parallel_state``): ranks with one DCP rank hold the same KV. With prefill context
+    parallelism the rank layout differs: MLA then keeps per-rank keys."""
+    tp = int(parallel.tensor_parallel_size)  # type: ignore[attr-defined]
+    dcp = int(parallel.decode_context_parallel_size)  # type: ignore[attr-defined]
+    if not mla or int(parallel.prefill_context_parallel_size) > 1:  # type: ignore[attr-defined]
+        return tp_rank, tp, True
+    return tp_rank % dcp, dcp, tp_rank < dcp

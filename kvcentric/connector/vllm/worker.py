@@ -289,7 +289,11 @@ class KVCentricWorker:
 
     # ---- saves ----
     def plan_saves(self, meta: StepPlan) -> None:
-        self._save_specs = list(meta.saves) if self._asleep is None else []
+        """Take this step's saves; a rank that is not its key space's ``writer`` (MLA on
+        TP ranks past the first DCP group: another rank stores the same bytes) and a
+        sleeping worker save nothing."""
+        writes = self.layout.writer and self._asleep is None
+        self._save_specs = list(meta.saves) if writes else []
         self._commit_now = meta.commit_now
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
