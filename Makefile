@@ -1,6 +1,6 @@
 # kvcentric: two commands get a fresh clone working (see README.md).
 #   make demo   set up, start the embedded store and vLLM instances, run a multi-turn demo
-#   make test   set up, run the whole test suite
+#   make test   set up, install the peer routers, run the whole test suite (a skip fails it)
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -16,7 +16,7 @@ APT_PKGS := libibverbs1 ibverbs-providers librdmacm1 libnl-3-200 libnl-route-3-2
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: setup test demo lint bench compare report
+.PHONY: setup peers test demo lint bench compare report
 
 setup: $(STAMP)
 
@@ -43,8 +43,24 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	@touch $@
 
-test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+# The peer routers the comparisons run and tests/test_bench_gateways.py starts: sglang-router
+# in the venv, smg and vllm-router each in its own venv under .peers/ (their pins, as in
+# benchmarks/serving/gateways.py PEERS; their dependencies never touch $(VENV)).
+PEERS_STAMP := .peers/.kvcentric-peers
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(STAMP) Makefile
+	$(BIN)/pip install -q sglang-router==0.3.2
+	@[ -x .peers/smg/bin/python ] || $(PY) -m venv .peers/smg
+	.peers/smg/bin/pip install -q smg==1.13.0
+	@[ -x .peers/vllm-router/bin/python ] || $(PY) -m venv .peers/vllm-router
+	.peers/vllm-router/bin/pip install -q vllm-router==0.1.17
+	@touch $@
+
+# KVC_NO_SKIPS=1: a test that skips for anything but a GPU fails the run
+# (tests/helpers/skip_policy.py): CI runs every test it claims to.
+test: setup peers
+	KVC_NO_SKIPS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: setup
 	$(BIN)/ruff check kvcentric kernels router tests benchmarks examples
@@ -59,15 +75,8 @@ bench: setup
 	@for t in conversation synthetic; do f=../shared/traces/$${t}_trace.jsonl; \
 	  [ -f $$f ] && $(BIN)/python -m benchmarks.sim.routing --trace $$f --quick || true; done
 
-# Side-by-side comparisons (issue 7); the peer routers are needed only here: sglang-router
-# in the venv, smg and vllm-router each in its own venv under .peers/ (their pins, as in
-# benchmarks/serving/gateways.py PEERS; their dependencies never touch $(VENV)).
-compare: setup
-	$(BIN)/pip install -q sglang-router==0.3.2
-	@[ -x .peers/smg/bin/python ] || $(PY) -m venv .peers/smg
-	.peers/smg/bin/pip install -q smg==1.13.0
-	@[ -x .peers/vllm-router/bin/python ] || $(PY) -m venv .peers/vllm-router
-	.peers/vllm-router/bin/pip install -q vllm-router==0.1.17
+# Side-by-side comparisons (issue 7), against the peer routers.
+compare: setup peers
 	$(BIN)/python -m benchmarks.serving.compare reuse
 	$(BIN)/python -m benchmarks.serving.compare routing
 	$(BIN)/python -m benchmarks.serving.compare trace

@@ -1,5 +1,7 @@
 """Shared fixtures: isolated local stores (own runtime dir, stopped after use) and the one
-network namespace every Mooncake cluster of the session runs in."""
+network namespace every Mooncake cluster of the session runs in; and the skip policy of
+``make test`` (tests/helpers/skip_policy.py: under ``KVC_NO_SKIPS=1`` only ``gpu`` tests
+may skip)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ import pytest
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
+from tests.helpers.skip_policy import (  # noqa: F401 (pytest hooks, registered here)
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+)
 
 
 @pytest.fixture(scope="session")

@@ -275,13 +275,17 @@ def test_peer_gateway_routes_to_the_servers(kind: str, stubs: list[Stub], tiny_d
     assert gw.proc is not None and gw.proc.poll() is not None
 
 
-def test_make_compare_installs_the_pinned_peers() -> None:
-    """The Makefile's compare target installs what gateways.PEERS pins, each in .peers/."""
+def test_make_peers_installs_the_pinned_peers_before_tests_and_comparisons() -> None:
+    """The Makefile's peers target installs what gateways.PEERS pins, each in .peers/, and
+    both make test and make compare run it first."""
     make = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
-    target = make.split("\ncompare:", 1)[1].split("\n\n", 1)[0]
+    target = make.split("\n$(PEERS_STAMP):", 1)[1].split("\n\n", 1)[0]
     for name, req in PEERS.items():
         assert re.search(rf"\.peers/{re.escape(name)}/bin/pip install .*{re.escape(req)}",
                          target), (name, req)
+    assert "sglang-router==" in target
+    for goal in ("test", "compare"):
+        assert re.search(rf"^{goal}: setup peers$", make, flags=re.M), goal
 
 
 def test_unknown_gateway_is_refused(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def trace_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     synthetic trace in the same format."""
     if request.param == "shared":
         if not TRACE.is_file():
-            pytest.skip(f"{TRACE} is not on this machine")
+            pytest.skip(f"this machine has no shared trace at {TRACE} (outside the repository)")
         return TRACE
     return write_synthetic_trace(tmp_path_factory.mktemp("trace") / "synthetic.jsonl")
 

@@ -47,7 +47,7 @@ print(json.dumps({"spare": sorted(spare), "pooled": sorted(pooled),
 
 
 @pytest.mark.skipif(len(machine_cpus()) < 2 or 0 not in machine_cpus(),
-                    reason="needs CPU 0 and another CPU")
+                    reason="this machine lacks CPU 0 or a second CPU")
 def test_threads_of_a_pinned_worker_move_to_the_spare_cpus() -> None:
     out = subprocess.run([sys.executable, "-c", PINNED], capture_output=True, text=True,
                          timeout=60, check=True)

@@ -386,7 +386,8 @@ def test_bad_input_raises_value_error(case: str) -> None:
         call()
 
 
-@pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET=1 makes Triton valid on CPU")
+@pytest.mark.skipif(INTERPRET, reason="this test process runs Triton's interpreter "
+                    "(TRITON_INTERPRET=1), where Triton is valid on CPU")
 def test_triton_on_cpu_without_interpreter_is_rejected() -> None:
     layer = torch.zeros(NB, BS, D)
     with pytest.raises(ValueError, match="triton"):

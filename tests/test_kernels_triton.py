@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
-@pytest.mark.skipif(kernels.triton_interpret_enabled(), reason="already under the interpreter")
+@pytest.mark.skipif(kernels.triton_interpret_enabled(),
+                    reason="this test process already runs Triton's interpreter")
 def test_kernels_under_triton_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [
