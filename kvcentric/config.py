@@ -295,6 +295,9 @@ class StoreConfig:
         autostart: the first client starts the local coordinator if none runs.
         verify_checksums: store an xxh3_64 per object at commit and check it on every read;
             a mismatch is reported as a failed read (``ERR_CORRUPT``), never as data.
+            ``None`` (the default): on for ``mooncake``, whose objects cross a network that
+            Mooncake neither authenticates nor protects, off for ``local``. Every client of
+            one Mooncake cluster must agree (``kvcentric.store.mooncake.checksums``).
         op_timeout_s: bound on one administrative round trip (stats, keys, clear, remove,
             the hello of a reconnect); on expiry the call fails, never hangs.
         hot_timeout_s: bound on one hot-path round trip of the local store (``reserve``,
@@ -323,7 +326,7 @@ class StoreConfig:
     runtime_dir: Path = field(default_factory=default_runtime_dir)
     idle_timeout_s: float = 0.0
     autostart: bool = True
-    verify_checksums: bool = False
+    verify_checksums: bool = None  # type: ignore[assignment]  # None: the backend's, below
     prefault: bool = True
     op_timeout_s: float = 10.0
     hot_timeout_s: float = 0.1
@@ -338,6 +341,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("local", "mooncake"):
             raise ValueError(f"unknown store backend {self.backend!r}; use 'local' or 'mooncake'")
+        if self.verify_checksums is None:  # the backend's default, fixed here once
+            object.__setattr__(self, "verify_checksums", self.backend == "mooncake")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
             raise ValueError(f"store name {self.name!r} must match [A-Za-z0-9_.-]{{1,64}}")
         if self.capacity_bytes <= 0 and self.backend == "local":

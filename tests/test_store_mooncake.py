@@ -79,22 +79,32 @@ def store_config(mc: MooncakeCluster) -> dict[str, Any]:
 
 
 class TestMooncakeContract(StoreContract):
-    pass
+    """The contract with Mooncake's defaults: ``verify_checksums`` on (a trailer on every
+    object: Mooncake's network is neither authenticated nor protected)."""
+
+    def test_checksums_are_on_by_default(self, store: KVStore) -> None:
+        from kvcentric.config import StoreConfig
+        assert store.cfg.verify_checksums is True  # type: ignore[attr-defined]
+        assert StoreConfig(backend="mooncake").verify_checksums is True
+        assert StoreConfig().verify_checksums is False  # the local store's default
+        assert StoreConfig.from_dict({"backend": "mooncake",
+                                      "verify_checksums": False}).verify_checksums is False
 
 
-class TestMooncakeContractWithChecksums(StoreContract):
-    """The whole contract again with ``verify_checksums`` (a trailer on every object)."""
+class TestMooncakeContractWithoutChecksums(StoreContract):
+    """The whole contract again with ``verify_checksums: false`` (a trusted network: no
+    trailer, and streamed reads get byte ranges)."""
 
     @pytest.fixture
     def store(self, mc: MooncakeCluster) -> Iterator[KVStore]:
-        s = open_store(mc.store_config(global_segment_size="32mb") | {"verify_checksums": True})
+        s = open_store(mc.store_config(global_segment_size="32mb") | {"verify_checksums": False})
         s.clear()  # type: ignore[attr-defined]
         yield s
         s.close()
 
     @pytest.fixture
     def store_config(self, mc: MooncakeCluster) -> dict[str, Any]:
-        return mc.store_config() | {"verify_checksums": True}
+        return mc.store_config() | {"verify_checksums": False}
 
 
 def test_checksums_catch_corrupted_and_unchecked_objects(mc: MooncakeCluster) -> None:
@@ -102,7 +112,7 @@ def test_checksums_catch_corrupted_and_unchecked_objects(mc: MooncakeCluster) ->
     flipped and the original trailer) are caught on every read path, and an object written
     without a checksum is never served to a checking client."""
     checked = open_store(mc.store_config(global_segment_size="32mb") | {"verify_checksums": True})
-    raw = open_store(mc.store_config())
+    raw = open_store(mc.store_config() | {"verify_checksums": False})
     try:
         n = size_of("cs/0")
         assert put(checked, ["cs/0"]) == [OK]
@@ -194,10 +204,12 @@ def test_storage_node_killed_reads_fail_never_wrong(mc: MooncakeCluster) -> None
 
 def test_storage_node_killed_mid_streamed_lease_fails_the_range(mc: MooncakeCluster) -> None:
     """A layer-wise load whose node dies between two ranges gets an error for the second
-    range (so the connector recomputes), never stale or foreign bytes."""
+    range (so the connector recomputes), never stale or foreign bytes. Ranged reads are
+    the unchecked path (a checksum needs the whole object, so a checked lease is read
+    whole when it is made)."""
     mc.start_node("midway", "32mb")
     size = 64 << 10
-    with open_store(mc.store_config()) as s:
+    with open_store(mc.store_config() | {"verify_checksums": False}) as s:
         keys = [f"midway/{i}" for i in range(4)]
         data = [payload(k, size) for k in keys]
         assert s.batch_put_from(keys, [d.ctypes.data for d in data], [size] * 4) == [OK] * 4

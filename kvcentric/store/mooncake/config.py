@@ -20,6 +20,17 @@ variables.
 A ``global_segment_size`` of 0 makes a pure client (its objects live in other processes'
 segments, e.g. ``kvcentric store mooncake-node``); a ``local_buffer_size`` of 0 is rounded
 up to Mooncake's minimum, as KEP-74 storage nodes do.
+
+What these settings cannot give: Mooncake authenticates nobody. Any process that reaches
+the master's RPC port can list, overwrite and remove every object; any that reaches a
+segment's transfer engine reads and writes the memory it lends, and every client's
+transfer engine listens on all interfaces. So the store's own ``verify_checksums``
+(:class:`kvcentric.config.StoreConfig`) is on by default for this backend: an object
+changed on the way or in a segment is a failed read (the engine recomputes), never KV.
+A checksum does not stop a peer that computes one, nor reads, nor deletions: confine the
+ports to the group (the NetworkPolicies of ``deploy/kubernetes``). Every client of one
+cluster must agree on ``verify_checksums`` (:mod:`kvcentric.store.mooncake.checksums`);
+``false`` on a trusted network restores ranged (layer-wise) reads.
 """
 
 from __future__ import annotations
