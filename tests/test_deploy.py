@@ -4,7 +4,9 @@ and the cross-references a cluster would only reveal at run time: probes and lis
 on declared ports, binds on the pod IP or loopback, every address in env and in the
 router config resolving to a workload and port, the engines' and router's configs parsed
 by kvcentric's own parsers, command lines parsed by the real CLIs (kvcentric, the router,
-vLLM, SGLang), plain manifests equal to the RBG ones, the Dockerfile's inputs.
+vLLM, SGLang), plain manifests equal to the RBG ones, the Dockerfile's inputs, and in every
+Mooncake manifest NetworkPolicies that let only the group's engines, router and storage
+nodes reach the master and the storage nodes.
 """
 
 from __future__ import annotations
@@ -284,8 +286,9 @@ def test_secrets_and_configmaps_exist() -> None:
             key = env(c).get("VLLM_API_KEY") if "vllm" in c["name"] else flag(words,
                                                                                "--api-key")
             assert key == SECRET, f"{path}: {c['name']} takes no API key from a Secret"
-        for _, c, _ in routers(docs):  # tenant keys, admin key, the engines' key
+        for _, c, _ in routers(docs):  # tenant, admin, metrics keys, salt secret, engines' key
             for name in ("KVCENTRIC_ROUTER_API_KEYS", "KVCENTRIC_ROUTER_ADMIN_KEY",
+                         "KVCENTRIC_ROUTER_METRICS_KEY", "KVCENTRIC_ROUTER_SALT_SECRET",
                          "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"):
                 assert env(c).get(name) == SECRET, (path, name)
 
@@ -366,6 +369,95 @@ def test_plain_mirrors_rbg(variant: str) -> None:
     ports_of = {n: s["spec"]["ports"] for n, s in by_kind(rbg, "Service").items()}
     assert ports_of == {n: s["spec"]["ports"] for n, s in by_kind(plain, "Service").items()
                         if n in ports_of}
+
+
+def _selects(selector: dict[str, Any], labels: Any) -> bool:
+    """A label selector (matchLabels, matchExpressions In/NotIn/Exists) against labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        if op in ("In", "NotIn") and (labels.get(key) in values) != (op == "In"):
+            return False
+        if op in ("Exists", "DoesNotExist") and (key in labels) != (op == "Exists"):
+            return False
+    return True
+
+
+def _ingress(docs: list[dict[str, Any]]) -> dict[str, list[tuple[set[str] | None, set[Any]]]]:
+    """Per workload role: its ingress rules as (roles of this group allowed, or None for
+    any source outside a pod selector of the group; the ports, empty for all)."""
+    wls = list(workloads(docs))
+    out: dict[str, list[tuple[set[str] | None, set[Any]]]] = {}
+    for pol in by_kind(docs, "NetworkPolicy").values():
+        spec = pol["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        chosen = [wl for wl in wls if _selects(spec["podSelector"], wl.labels)]
+        assert chosen, f"NetworkPolicy {pol['metadata']['name']} selects no pod"
+        for rule in spec["ingress"]:
+            rule_ports = {p["port"] for p in rule.get("ports", [])}
+            for wl in chosen:  # named ports are ports the selected pods declare
+                declared = {k for c in pod_containers(wl.template) for k in ports(c)}
+                assert {p for p in rule_ports if isinstance(p, str)} <= declared, pol
+            sources: set[str] | None = set()
+            for peer in rule.get("from", [None]):
+                if peer is None or set(peer) != {"podSelector"}:
+                    sources = None  # anywhere, another namespace or an ipBlock
+                    break
+                assert sources is not None
+                sources |= {wl.role for wl in wls if _selects(peer["podSelector"], wl.labels)}
+            for wl in chosen:
+                out.setdefault(wl.role, []).append((sources, rule_ports))
+    return out
+
+
+MOONCAKE_MANIFESTS = [p for p in MANIFESTS if "mooncake-master" in p.read_text()]
+
+
+@pytest.mark.parametrize("path", MOONCAKE_MANIFESTS,
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_mooncake_is_reachable_only_from_its_group(path: Path) -> None:
+    """Mooncake has no authentication: the master's rpc and metadata ports and every port of
+    a storage node are open only to the group's own Mooncake pods (engines, router, storage
+    nodes); outside sources reach only the master's metrics port. Every Mooncake client
+    (each listens with its transfer engine) is covered by a policy too, its Mooncake
+    traffic limited to the group and anything else to its declared HTTP port."""
+    docs = load(path)
+    rules = _ingress(docs)
+    clients = {wl.role for wl, c in containers(docs) if "MOONCAKE_MASTER" in env(c)}
+    members = clients | {"mooncake-master"}
+    assert {"mooncake-master", "mooncake-store"} <= clients | {"mooncake-master"}
+    assert members <= rules.keys(), f"no NetworkPolicy for {members - rules.keys()}"
+    master = rules["mooncake-master"]
+    for sources, open_ports in master:
+        if sources is None:
+            assert open_ports == {"metrics"}, "only metrics is open outside the group"
+        else:
+            assert sources <= members and open_ports, sources
+    assert any(s is not None and clients - {"mooncake-master"} <= s and {"rpc", "metadata"}
+               <= p for s, p in master), "every Mooncake client reaches the master"
+    for sources, _ in rules["mooncake-store"]:
+        assert sources is not None and clients <= sources <= members
+    for role in clients - {"mooncake-store"}:
+        for sources, open_ports in rules[role]:
+            assert (sources is not None and sources <= members) or open_ports == {"http"}, \
+                (role, sources, open_ports)
+    text = (DEPLOY / "README.md").read_text()
+    for needed in ("NetworkPolicy", "no authentication", "verify_checksums"):
+        assert needed in text, f"deploy/kubernetes/README.md lacks {needed!r}"
+
+
+@pytest.mark.parametrize("variant", [p.parent.name for p in MOONCAKE_MANIFESTS
+                                     if p.name == "rbg.yaml"])
+def test_plain_policies_mirror_rbg(variant: str) -> None:
+    rbg, plain = load(DEPLOY / variant / "rbg.yaml"), load(DEPLOY / variant / "plain.yaml")
+    assert by_kind(rbg, "NetworkPolicy").keys() == by_kind(plain, "NetworkPolicy").keys()
+
+    def canon(docs: list[dict[str, Any]]) -> Any:
+        return {role: sorted((sorted(s) if s is not None else ["*"], sorted(p))
+                             for s, p in rules) for role, rules in _ingress(docs).items()}
+
+    assert canon(rbg) == canon(plain)
 
 
 def test_dockerfile_and_images() -> None:

@@ -109,19 +109,26 @@ def test_dashboard_structure() -> None:
 
 def test_scrape_config_covers_the_manifests() -> None:
     """The relabeling of prometheus.yml, applied to the manifests' pods, yields a job for
-    every engine, router, master and exporter, and every job the rules name."""
+    every engine, router, master and exporter, and every job the rules name; the routers
+    (whose /metrics is keyed) are scraped by a job of their own, the only one that sends
+    the metrics key, and by no other."""
     cfg = yaml.safe_load((OBS / "prometheus.yml").read_text())
     assert sorted(cfg["rule_files"]) == sorted(f"rules/{f.name}" for f in RULES)
-    relabel = cfg["scrape_configs"][0]["relabel_configs"]
     jobs: set[str] = set()
     for path in sorted(DEPLOY.glob("*/rbg.yaml")):
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
         for wl in workloads(docs):
             annotated = (wl.template.get("metadata") or {}).get("annotations", {})
             for c in pod_containers(wl.template):
-                found = relabel_jobs(relabel, annotated, c)
+                by_job = {sc["job_name"]: relabel_jobs(sc["relabel_configs"], annotated, c,
+                                                       sc["job_name"])
+                          for sc in cfg["scrape_configs"]}
+                found = [j for got in by_job.values() for j in got]
                 if c["name"].startswith(("vllm", "sglang", "router", "master", "store-exp")):
                     assert found, f"{path.name}: {wl.name}/{c['name']} is not scraped"
+                keyed = [n for n, got in by_job.items() if got and "authorization" in next(
+                    sc for sc in cfg["scrape_configs"] if sc["job_name"] == n)]
+                assert keyed == (["kvcentric-router"] if c["name"] == "router" else []), c
                 jobs |= set(found)
     assert jobs == {"vllm", "sglang", "kvcentric-router", "mooncake-master", "kvcentric-store"}
     named = {j for r in rules() for j in re.findall(r'job=~?"([^"]+)"', r["expr"])}

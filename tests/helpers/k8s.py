@@ -137,11 +137,12 @@ def _relabel(rule: Mapping[str, Any], labels: dict[str, str]) -> bool:
 
 
 def relabel_jobs(relabel: list[Mapping[str, Any]], annotations: Mapping[str, str],
-                 container: Mapping[str, Any]) -> list[str]:
-    """Jobs Prometheus's pod discovery + ``relabel`` gives ``container``'s ports."""
+                 container: Mapping[str, Any], job: str = "kvcentric") -> list[str]:
+    """Jobs Prometheus's pod discovery + ``relabel`` (of the scrape job ``job``) gives
+    ``container``'s ports."""
     jobs = []
     for port_name in ports(container):
-        labels = {"job": "kvcentric",
+        labels = {"job": job,
                   "__meta_kubernetes_pod_annotation_kvcentric_io_scrape":
                       annotations.get("kvcentric.io/scrape", ""),
                   "__meta_kubernetes_pod_container_port_name": port_name,
