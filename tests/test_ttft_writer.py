@@ -1,6 +1,8 @@
-"""bench_ttft --writer's statistics (benchmarks/serving/ttft_writer.py): every prompt reaches every
-arm back to back in a rotating order, overheads are paired per round, and the saved blocks
-are read from the connector arm's counters."""
+"""``python -m benchmarks.serving.ttft --writer``'s statistics (benchmarks/serving/ttft_writer.py):
+every prompt reaches every arm back to back in a rotating order, overheads are paired per
+round, and each connector arm's saves are read from its own counters (ours from our
+connector's, LMCache's from its server's, as benchmarks/serving/work.py reads them): an
+arm that saved nothing is invalid."""
 
 from __future__ import annotations
 
@@ -10,20 +12,36 @@ from typing import Any, cast
 
 import pytest
 
-from benchmarks.serving import ttft_writer
+from benchmarks.serving import ttft_writer, work
 from benchmarks.serving.ttft_writer import RoundTimes
 from kvcentric.testing.servers import VllmServer
 
 
 class _Arm:
-    """An arm's test double for time_round: a saved-blocks counter that grows with every
-    prompt sent to it (``per_prompt``), and the log of (arm, prompt) in send order."""
+    """An arm's test double for time_round: what it saves per prompt sent to it
+    (``per_prompt`` blocks or chunks), and the log of (arm, prompt) in send order. Like
+    the real arms it keeps its count where the real one does: ours on its vLLM's
+    ``/metrics`` under our connector's counter; LMCache's vLLM exports none of ours (its
+    ``/metrics`` has only vLLM's own), its server counts LMCache's chunks."""
 
     def __init__(self, name: str, log: list[tuple[str, int]], per_prompt: float) -> None:
         self.name, self.log, self.per_prompt, self.saved = name, log, per_prompt, 0.0
 
-    def metrics(self) -> dict[str, float]:
-        return {ttft_writer.SAVED: self.saved} if self.name != "plain" else {}
+    def metrics(self) -> dict[str, float]:  # what its vLLM's /metrics says
+        own = {"vllm:prompt_tokens_total": 1.0}
+        return own | ({work.OURS[0]: self.saved} if self.name == "kvc" else {})
+
+    def server_metrics(self) -> str:  # an lmcache server's /metrics (OpenTelemetry names)
+        return ("# TYPE lmcache_mp_l1_write_chunks_total counter\n"
+                f'lmcache_mp_l1_write_chunks_total{{salt="a"}} {self.saved / 2}\n'
+                f'lmcache_mp_l1_write_chunks_total{{salt="b"}} {self.saved / 2}\n'
+                "lmcache_mp_num_chunks_loaded_total 0\n")
+
+
+def _readers(arms: dict[str, _Arm]) -> dict[str, Any]:
+    kvc, lmc = arms["kvc"], arms["lmcache"]
+    return {"kvc": lambda: work.ours(kvc.metrics(), 128),
+            "lmcache": lambda: work.lmcache(work.prometheus_sums(lmc.server_metrics()), 256)}
 
 
 def test_every_prompt_goes_to_every_arm_back_to_back_in_rotating_order() -> None:
@@ -36,19 +54,43 @@ def test_every_prompt_goes_to_every_arm_back_to_back_in_rotating_order() -> None
         return {"plain": 1.0, "kvc": 1.02, "lmcache": 1.05}[server.name] * (1 + prompt[0])
 
     servers = cast(dict[str, VllmServer], arms)
-    got = ttft_writer.time_round(servers, [[0], [1], [2]], turn=1, ttft=ttft)
+    got = ttft_writer.time_round(servers, [[0], [1], [2]], turn=1, ttft=ttft,
+                                 work=_readers(arms))
     assert log == [("kvc", 0), ("lmcache", 0), ("plain", 0),
                    ("lmcache", 1), ("plain", 1), ("kvc", 1),
                    ("plain", 2), ("kvc", 2), ("lmcache", 2)]
     assert got.first == {"plain": 1.0, "kvc": 1.02, "lmcache": 1.05}
     assert got.steady["kvc"] == [pytest.approx(2.04), pytest.approx(3.06)]
-    assert got.saved_blocks == {"kvc": 96.0, "lmcache": 96.0}  # read before and after
+    # read before and after, each from its own counters, in tokens
+    assert {a: w.saved for a, w in got.work.items()} == {"kvc": 96 * 128, "lmcache": 96 * 256}
+    assert got.work["lmcache"].source == "the lmcache server's counters"
+    assert work.OURS[0] not in arms["lmcache"].metrics()  # LMCache's vLLM exports none of ours
+
+
+def test_an_arm_that_saved_nothing_is_invalid_and_left_out_of_the_table() -> None:
+    log: list[tuple[str, int]] = []
+    arms = {"plain": _Arm("plain", log, 0.0), "kvc": _Arm("kvc", log, 8.0),
+            "lmcache": _Arm("lmcache", log, 0.0)}  # its server stored nothing
+
+    def ttft(server: Any, prompt: list[int]) -> float:
+        server.saved += server.per_prompt
+        return 1.0
+
+    servers = cast(dict[str, VllmServer], arms)
+    rounds = [ttft_writer.time_round(servers, [[0], [1]], turn=t, ttft=ttft,
+                                     work=_readers(arms)) for t in range(2)]
+    row = ttft_writer.overheads(rounds, 1024)
+    assert row["lmcache_saved"] == [0.0, 0.0] and "kvc_invalid" not in row
+    assert row["lmcache_invalid"].startswith("a round saved nothing by the lmcache server's")
+    text = ttft_writer.table([row])
+    assert "lmcache INVALID: a round saved nothing" in text and text.count("kvc") == 1
 
 
 def _round(plain_first: float, kvc_first: float, plain: list[float],
            kvc: list[float]) -> RoundTimes:
     return RoundTimes(first={"plain": plain_first, "kvc": kvc_first},
-                      steady={"plain": plain, "kvc": kvc}, saved_blocks={"kvc": 8.0})
+                      steady={"plain": plain, "kvc": kvc},
+                      work={"kvc": work.Work(1024.0, 0.0, "tokens", "ours")})
 
 
 def test_overhead_is_the_median_of_paired_ratios_and_drift_cancels() -> None:
@@ -65,7 +107,7 @@ def test_overhead_is_the_median_of_paired_ratios_and_drift_cancels() -> None:
     # the unpaired ratio of medians mixes rounds: 1.03 / 1.00
     assert row["kvc_first_overhead_unpaired"] == pytest.approx(0.03)
     assert row["plain_first_ms"] == pytest.approx([1000.0, 1300.0, 1000.0])
-    assert row["kvc_saved_blocks"] == [8.0, 8.0, 8.0]
+    assert row["kvc_saved"] == [1024.0, 1024.0, 1024.0] and "kvc_invalid" not in row
     assert "plain_first_overhead" not in row
 
 

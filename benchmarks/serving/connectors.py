@@ -52,6 +52,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ from tqdm import tqdm
 from benchmarks.lib import results_writer
 from benchmarks.lib.paths import RESULTS
 from benchmarks.micro.store_mooncake import MASTER, start_cluster, start_node
-from benchmarks.serving import lmcache_peer
+from benchmarks.serving import lmcache_peer, work
 from benchmarks.serving.connectors_report import ARMS, plot, print_table, summarise
 from benchmarks.serving.lmcache_peer import LMCacheServer
 from kvcentric.testing.models import build_model
@@ -70,6 +71,7 @@ from kvcentric.testing.servers import VllmServer, connector_config
 
 DEFAULT_ARMS = ARMS[:3]
 PAGE = 128  # vLLM CPU block size; both connectors store 128-token blocks
+MASTER_METRICS = "http://127.0.0.1:9003/metrics"  # the cluster's master, in the namespace
 # float32: a stored block then holds exactly the bytes a recompute would produce, so every
 # arm must answer the same greedy tokens (in bf16, recompute and reuse round differently
 # and a random model's near-tied logits amplify that into different tokens)
@@ -162,8 +164,14 @@ class Arm:
         self.log_tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
 
     def result(self) -> dict[str, Any]:
+        """Per request the median TTFT over repeats and the figures built on it; ``valid``
+        false (and ``invalid_reason``) when a repeat of a connector arm saved or loaded
+        nothing by its own count."""
         if self.status != "ok" or not self.runs:
             return {"status": self.status, "log_tail": self.log_tail}
+        done = [run.get("work") for run in self.runs]
+        whys = [work.invalid(work.Work(**d), saves=True, loads=True) for d in done if d]
+        why = next((f"a repeat {w}" for w in whys if w), None)
         # per request, the median over repeats: one slow repeat moves no request's TTFT
         t = [statistics.median(r) for r in zip(*(run["ttft_s"] for run in self.runs))]
         p90 = statistics.quantiles(t, n=10)[-1] if len(t) > 1 else t[0]
@@ -190,6 +198,8 @@ class Arm:
                 "connector_counters_all_repeats": totals,
                 "mooncake_calls_per_request": self.calls_per_request(),
                 "engine_split_ms": split,
+                "work_runs": done, "valid": why is None,
+                **({"invalid_reason": why} if why else {}),
                 "outputs": self.runs[0]["outputs"]}
 
     def calls_per_request(self) -> dict[str, dict[str, float]]:
@@ -222,14 +232,17 @@ def call_totals(timing_dir: Path | None) -> dict[str, list[float]]:
     return out
 
 
-def serve(server: VllmServer, w: Workload, bar: tqdm,
-          timing_dir: Path | None = None) -> dict[str, Any]:
-    """The conversations on one server, round-robin over users, one request at a time."""
+def serve(server: VllmServer, w: Workload, bar: tqdm, timing_dir: Path | None = None,
+          read_work: Callable[[], work.Work] | None = None) -> dict[str, Any]:
+    """The conversations on one server, round-robin over users, one request at a time;
+    ``read_work``: the arm's own count of what it saved and loaded (:mod:`.work`), read
+    before and after (``work`` in the run)."""
     system, docs, msgs = w.prompts()
     history = [system + d for d in docs]
     pre = counters(server)
     server.complete(random.Random(1).sample(range(4, 8000), 256), max_tokens=2)  # one-offs
     before = after_request(server, pre)
+    work_before = read_work() if read_work is not None else None
     calls_before = call_totals(timing_dir)
     ttfts: list[float] = []
     outputs: list[list[int]] = []
@@ -252,9 +265,25 @@ def serve(server: VllmServer, w: Workload, bar: tqdm,
     after = last
     calls = {k: [c - calls_before.get(k, [0, 0.0])[0], t - calls_before.get(k, [0, 0.0])[1]]
              for k, (c, t) in call_totals(timing_dir).items()}
+    done = (read_work() - work_before).as_dict() \
+        if read_work is not None and work_before is not None else None
     return {"ttft_s": ttfts, "outputs": outputs, "busy_s": busy, "engine_split_ms": splits,
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
-            "mooncake_calls": {k: v for k, v in calls.items() if v[0]}}
+            "mooncake_calls": {k: v for k, v in calls.items() if v[0]}, "work": done}
+
+
+def work_reader(arm: str, server: VllmServer, lmc: LMCacheServer | None
+                ) -> Callable[[], work.Work] | None:
+    """Where ``arm`` counts its own saves and loads (None for ``no_connector``): ours on
+    its vLLM, LMCache's server, the Mooncake master (and vLLM's external hits) for the
+    built-in connector."""
+    if arm == "lmcache" and lmc is not None:
+        return lmc.work_done
+    if arm == "mooncake_store_connector":
+        return lambda: work.mooncake(work.fetch(MASTER_METRICS), server.metrics())
+    if arm.startswith("kvcentric"):
+        return lambda: work.ours(server.metrics(), PAGE)
+    return None
 
 
 def mooncake_json(path: Path) -> Path:
@@ -314,7 +343,7 @@ def run_arm(arm: Arm, ns: NetNamespace, model: str, w: Workload, env: dict[str, 
             lmc.start()
         server = make_server(arm.name, model, w, env, logs, lmc, timing)
         server.start().wait_ready(900)
-        arm.runs.append(serve(server, w, bar, timing))
+        arm.runs.append(serve(server, w, bar, timing, work_reader(arm.name, server, lmc)))
     except Exception as exc:  # an arm that cannot run is reported, never faked
         arm.fail(exc, server.log_path if server else logs / "connectors-lmcache-server.log")
     finally:
@@ -360,6 +389,9 @@ def main() -> None:
     if args.summarise:
         res = json.loads(args.summarise.read_text())
         res["summary"] = summarise(res["arms"], res["workload"]["users"])
+        res.setdefault("meta", {})["summary_recomputed"] = {  # the runs' data stay as run
+            "command": results_writer.command_line(__file__),
+            "git": results_writer.git_state()}
         args.summarise.write_text(json.dumps(res, indent=1) + "\n")
         print_table(res)
         plot(res, args.summarise.with_suffix(".png"))

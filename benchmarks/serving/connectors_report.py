@@ -1,11 +1,14 @@
 """Summary, table and figure of a :mod:`benchmarks.serving.connectors` result.
 
 :func:`summarise` turns the arms' results into the ratios between arms (mean, median,
-later turns, the paired per-request median) and, from vLLM's per-request phase
+later turns, the paired per-request median), each with a verdict that reads the
+repetitions (:func:`verdict`: ``parity`` when the arms' per-repetition means overlap) and,
+from vLLM's per-request phase
 histograms, where the later turns' time goes and the bound on any connector against
 vLLM's MooncakeStoreConnector (:func:`split_summary`). :func:`print_table` and
-:func:`plot` show them; ``bench_connectors.py --summarise FILE`` recomputes all three
-from a stored result.
+:func:`plot` show them; ``python -m benchmarks.serving.connectors --summarise FILE``
+recomputes all three from a stored result. An arm that did not do the work it is timed
+for (``valid`` false, :mod:`benchmarks.serving.work`) is left out of every ratio.
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ ARMS = ("no_connector", "mooncake_store_connector", "kvcentric", "kvcentric_whol
 def summarise(arms: dict[str, dict[str, Any]], users: int) -> dict[str, Any]:
     """Per-arm figures and the ratios between arms (``users``: the first ``users``
     requests are first turns, prefilled cold in every arm; later turns can hit a store)."""
-    ok = {a: r for a, r in arms.items() if r["status"] == "ok"}
+    ok = {a: r for a, r in arms.items() if r["status"] == "ok" and r.get("valid", True)}
     ref = ok.get("no_connector", {}).get("outputs")
     out: dict[str, Any] = {
         "status": {a: r["status"] for a, r in arms.items()},
+        "invalid": {a: r.get("invalid_reason", "") for a, r in arms.items()
+                    if r["status"] == "ok" and not r.get("valid", True)},
+        "ttft_mean_ms_by_repeat": {a: [statistics.mean(run) for run in r["ttft_ms_runs"]]
+                                   for a, r in ok.items() if r.get("ttft_ms_runs")},
         "ttft_mean_ms": {a: r["ttft_mean_ms"] for a, r in ok.items()},
         "ttft_p90_ms": {a: r["ttft_p90_ms"] for a, r in ok.items()},
         "ttft_median_ms": {a: r["ttft_median_ms"] for a, r in ok.items()},
@@ -85,7 +92,23 @@ def _ratios(out: dict[str, Any], ok: dict[str, dict[str, Any]], a: str, b: str,
              x / y for x, y in zip(ok[a]["ttft_ms"], ok[b]["ttft_ms"]))}
     if a in later and b in later:
         r[f"ttft_later_turns_{a}_vs_{b}"] = later[a] / later[b]
+    runs = out["ttft_mean_ms_by_repeat"]
+    if a in runs and b in runs:
+        r[f"verdict_{a}_vs_{b}"] = verdict(runs[a], runs[b])  # type: ignore[assignment]
     return r
+
+
+def verdict(a: list[float], b: list[float]) -> str:
+    """``a`` against ``b`` from their per-repetition mean TTFTs: ``faster`` / ``slower``
+    when every repetition of one is below every repetition of the other, ``parity`` when
+    the ranges overlap, ``one repetition`` when either has a single one (no spread)."""
+    if len(a) < 2 or len(b) < 2:
+        return "one repetition"
+    if max(a) < min(b):
+        return "faster"
+    if min(a) > max(b):
+        return "slower"
+    return "parity"
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -126,6 +149,9 @@ def print_table(res: dict[str, Any]) -> None:
         if r["status"] != "ok":
             print(f"{a:>26} {r['status']}")
             continue
+        if not r.get("valid", True):
+            print(f"{a:>26} INVALID: {r.get('invalid_reason')}")
+            continue
         print(f"{a:>26} {r['ttft_mean_ms']:10.0f} {r['ttft_p90_ms']:8.0f} "
               f"{r['ttft_median_ms']:8.0f} {later.get(a, float('nan')):9.0f} "
               f"{r['requests_per_s']:7.3f} "
@@ -141,6 +167,10 @@ def print_table(res: dict[str, Any]) -> None:
     for k, v in s.items():
         if k.startswith("ttft_") and "_vs_" in k and isinstance(v, float):
             print(f"{k}: {v:.3f}")
+        elif k.startswith("verdict_"):
+            print(f"{k}: {v}")
+    for a, runs in s.get("ttft_mean_ms_by_repeat", {}).items():
+        print(f"{a}: mean TTFT per repetition {min(runs):.0f}-{max(runs):.0f} ms")
     for a in ARMS:
         calls = res["arms"].get(a, {}).get("mooncake_calls_per_request")
         if calls:

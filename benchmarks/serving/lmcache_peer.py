@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.paths import ROOT
+from benchmarks.serving import work
 from kvcentric.testing.servers import free_port, stop_group
 
 VENV = ROOT / ".peers" / "lmcache"
@@ -103,6 +104,15 @@ class LMCacheServer:
         return {"kv_connector": "LMCacheMPConnector", "kv_role": role,
                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                               "lmcache.mp.port": self.port}}
+
+    def metrics(self) -> dict[str, float]:
+        """The server's own ``/metrics`` (LMCache's OpenTelemetry counters), summed over
+        label sets."""
+        return work.fetch(f"http://127.0.0.1:{self.http_port}/metrics")
+
+    def work_done(self) -> work.Work:
+        """What the server counts as saved and loaded so far (:func:`work.lmcache`)."""
+        return work.lmcache(self.metrics(), self.chunk_size)
 
     def stop(self) -> None:
         stop_group(self.proc, 20.0)

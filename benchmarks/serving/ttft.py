@@ -41,6 +41,7 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from tqdm import tqdm
 from benchmarks.lib import results_writer
 from benchmarks.lib.paths import RESULTS
 from benchmarks.lib.procfs import quiesce
-from benchmarks.serving import lmcache_peer, ttft_writer
+from benchmarks.serving import lmcache_peer, ttft_writer, work
 from benchmarks.serving.lmcache_peer import LMCacheServer
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
@@ -57,6 +58,7 @@ from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
 
 RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)
+BLOCK_TOKENS = 128  # the connector's block on vLLM CPU (its page), for work in tokens
 WRITER_BARS = {1024: 0.05, 4096: 0.02}  # issue 20: the most a 0%-hit save may add to TTFT
 
 
@@ -97,13 +99,16 @@ class Clock:
 
 
 def measure_lengths(clock: Clock, plain: VllmServer, arms: dict[str, VllmServer],
-                    lengths: list[int], reps: int, gen: Prompts,
-                    bar: tqdm) -> list[dict[str, Any]]:
+                    lengths: list[int], reps: int, gen: Prompts, bar: tqdm,
+                    readers: dict[str, Callable[[], work.Work]]) -> list[dict[str, Any]]:
     """Per length: miss and engine hit on ``plain``; per connector arm, its miss (which
-    stores the prompt) and its store hit after the engine's cache is reset."""
+    stores the prompt) and its store hit after the engine's cache is reset. Each arm's
+    own counters (``readers``) must show it saved and loaded at that length, else the
+    row names it in ``<arm>_invalid`` and its hit is no hit."""
     rows = []
     for n in lengths:
         got: dict[str, list[float]] = {"miss": [], "engine_hit": []}
+        before = {name: read() for name, read in readers.items()}
         same = True
         for _ in range(reps):
             p = gen.new(n)
@@ -120,6 +125,12 @@ def measure_lengths(clock: Clock, plain: VllmServer, arms: dict[str, VllmServer]
             bar.update(1)
         row: dict[str, Any] = {"prompt_len": n, "tokens_identical": same}
         row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in got.items()}
+        for name, read in readers.items():
+            done = read() - before[name]
+            row[f"{name}_work"] = done.as_dict()
+            why = work.invalid(done, saves=True, loads=True)
+            if why is not None:
+                row[f"{name}_invalid"] = why
         row["store_hit_ms"] = row["kvc_hit_ms"]  # the name earlier results use
         rows.append(row)
     return rows
@@ -142,6 +153,19 @@ def measure_ratios(clock: Clock, plain: VllmServer, kvc: VllmServer, n: int, rep
                      "no_connector_ms": 1e3 * statistics.median(base),
                      "kvcentric_ms": 1e3 * statistics.median(ours)})
     return rows
+
+
+def work_readers(servers: dict[str, VllmServer], lmc: LMCacheServer | None
+                 ) -> dict[str, Callable[[], work.Work]]:
+    """Each connector arm's own count of what it saved and loaded (:mod:`.work`): ours
+    from our connector's counters on its vLLM, LMCache's from its server's."""
+    out: dict[str, Callable[[], work.Work]] = {}
+    if "kvc" in servers:
+        kvc = servers["kvc"]
+        out["kvc"] = lambda: work.ours(kvc.metrics(), BLOCK_TOKENS)
+    if "lmcache" in servers and lmc is not None:
+        out["lmcache"] = lmc.work_done
+    return out
 
 
 def start_servers(model: str, store: dict[str, Any], max_len: int, threads_env: dict[str, str],
@@ -184,7 +208,7 @@ def writer_round(model: str, store: dict[str, Any], n: int, reps: int, threads_e
         prompts = [gen.new(n) for _ in range(reps + 1)]
         clock = Clock.of(servers, lmc)
         got = ttft_writer.time_round(servers, prompts, turn, lambda s, p: clock.ttft(s, p)[0],
-                                     bar)
+                                     work_readers(servers, lmc), bar)
         got.quiesce_s = clock.waited_s
         return got
     finally:
@@ -216,7 +240,9 @@ def summarize(lengths: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> di
         "store_hit_over_engine_hit_at_max_len": top["store_hit_ms"] / top["engine_hit_ms"],
         "tokens_identical": all(r["tokens_identical"] for r in lengths),
         **({"store_hit_over_lmcache_hit_at_max_len": top["kvc_hit_ms"] / top["lmcache_hit_ms"]}
-           if "lmcache_hit_ms" in top else {}),
+           if "lmcache_hit_ms" in top and "lmcache_invalid" not in top else {}),
+        "invalid_arms": sorted({k[:-len("_invalid")] for r in lengths for k in r
+                                if k.endswith("_invalid")}),
         "zero_hit_overhead": zero["kvcentric_ms"] / zero["no_connector_ms"] - 1,
         "ttft_by_hit_ratio": {f"{r['hit_ratio']:.1f}": r["kvcentric_ms"] / r["no_connector_ms"]
                               for r in ratios},
@@ -263,6 +289,11 @@ def print_table(res: dict[str, Any]) -> None:
     for r in res["ratios"]:
         print(f"{r['hit_ratio']:9.1f} {r['no_connector_ms']:9.0f} {r['kvcentric_ms']:10.0f} "
               f"{r['kvcentric_ms'] / r['no_connector_ms']:7.3f}")
+    for r in res["lengths"]:
+        for k, why in r.items():
+            if k.endswith("_invalid"):
+                print(f"INVALID at {r['prompt_len']} tokens: {k[:-len('_invalid')]} {why}; "
+                      "its hit column is a recompute, not a hit")
     print("summary:", json.dumps(res["summary"]))
 
 
@@ -292,7 +323,8 @@ def main() -> None:
         gen = Prompts(1)
         with tqdm(total=reps * (len(lengths) + len(RATIOS)), desc="ttft") as bar:
             clock = Clock.of(servers, lmc)
-            rows = measure_lengths(clock, plain, arms, lengths, reps, gen, bar)
+            rows = measure_lengths(clock, plain, arms, lengths, reps, gen, bar,
+                                   work_readers(servers, lmc))
             ratios = measure_ratios(clock, plain, kvc, ratio_len, reps, gen, bar)
     finally:
         for srv in servers.values():

@@ -15,24 +15,26 @@ the median over rounds of its *paired* ratio to ``plain`` minus 1 (a round's ste
 is the median over its prompts). Paired requests run seconds apart, so the shared box's
 slow drifts, which move a whole round's TTFTs by +-10%, cancel; the ratio of the arms'
 medians (this benchmark's earlier definition) is kept as ``*_overhead_unpaired``.
-Each connector arm's saved blocks are read from its ``/metrics``, so a writer that saved
-nothing cannot pass for a cheap one.
+Each connector arm's saves are read from its own accounting (:mod:`benchmarks.serving.work`:
+ours from our connector's counters, LMCache's from the ``lmcache server``'s), and an arm
+that saved nothing in any round is marked invalid (``<arm>_invalid``) and left out of the
+table, so a writer that saved nothing cannot pass for a cheap one.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.serving.work import Work, invalid
 from kvcentric.testing.servers import VllmServer
 
 PHASES = ("first", "steady")
-SAVED = "vllm:kvcentric_saved_blocks_total"
 
 
 @dataclass
@@ -41,7 +43,7 @@ class RoundTimes:
 
     first: dict[str, float] = field(default_factory=dict)
     steady: dict[str, list[float]] = field(default_factory=dict)
-    saved_blocks: dict[str, float] = field(default_factory=dict)
+    work: dict[str, Work] = field(default_factory=dict)  # per connector arm, this round's
     quiesce_s: list[float] = field(default_factory=list)  # the waits before each request
 
 
@@ -53,11 +55,12 @@ def rotated(names: Sequence[str], k: int) -> list[str]:
 
 def time_round(servers: dict[str, VllmServer], prompts: list[list[int]], turn: int,
                ttft: Callable[[VllmServer, list[int]], float],
-               bar: tqdm | None = None) -> RoundTimes:
+               work: Mapping[str, Callable[[], Work]], bar: tqdm | None = None) -> RoundTimes:
     """Send ``prompts[0]`` (first) then each later prompt (steady) to every arm, back to
-    back, the arms' order rotating with ``turn`` and the prompt."""
+    back, the arms' order rotating with ``turn`` and the prompt; ``work`` reads each
+    connector arm's own counters, before and after."""
     names = list(servers)
-    before = {n: s.metrics().get(SAVED, 0.0) for n, s in servers.items() if n != "plain"}
+    before = {n: read() for n, read in work.items()}
     out = RoundTimes(steady={n: [] for n in names})
     for i, prompt in enumerate(prompts):
         for name in rotated(names, turn + i):
@@ -68,7 +71,7 @@ def time_round(servers: dict[str, VllmServer], prompts: list[list[int]], turn: i
                 out.steady[name].append(t)
             if bar is not None:
                 bar.update(1)
-    out.saved_blocks = {n: servers[n].metrics().get(SAVED, 0.0) - b for n, b in before.items()}
+    out.work = {n: work[n]() - b for n, b in before.items()}
     return out
 
 
@@ -102,8 +105,14 @@ def overheads(rounds: Sequence[RoundTimes], n: int) -> dict[str, Any]:
             row[f"{arm}_{phase}_overhead_unpaired"] = (
                 statistics.median(row[f"{arm}_{phase}_ms"])
                 / statistics.median(row[f"plain_{phase}_ms"]) - 1)
-        if arm in rounds[0].saved_blocks:
-            row[f"{arm}_saved_blocks"] = [r.saved_blocks[arm] for r in rounds]
+        if arm in rounds[0].work:
+            done = [r.work[arm] for r in rounds]
+            row[f"{arm}_saved"] = [w.saved for w in done]
+            row[f"{arm}_saved_unit"], row[f"{arm}_work_source"] = done[0].unit, done[0].source
+            why = next((w for w in (invalid(d, saves=True, loads=False) for d in done) if w),
+                       None)
+            if why is not None:
+                row[f"{arm}_invalid"] = f"a round {why}: its overhead is not a writer's"
     waits = [w for r in rounds for w in r.quiesce_s]
     row["quiesce_s_median_max"] = [statistics.median(waits), max(waits)] if waits else None
     return row
@@ -116,6 +125,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         for arm in ("kvc", "lmcache"):
             if f"{arm}_first_overhead" not in r:
+                continue
+            if f"{arm}_invalid" in r:
+                lines.append(f"{r['prompt_len']:>7} {arm:>8} INVALID: {r[f'{arm}_invalid']}")
                 continue
             cells = []
             for phase in PHASES:
@@ -140,7 +152,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, bars: dict[int, float]) -> 
         for arm in ("kvc", "lmcache"):
             for phase in PHASES:
                 key = f"{arm}_{phase}_overhead"
-                if key not in r:
+                if key not in r or f"{arm}_invalid" in r:
                     continue
                 ys = [100 * v for v in r[f"{key}_rounds"]]
                 ax.scatter([x] * len(ys), ys, alpha=0.6, color="C0" if arm == "kvc" else "C1")
