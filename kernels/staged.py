@@ -32,6 +32,8 @@ reusing it (unpack). Bit-exact: bytes move, nothing is converted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvcentric.kernels import strided_dma
@@ -73,6 +75,62 @@ def staged_unpack(host: torch.Tensor, ids: BlockIds, kv_layer: torch.Tensor, *,
         _scatter(scratch, _device_ids(ids, kv_layer), kv_layer, block_dim)
     else:
         unpack_blocks(scratch, ids, kv_layer, block_dim=block_dim, impl=impl)
+
+
+def staged_pack_layers(kv_layers: Sequence[torch.Tensor], ids: BlockIds, host: torch.Tensor,
+                       *, block_dim: int = 0) -> None:
+    """:func:`staged_pack` of ``L = len(kv_layers)`` consecutive layers at once: ``host``
+    is uint8 ``[g, L * k * page_bytes]`` (each row: the layers' spans of one object, back
+    to back, as objects lay them out); the pages of every layer are gathered into one
+    scratch, reordered object-major in HBM, and cross PCIe as one 2-D DMA. Per layer only
+    one index op remains: small layers (MLA) no longer pay a DMA call, a stream switch and
+    an event per layer. ``impl="auto"`` only."""
+    page, g, per = _layers_geometry(kv_layers, block_dim, host)
+    scratch = _scratch(kv_layers[0], page, len(kv_layers) * g * (per // page))
+    by_layer = scratch.view(len(kv_layers), -1, page)
+    dev_ids = _device_ids(ids, kv_layers[0])
+    if len(dev_ids) != by_layer.shape[1]:
+        raise ValueError(f"{len(dev_ids)} block ids for {by_layer.shape[1]} pages")
+    for j, kv in enumerate(kv_layers):
+        _gather(kv, dev_ids, by_layer[j], block_dim)
+    objects = by_layer.view(len(kv_layers), g, per).transpose(0, 1).contiguous()
+    _dma(host, objects.view(g, -1))
+
+
+def staged_unpack_layers(host: torch.Tensor, ids: BlockIds, kv_layers: Sequence[torch.Tensor],
+                         *, block_dim: int = 0, positions: torch.Tensor | None = None) -> None:
+    """:func:`staged_unpack` of ``L = len(kv_layers)`` consecutive layers at once (``host``
+    as in :func:`staged_pack_layers`): one 2-D DMA brings every layer's spans into HBM,
+    one device copy reorders them layer-major, then one index op per layer scatters its
+    pages (``positions``: as in :func:`staged_unpack`). ``impl="auto"`` only."""
+    page, g, per = _layers_geometry(kv_layers, block_dim, host)
+    scratch = _scratch(kv_layers[0], page, len(kv_layers) * g * (per // page))
+    _dma(scratch.view(g, -1), host)
+    by_layer = scratch.view(g, len(kv_layers), per).transpose(0, 1).contiguous().view(
+        len(kv_layers), -1, page)
+    dev_ids = _device_ids(ids, kv_layers[0])
+    if positions is None and len(dev_ids) != by_layer.shape[1]:
+        raise ValueError(f"{len(dev_ids)} block ids for {by_layer.shape[1]} pages: pass "
+                         f"positions")
+    pos = positions.to(scratch.device, non_blocking=True) if positions is not None else None
+    for j, kv in enumerate(kv_layers):
+        rows = by_layer[j] if pos is None else by_layer[j].index_select(0, pos)
+        _scatter(rows, dev_ids, kv, block_dim)
+
+
+def _layers_geometry(kv_layers: Sequence[torch.Tensor], block_dim: int,
+                     host: torch.Tensor) -> tuple[int, int, int]:
+    """(page bytes, objects, bytes per object and layer) of a multi-layer staged copy."""
+    if not kv_layers:
+        raise ValueError("no layers to copy")
+    page = _page_bytes(kv_layers[0], block_dim)
+    if any(_page_bytes(kv, block_dim) != page or kv.device != kv_layers[0].device
+           for kv in kv_layers):
+        raise ValueError("every layer of a multi-layer copy has the same pages and device")
+    per_row = _pages_per_row(page, host)
+    if per_row % len(kv_layers):
+        raise ValueError(f"{per_row} pages per host row is not {len(kv_layers)} layers' worth")
+    return page, host.shape[0], per_row // len(kv_layers) * page
 
 
 def _device_ids(ids: BlockIds, kv_layer: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,12 @@ from kvcentric.kernels import (
     unpack_blocks,
     unpack_blocks_layers,
 )
-from kvcentric.kernels.staged import staged_pack, staged_unpack
+from kvcentric.kernels.staged import (
+    staged_pack,
+    staged_pack_layers,
+    staged_unpack,
+    staged_unpack_layers,
+)
 from tests.test_kernels import (
     DTYPES,
     LAYOUTS,
@@ -141,6 +146,37 @@ def test_staged_unpack_writes_only_the_named_positions(layout: str) -> None:
         assert same(target.select(bd, block), layer.select(bd, src))
     for block in (2, 3, 4):
         assert not target.select(bd, block).any()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_staged_layers_move_several_layers_per_transfer_bit_exact(layout: str) -> None:
+    """``staged_*_layers``: object rows hold consecutive layers' spans back to back (as
+    stored objects do); several layers pack and unpack as one DMA, bit-exact against the
+    single-layer path, SKIP positions left alone."""
+    layers = [make_layer(layout, torch.bfloat16, "slice", start=i * 1000, device="cuda")[0]
+              for i in range(3)]
+    bd = make_layer(layout, torch.bfloat16, "slice", device="cuda")[1]
+    page_bytes = layers[0].select(bd, 0).numel() * layers[0].element_size()
+    ids = torch.tensor([4, 0, 6, 2, 5, 1], dtype=torch.int64).cuda()  # 2 objects of 3 pages
+    host = torch.zeros((2, 3 * 3 * page_bytes), dtype=torch.uint8, pin_memory=True)
+    staged_pack_layers(layers, ids, host, block_dim=bd)
+    torch.cuda.synchronize()
+    one = torch.zeros((2, 3 * page_bytes), dtype=torch.uint8, pin_memory=True)
+    for j, layer in enumerate(layers):  # layer j's span of every object = staged_pack's
+        staged_pack(layer, ids, one, block_dim=bd)
+        torch.cuda.synchronize()
+        assert torch.equal(host.view(2, 3, -1)[:, j], one)
+    targets = [torch.zeros_like(t) for t in layers]
+    staged_unpack_layers(host, ids[[0, 2, 3, 5]], targets, block_dim=bd,
+                         positions=torch.tensor([0, 2, 3, 5]))
+    torch.cuda.synchronize()
+    for layer, target in zip(layers, targets, strict=True):
+        for block in (4, 6, 2, 1):
+            assert same(target.select(bd, block), layer.select(bd, block))
+        for block in (0, 5, 3):
+            assert not target.select(bd, block).any()
+    with pytest.raises(ValueError, match="layers' worth"):
+        staged_pack_layers(layers[:2], ids, host[:, :7 * page_bytes], block_dim=bd)
 
 
 def test_staged_bad_arguments_raise_value_error() -> None:

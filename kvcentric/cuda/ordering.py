@@ -75,15 +75,17 @@ class CopyOrdering:
         self._loaded = [None] * num_layers
         self._after_compute()
 
-    def run_load(self, layer: int, enqueue: Callable[[], None]) -> None:
-        """Enqueue layer ``layer``'s unpack (``enqueue``) on its lane and record its
-        event. Runs on the copy thread once the layer's bytes are in host memory."""
+    def run_load(self, layer: int, enqueue: Callable[[], None], count: int = 1) -> None:
+        """Enqueue the unpack (``enqueue``) of layers ``layer .. layer + count - 1`` on a
+        lane and record the event every one of them waits for. Runs on the copy thread
+        once the layers' bytes are in host memory."""
         lane = self.lanes[layer % self.LANES]
         with torch.cuda.stream(lane):
             enqueue()
             event = torch.cuda.Event()
             event.record(lane)
-        self._loaded[layer] = event
+        for i in range(layer, layer + count):
+            self._loaded[i] = event
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait for layer ``layer``'s unpack (no host wait)."""

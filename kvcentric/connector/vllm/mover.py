@@ -31,7 +31,12 @@ import torch
 
 from kvcentric import kernels
 from kvcentric.integrity import HEADER_BYTES
-from kvcentric.kernels.staged import staged_pack, staged_unpack
+from kvcentric.kernels.staged import (
+    staged_pack,
+    staged_pack_layers,
+    staged_unpack,
+    staged_unpack_layers,
+)
 
 SKIP = -1  # a page id that must not be written (already computed by the engine)
 
@@ -193,17 +198,54 @@ class PagePlan:
     def num_objects(self) -> int:
         return sum(run.view.shape[0] for run in self._runs)
 
+    def grouped(self) -> bool:
+        """True when :meth:`pack_layers` / :meth:`unpack_layers` move several layers in one
+        transfer (staged CUDA plans with torch's HBM kernels); else they loop per layer."""
+        k = self.kernel
+        return k.staged and k.pack_impl == k.unpack_impl == "auto"
+
+    def pack_layers(self, first: int, kv_layers: Sequence[torch.Tensor]) -> None:
+        """Layers ``first .. first + len(kv_layers) - 1`` at once: per run one 2-D DMA of
+        all their spans (an object holds consecutive layers back to back), one HBM gather
+        per layer (:func:`kvcentric.kernels.staged.staged_pack_layers`)."""
+        if not self.grouped() or len(kv_layers) == 1:
+            for j, kv in enumerate(kv_layers):
+                self.pack_layer(first + j, kv)
+            return
+        for run in self._runs:
+            host = run.view[:, first:first + len(kv_layers)].flatten(1)
+            if run.masked:
+                for j, kv in enumerate(kv_layers):
+                    self._pack_run(run, first + j, kv)
+            else:
+                staged_pack_layers(kv_layers, run.flat_ids, host, block_dim=self.kernel.block_dim)
+
+    def unpack_layers(self, first: int, kv_layers: Sequence[torch.Tensor]) -> None:
+        """:meth:`pack_layers`'s inverse (SKIP pages left alone)."""
+        if not self.grouped() or len(kv_layers) == 1:
+            for j, kv in enumerate(kv_layers):
+                self.unpack_layer(first + j, kv)
+            return
+        for run in self._runs:
+            if not len(run.flat_ids):
+                continue  # every page of the run is the engine's own
+            host = run.view[:, first:first + len(kv_layers)].flatten(1)
+            staged_unpack_layers(host, run.flat_ids, kv_layers, block_dim=self.kernel.block_dim,
+                                 positions=run.positions)
+
     def pack_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Copy this layer's pages from ``kv_layer`` into the objects."""
-        k = self.kernel
         for run in self._runs:
-            if k.staged and not run.masked:
-                staged_pack(kv_layer, run.flat_ids, run.view[:, layer].flatten(1),
-                            block_dim=k.block_dim, impl=k.pack_impl)
-                continue
-            for j in range(self.geometry.pages_per_object):
-                self._move(run.view[:, layer, j], run.by_page[j], kv_layer, run.masked,
-                           pack=True)
+            self._pack_run(run, layer, kv_layer)
+
+    def _pack_run(self, run: _Run, layer: int, kv_layer: torch.Tensor) -> None:
+        k = self.kernel
+        if k.staged and not run.masked:
+            staged_pack(kv_layer, run.flat_ids, run.view[:, layer].flatten(1),
+                        block_dim=k.block_dim, impl=k.pack_impl)
+            return
+        for j in range(self.geometry.pages_per_object):
+            self._move(run.view[:, layer, j], run.by_page[j], kv_layer, run.masked, pack=True)
 
     def unpack_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Copy this layer's pages from the objects into ``kv_layer`` (SKIP pages are

@@ -99,6 +99,9 @@ class KVCentricWorker:
         self._save_plan: PagePlan | None = None
         self._slots: list[WriteSlot] = []
         self._save_futs: list[Future[None]] = []
+        self._packed_layers = 0  # layers whose pack is queued this step, from layer 0
+        self._save_batch: list[torch.Tensor] = []  # CUDA: layers waiting for their group
+        self._save_group = 1  # CUDA: layers per pack transfer, set per step
         self._commit_now = False
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvc-commit",
                                              initializer=pin_to, initargs=(spare,)) \
@@ -218,12 +221,16 @@ class KVCentricWorker:
     def _unpack_layer(self, layer: int) -> None:
         """Copy thread: fetch this layer's group of byte ranges (first layer of a group;
         the first group brings the headers, checked before anything is unpacked), then
-        move the layer's pages into the cache."""
+        move the layer's pages into the cache: on CPU layer by layer; on CUDA the whole
+        group at its first layer, as one transfer per run (small layers, e.g. MLA's, were
+        host-bound one DMA, stream switch and event per layer)."""
         if self._load_failed or self._poisoned:
             return  # the step's loads are being recomputed: leave the pages alone
         g = self.layout.geometry
-        if layer % self._fetch_group == 0:
-            offset, size = g.layer_range(layer, min(self._fetch_group, len(self._kv) - layer))
+        first = layer % self._fetch_group == 0
+        count = min(self._fetch_group, len(self._kv) - layer)
+        if first:
+            offset, size = g.layer_range(layer, count)
             for lease, _, _ in self._load_plans:
                 self.store.fetch_range(lease, offset, size)
         if layer == 0:
@@ -231,8 +238,8 @@ class KVCentricWorker:
         ordering = self._path.ordering
         if ordering is None:
             self._unpack_all(layer)
-        else:  # the bytes are in host memory: the GPU copies them on the copy stream
-            ordering.run_load(layer, lambda: self._unpack_all(layer))
+        elif first:  # the bytes are in host memory: the GPU copies them on a copy lane
+            ordering.run_load(layer, lambda: self._unpack_group(layer, count), count)
 
     def _check_headers(self) -> None:
         """Every leased object's header against the object this step asked for;
@@ -253,6 +260,10 @@ class KVCentricWorker:
     def _unpack_all(self, layer: int) -> None:
         for _, plan, _ in self._load_plans:
             plan.unpack_layer(layer, self._kv[layer])
+
+    def _unpack_group(self, first: int, count: int) -> None:
+        for _, plan, _ in self._load_plans:
+            plan.unpack_layers(first, self._kv[first:first + count])
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self.layer_of(layer_name)
@@ -303,12 +314,29 @@ class KVCentricWorker:
         if self._save_plan is None and not self._timed("commit_seconds", self._reserve):
             return
         assert self._save_plan is not None
-        ordering, pack = self._path.ordering, self._save_plan.pack_layer
+        ordering, plan = self._path.ordering, self._save_plan
         if ordering is None:
-            self._save_futs.append(self._run(self._timed, "save_seconds", pack, layer, kv_layer))
-        else:  # enqueue behind this layer's attention; no thread, no host wait
-            self._save_futs.append(self._now(self._timed, "save_seconds", ordering.run_save,
-                                             lambda: pack(layer, kv_layer)))
+            self._save_futs.append(self._run(self._timed, "save_seconds", plan.pack_layer,
+                                             layer, kv_layer))
+            self._packed_layers += 1
+            return
+        # CUDA: layers in groups of _save_group (one transfer per run, as loads), each
+        # group enqueued behind its last layer's attention; no thread, no host wait
+        if layer != self._packed_layers + len(self._save_batch):
+            self._save_futs.append(self._now(self._skipped_layer, layer))  # never commit
+            return
+        self._save_batch.append(kv_layer)
+        if len(self._save_batch) < self._save_group and layer < len(self._kv) - 1:
+            return
+        start, batch = self._packed_layers, self._save_batch
+        self._save_batch, self._packed_layers = [], start + len(batch)
+        self._save_futs.append(self._now(self._timed, "save_seconds", ordering.run_save,
+                                         lambda: plan.pack_layers(start, batch)))
+
+    @staticmethod
+    def _skipped_layer(layer: int) -> None:
+        raise RuntimeError(f"layer {layer}'s save came out of order: the objects would be "
+                           f"incomplete")
 
     def _reserve(self) -> bool:
         """Reserve write slots for all of this step's new blocks (one store call) and
@@ -336,6 +364,9 @@ class KVCentricWorker:
         self._slots = [s for s, _, _ in live]
         self._save_plan = PagePlan(self.layout.geometry, [s.ptr for s in self._slots],
                                    [p for _, p, _ in live], self._path.kernel)
+        g = self.layout.geometry
+        per_layer = g.pages_per_object * g.page_bytes * len(live)
+        self._save_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
         return True
 
     def finish_step(self) -> None:
@@ -374,6 +405,7 @@ class KVCentricWorker:
         slots, self._slots = self._slots, []
         futs, self._save_futs = self._save_futs, []
         self._save_plan, self._save_specs = None, []
+        packed_layers, self._packed_layers, self._save_batch = self._packed_layers, 0, []
         if not slots:
             return
         try:
@@ -383,7 +415,7 @@ class KVCentricWorker:
             log.error("saving %d blocks failed: %s", len(slots), exc, exc_info=True)
             self.store.batch_abort(slots)
             return
-        if len(futs) != len(self._kv):  # some layer never ran: the objects are incomplete
+        if packed_layers != len(self._kv):  # a layer never ran: the objects are incomplete
             self.store.batch_abort(slots)
             return
         packed = self._path.ordering.saves_enqueued() if self._path.ordering else None
