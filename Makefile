@@ -67,7 +67,7 @@ lint: setup
 	$(BIN)/mypy
 
 demo: setup
-	$(BIN)/python examples/demo.py
+	$(BIN)/python -m examples.demo
 
 bench: setup
 	$(BIN)/python -m benchmarks.micro.store --quick

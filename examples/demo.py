@@ -1,6 +1,6 @@
 """kvcentric demo: one multi-turn conversation, three ways, on two vLLM instances each.
 
-    make demo        (or: .venv/bin/python examples/demo.py [--turns N])
+    make demo        (or: .venv/bin/python -m examples.demo [--turns N] [--out FILE.json])
 
 Starts the embedded local KV store, two vLLM CPU instances with the kvcentric connector,
 two plain vLLM instances (prefix caching on) and the kvcentric router. A client holds one
@@ -15,7 +15,9 @@ the previous answers. Three arms, the same conversation:
    where its prefix is cheapest (here: the instance that holds it in its engine cache).
 
 Caches (engine and store) are emptied between arms 2 and 3. Prints TTFT per turn, the
-means, and whether every arm generated the same tokens.
+means, and whether every arm generated the same tokens, and writes them with the command,
+machine and commit to ``benchmarks/results/demo.json`` (README's demo numbers come from
+it).
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvcentric.config import StoreConfig  # noqa: E402
-from kvcentric.store import open_store  # noqa: E402
-from kvcentric.store.local import launcher  # noqa: E402
-from kvcentric.store.metrics import log_line  # noqa: E402
-from kvcentric.testing.models import build_model  # noqa: E402
-from kvcentric.testing.servers import (  # noqa: E402
+from benchmarks.lib import results_writer as rw
+from benchmarks.lib.paths import RESULTS
+from kvcentric.config import StoreConfig
+from kvcentric.store import open_store
+from kvcentric.store.local import launcher
+from kvcentric.store.metrics import log_line
+from kvcentric.testing.models import build_model
+from kvcentric.testing.servers import (
     VllmServer,
     connector_config,
     free_port,
@@ -91,6 +95,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-len", type=int, default=1536)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=RESULTS / "demo.json")
     args = ap.parse_args()
     t_start = time.monotonic()
     print("building the local bench model (random weights, no download) ...", flush=True)
@@ -141,25 +146,47 @@ def main() -> None:
         for s in kvc + plain:
             s.stop()
         launcher.stop(StoreConfig.from_dict(store))
-    report(arms, stats, time.monotonic() - t_start)
+    doc = summary(arms)
+    print(report(arms, stats, time.monotonic() - t_start))
+    rw.write(args.out, {"benchmark": "demo", "title": "make demo: one conversation, three ways",
+                        "turns": args.turns, "system_len": args.system_len,
+                        "output_len": args.output_len, **doc},
+             command=rw.command_line(__file__))
 
 
-def report(arms: dict[str, list[Turn]], stats: dict[str, int], elapsed: float) -> None:
+def summary(arms: dict[str, list[Turn]]) -> dict[str, Any]:
+    """Per arm its TTFT per turn (ms) and the mean over turns 2.. (``later_mean_ms``), each
+    arm's speedup over the first on those turns, and whether every arm gave the same
+    tokens."""
+    names = list(arms)
+    later = {n: 1e3 * sum(r[1] for r in rows[1:]) / (len(rows) - 1) for n, rows in arms.items()}
+    base = arms[names[0]]
+    return {"arms": {n: {"ttft_ms": [1e3 * r[1] for r in rows], "later_mean_ms": later[n],
+                         "prompt_tokens": [r[0] for r in rows]} for n, rows in arms.items()},
+            "summary": {"later_mean_ms": later,
+                        "speedup_over_first": {n: later[names[0]] / later[n]
+                                               for n in names[1:]},
+                        "tokens_identical": all([r[2] for r in rows] == [r[2] for r in base]
+                                                for rows in arms.values())}}
+
+
+def report(arms: dict[str, list[Turn]], stats: dict[str, int], elapsed: float) -> str:
     names = list(arms)
     base = arms[names[0]]
-    print(f"\n{'turn':>4} {'prompt':>7}" + "".join(f" {n:>20}" for n in names))
+    s = summary(arms)["summary"]
+    lines = [f"\n{'turn':>4} {'prompt':>7}" + "".join(f" {n:>20}" for n in names)]
     for t in range(len(base)):
         cells = "".join(f" {1e3 * arms[n][t][1]:>18.0f}ms" for n in names)
-        print(f"{t + 1:>4} {base[t][0]:>7}{cells}")
-    later = {n: sum(r[1] for r in rows[1:]) / (len(rows) - 1) for n, rows in arms.items()}
-    print(f"{'turns 2..':>12}" + "".join(f" {1e3 * later[n]:>18.0f}ms" for n in names))
+        lines.append(f"{t + 1:>4} {base[t][0]:>7}{cells}")
+    lines.append(f"{'turns 2..':>12}"
+                 + "".join(f" {s['later_mean_ms'][n]:>18.0f}ms" for n in names))
     for n in names[1:]:
-        print(f"{n}: turns 2..{len(base)} {later[names[0]] / later[n]:.1f}x faster than "
-              f"{names[0]}")
-    same = all([r[2] for r in rows] == [r[2] for r in base] for rows in arms.values())
-    print(f"identical tokens in every turn of every arm: {same}")
-    print("store after the round-robin arm:", log_line(stats))
-    print(f"demo finished in {elapsed:.0f} s")
+        lines.append(f"{n}: turns 2..{len(base)} {s['speedup_over_first'][n]:.1f}x faster "
+                     f"than {names[0]}")
+    lines.append(f"identical tokens in every turn of every arm: {s['tokens_identical']}")
+    lines.append(f"store after the round-robin arm: {log_line(stats)}")
+    lines.append(f"demo finished in {elapsed:.0f} s")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

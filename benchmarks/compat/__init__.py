@@ -1,0 +1,1 @@
+"""Compatibility: which engine versions the connector serves, and their hooks."""

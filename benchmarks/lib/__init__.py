@@ -1,2 +1,1 @@
-"""Shared by the benchmarks: paths, the results writer, the report, /proc readers, plots,
-the stub engine and the benchmark index."""
+"""Tools the benchmarks share: results writer, report, index, /proc readers, plots, stubs."""

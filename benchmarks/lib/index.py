@@ -2,8 +2,9 @@
 
     python -m benchmarks.lib.index [--check]
 
-Every module under ``benchmarks/<group>/`` that runs as ``python -m`` (it has an
-``if __name__ == "__main__":`` block) is listed in its group's table. A benchmark's
+Every module under ``benchmarks/<group>/`` (a package; its docstring's first line titles
+its table) that runs as ``python -m`` (it has an ``if __name__ == "__main__":`` block) is
+listed in its group's table. A benchmark's
 docstring opens with one line, the question it answers (ending in ``?``), and its usage
 block names its command (indented lines starting ``python -m <the module>``); a tool's
 first line says what it does. A benchmark's result files are the committed JSONs under
@@ -27,13 +28,7 @@ from pathlib import Path
 from benchmarks.lib.paths import RESULTS, ROOT
 
 README = ROOT / "benchmarks" / "README.md"
-GROUPS = (
-    ("micro", "Micro-benchmarks: one component against its floor, measured in the same run."),
-    ("serving", "Serving: real engines under load, every arm in the same run."),
-    ("sim", "Simulations over Mooncake's traces (no engine)."),
-    ("reliability", "Reliability: faults injected under load, and soaks."),
-    ("lib", "Tools the benchmarks share (results writer, report, index, plots, stub engine)."),
-)
+ORDER = ("micro", "serving", "sim", "reliability")  # then any other group, lib/ last
 # Runnable modules outside lib/ that answer no question of their own.
 TOOLS = frozenset({"benchmarks.serving.lmcache_peer", "benchmarks.reliability.router_probe"})
 # Script paths before the benchmarks became a package -> their module (results recorded
@@ -107,10 +102,23 @@ def usage_lines(lines: Sequence[str], module: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def groups(root: Path = ROOT) -> list[tuple[str, str]]:
+    """(name, title) of every package under ``root/benchmarks/`` in index order; the title
+    is the first line of its ``__init__.py`` docstring."""
+    found = sorted(p.parent.name for p in (root / "benchmarks").glob("*/__init__.py"))
+    rank = {g: i for i, g in enumerate(ORDER)}
+    found.sort(key=lambda g: (g == "lib", rank.get(g, len(ORDER)), g))
+    out = []
+    for g in found:
+        doc = ast.get_docstring(ast.parse((root / "benchmarks" / g / "__init__.py").read_text()))
+        out.append((g, (doc or "").split("\n")[0].strip()))
+    return out
+
+
 def entries(root: Path = ROOT) -> list[Entry]:
     """Every runnable module under ``root/benchmarks/<group>/``, by group then name."""
     out = []
-    for group, _ in GROUPS:
+    for group, _ in groups(root):
         for path in sorted((root / "benchmarks" / group).rglob("*.py")):
             if path.name != "__init__.py" and runnable(path):
                 out.append(entry(path, root))
@@ -162,11 +170,11 @@ def render(root: Path = ROOT, results: Path = RESULTS) -> str:
              "`meta`) and compares against a baseline measured in the same run. "
              "`make report` renders every result into "
              "[results/REPORT.md](results/REPORT.md).", ""]
-    for group, title in GROUPS:
+    for group, title in groups(root):
         group_entries = [e for e in es if e.module.split(".")[1] == group]
         if not group_entries:
             continue
-        lines += [f"## `{group}/`", "", title, "",
+        lines += [f"## `{group}/`", "", *([title, ""] if title else []),
                   "| module | question | command | results |", "|---|---|---|---|"]
         for e in group_entries:
             cmds = "<br>".join(f"`{_cell(u)}`" for u in e.usage) or f"`python -m {e.module}`"

@@ -6,10 +6,12 @@ README's results table from the same data (``make report``).
     python -m benchmarks.lib.report [--results DIR] [--out FILE] [--readme FILE] [--check]
 
 One section per JSON (sorted by path; ``logs/``, the benchmarks' gitignored scratch, is
-left out): what made it (``meta.command``) and where
-(``meta.machine``), both written by :mod:`benchmarks.lib.results_writer`, else "not
-recorded"; its tables (bench_serving results and comparisons as arm tables, anything else
-from its ``summary``, its lists of rows and its per-arm/per-policy mappings); and its PNGs
+left out): what made it (``meta.command``), where (``meta.machine``) and from which code
+(``meta.git``: commit, and whether the tree differed), all written by
+:mod:`benchmarks.lib.results_writer`, else "not recorded" (no committed result may show
+that: tests/test_report.py); its tables (load generator results and comparisons as arm
+tables, anything else from its ``summary``, its lists of rows and its per-arm/per-policy
+mappings); and its PNGs
 (listed in ``figures``, else the PNGs named after it). README's block between
 :data:`BEGIN` and :data:`END` is rewritten with one row per arm of every full (not
 ``_quick``) comparison and connector benchmark. The output is a function of the files:
@@ -31,19 +33,11 @@ from benchmarks.lib.report_tables import (
     doc_tables,
     readme_rows,
 )
-from benchmarks.lib.results_writer import describe_machine
+from benchmarks.lib.results_writer import describe_git, describe_machine
 
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-# Scripts that wrote results before results_writer recorded the command (file-name prefix).
-PRODUCERS = {"compare_": "benchmarks/serving/compare.py",
-             "connectors": "benchmarks/serving/connectors.py",
-             "kernels_": "benchmarks/micro/kernels.py", "knee": "benchmarks/serving/knee.py",
-             "router_decision": "benchmarks/micro/router_decision.py",
-             "sim_": "benchmarks/sim/routing.py", "store_local": "benchmarks/micro/store.py",
-             "store_mooncake": "benchmarks/micro/store_mooncake.py",
-             "ttft": "benchmarks/serving/ttft.py"}
-
+NOT_RECORDED = "not recorded"  # tests/test_report.py: no committed result may show it
 SCRATCH = "logs"  # benchmarks/results/logs/: servers' logs and configs, gitignored
 
 Docs = list[tuple[str, dict[str, Any]]]
@@ -87,28 +81,32 @@ def figures(results: Path, docs: Docs) -> tuple[dict[str, list[tuple[str, str]]]
     return claimed, [p for p in pngs if p not in taken]
 
 
-def command_of(rel: str, doc: dict[str, Any]) -> str:
-    cmd = (doc.get("meta") or {}).get("command")
-    if cmd:
-        return f"`{cmd}`"
-    name = Path(rel).name
-    producer = next((v for k, v in PRODUCERS.items() if name.startswith(k)), None)
-    return "not recorded" + (f" (written by `{producer}`)" if producer else "")
+def command_of(doc: dict[str, Any]) -> str:
+    meta = doc.get("meta") or {}
+    cmd = meta.get("command")
+    if not cmd:
+        return NOT_RECORDED
+    note = f" ({meta['command_recorded']})" if meta.get("command_recorded") else ""
+    return f"`{cmd}`{note}"
+
+
+def commit_of(doc: dict[str, Any]) -> str:
+    return describe_git((doc.get("meta") or {}).get("git") or {}) or NOT_RECORDED
 
 
 def machine_of(doc: dict[str, Any]) -> str:
     m = (doc.get("meta") or {}).get("machine") or doc.get("machine")
     if isinstance(m, dict) and describe_machine(m):
         return describe_machine(m)
-    return "not recorded" + (f" (the JSON says cpus: {doc['cpus']})" if "cpus" in doc else "")
+    return NOT_RECORDED + (f" (the JSON says cpus: {doc['cpus']})" if "cpus" in doc else "")
 
 
 def section(rel: str, doc: dict[str, Any], figs: Sequence[tuple[str, str]]) -> list[str]:
     """The markdown of one result file."""
     title = doc.get("title") or doc.get("label") or ""
-    cmd, where = command_of(rel, doc), machine_of(doc)
+    cmd, where = command_of(doc), machine_of(doc)
     lines = [f"## `{rel}`", ""] + ([f"**{cell(title)}**", ""] if title else [])
-    lines += [f"- Command: {cmd}", f"- Machine: {where}", ""]
+    lines += [f"- Command: {cmd}", f"- Machine: {where}", f"- Commit: {commit_of(doc)}", ""]
     lines += doc_tables(doc)
     for png, caption in figs:
         lines += [f"![{cell(caption or png)}]({png})", "",

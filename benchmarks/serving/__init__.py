@@ -1,4 +1,6 @@
-"""The pieces of ``benchmarks.serving.loadgen`` and ``benchmarks.serving.compare``.
+"""Serving: real engines (or any OpenAI endpoint) under load, every arm in the same run.
+
+The load generator (:mod:`.loadgen`) and the comparisons (:mod:`.compare`) are built from:
 
 - :mod:`.tokens`: token-exact synthetic prompts from the model's own tokenizer (text where
   its word tokens allow, token ids with any tokenizer).

@@ -1,2 +1,1 @@
-"""Simulations over Mooncake's traces: routing policies on a P/D cluster model, and the
-store's hit rate vs capacity."""
+"""Simulations over Mooncake's traces (no engine): routing policies, hit rate vs capacity."""
