@@ -57,6 +57,7 @@ class CopyOrdering:
         self.lanes = [torch.cuda.Stream(device) for _ in range(self.LANES)]
         self._loaded: list[torch.cuda.Event | None] = []
         self._saves = 0  # packs enqueued this step (picks the lane)
+        self._loads = 0  # unpacks enqueued this step (picks the lane)
 
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -73,13 +74,15 @@ class CopyOrdering:
         compute stream has enqueued so far, which may still read pages that vLLM freed
         and now hands to the loading requests."""
         self._loaded = [None] * num_layers
+        self._loads = 0
         self._after_compute()
 
     def run_load(self, layer: int, enqueue: Callable[[], None], count: int = 1) -> None:
         """Enqueue the unpack (``enqueue``) of layers ``layer .. layer + count - 1`` on a
         lane and record the event every one of them waits for. Runs on the copy thread
         once the layers' bytes are in host memory."""
-        lane = self.lanes[layer % self.LANES]
+        lane = self.lanes[self._loads % self.LANES]  # calls alternate lanes, as saves
+        self._loads += 1
         with torch.cuda.stream(lane):
             enqueue()
             event = torch.cuda.Event()
