@@ -34,6 +34,10 @@ def test_store_config_from_dict() -> None:
         StoreConfig.from_dict({"capacity": 0})
     with pytest.raises(ValueError):
         StoreConfig.from_dict({"op_timeout_s": 0})
+    for key in ("hot_timeout_s", "disk_read_timeout_s"):
+        with pytest.raises(ValueError, match=key):
+            StoreConfig.from_dict({key: 0})
+    assert StoreConfig.from_dict({"hot_timeout_s": "0.25"}).hot_timeout_s == 0.25
     with pytest.raises(ValueError, match="ssd_offload_path"):  # not silently ignored
         StoreConfig.from_dict({"backend": "mooncake", "disk": {"path": "/tmp/kvc-disk",
                                                                "capacity": "1mb"}})
