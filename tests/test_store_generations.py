@@ -257,6 +257,18 @@ def test_a_restart_fits_a_tmpfs_sized_for_one_arena(tmp_path: Path) -> None:
         subprocess.run(["umount", str(shm)], check=True)
 
 
+def test_a_coordinator_whose_runtime_dir_is_removed_exits(tmp_path: Path) -> None:
+    """No client can reach a coordinator whose socket path is gone: once its last client
+    leaves, it exits (no orphan, whatever idle_timeout_s says)."""
+    cfg = StoreConfig(name="gone", capacity_bytes=16 << 20, runtime_dir=tmp_path / "rt",
+                      prefault=False)
+    with open_store(cfg) as store:
+        pid = store.stats()["pid"]
+        shutil.rmtree(cfg.runtime_dir)
+        assert put(store, ["still"]) == [OK]  # connected clients keep being served
+    assert wait_until(lambda: not launcher.pid_alive(pid), 10)
+
+
 def get_bytes(store: object, key: str, size: int) -> list[np.ndarray | None]:
     assert isinstance(store, LocalStore)
     buf = np.zeros(size, np.uint8)

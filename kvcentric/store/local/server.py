@@ -81,6 +81,7 @@ class Coordinator:
         self._shared: SharedIndexWriter | None = None
         self._running = True
         self._idle_since = time.monotonic()
+        self._sock_ino = -1  # the inode of the socket we listen on (see _reachable)
 
     def prepare(self) -> None:
         """Claim the store and reserve its memory (the lifetime lock, a fresh arena and
@@ -132,6 +133,7 @@ class Coordinator:
             os.unlink(path)  # stale: the launcher holds the lock and found nobody answering
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(path)
+        self._sock_ino = os.stat(path).st_ino
         os.chmod(path, 0o600)
         sock.listen(128)
         sock.setblocking(False)
@@ -176,7 +178,6 @@ class Coordinator:
                     log.info("%s", log_line(self.index.stats()))
                     last_log = now
                 if self._idle_expired(now):
-                    log.info("idle for %.0f s with no clients; exiting", self.cfg.idle_timeout_s)
                     break
         finally:
             self._cleanup(lsock)
@@ -198,10 +199,26 @@ class Coordinator:
                 self._answer(client)
 
     def _idle_expired(self, now: float) -> bool:
+        """No clients, and idle for ``idle_timeout_s`` or unreachable for good: our socket
+        path no longer names our socket (its runtime dir was removed), so no new client
+        can connect (a test session's store, an operator's rm -rf: never an orphan)."""
         if self._conns:
             self._idle_since = now
             return False
-        return self.cfg.idle_timeout_s > 0 and now - self._idle_since >= self.cfg.idle_timeout_s
+        if not self._reachable():
+            log.info("%s no longer names this coordinator's socket; exiting",
+                     self.cfg.socket_path)
+            return True
+        if self.cfg.idle_timeout_s > 0 and now - self._idle_since >= self.cfg.idle_timeout_s:
+            log.info("idle for %.0f s with no clients; exiting", self.cfg.idle_timeout_s)
+            return True
+        return False
+
+    def _reachable(self) -> bool:
+        try:
+            return os.stat(self.cfg.socket_path).st_ino == self._sock_ino
+        except OSError:
+            return False
 
     def _accept(self, lsock: socket.socket) -> None:
         try:
@@ -375,8 +392,9 @@ class Coordinator:
         if self._shared is not None:
             self._shared.disable("coordinator stopped")
             self._shared.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.cfg.socket_path)
+        if self._reachable():  # else the path is gone or another store's now: leave it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.socket_path)
         if self.gen is not None:
             self.gen.release()  # last: the lock keeps a second coordinator out until here
         log.info("kvcentric local store %r stopped", self.cfg.name)
