@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import yaml
 
-from kvcentric import doctor, doctor_probe
+from kvcentric import doctor
 from kvcentric.config import StoreConfig
+from kvcentric.doctor import engines, layout, router_checks, stores
 from kvcentric.hashing import KEY_PREFIX
 from kvcentric.store import StoreUnavailable, open_store
 from kvcentric.store.local import launcher
@@ -57,7 +58,7 @@ def test_old_vllm_shadowing_the_installed_one(tmp_path: Path) -> None:
     f = found["vllm-version"]
     assert f["status"] == "fail" and "0.6.3" in f["message"] and str(tmp_path) in f["message"]
     assert "0.32.0" in f["fix"]
-    assert doctor.check_vllm_version().status == "ok"  # the real install, for contrast
+    assert engines.check_vllm_version().status == "ok"  # the real install, for contrast
 
 
 def test_plugin_missing_when_kvcentric_is_not_installed(tmp_path: Path) -> None:
@@ -77,12 +78,12 @@ def test_plugin_missing_when_kvcentric_is_not_installed(tmp_path: Path) -> None:
     f = found["connector-plugin"]
     assert f["status"] == "fail" and "not installed" in f["message"]
     assert "kv_connector_module_path" in f["fix"]
-    assert doctor.check_plugin().status == "ok"
+    assert engines.check_plugin().status == "ok"
 
 
 def test_plugin_excluded_by_vllm_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolvers")
-    f = doctor.check_plugin()
+    f = engines.check_plugin()
     assert f.status == "fail" and "VLLM_PLUGINS" in f.message
 
 
@@ -99,7 +100,7 @@ def test_decode_instances_are_not_probed(tmp_path: Path, store_cfg: StoreConfig)
 
 
 def test_engine_url_that_is_not_an_engine() -> None:
-    f = doctor.check_engine_url_version(f"http://127.0.0.1:{free_port()}")
+    f = engines.check_engine_url_version(f"http://127.0.0.1:{free_port()}")
     assert f.status == "fail" and "/version" in f.message
 
 
@@ -113,9 +114,9 @@ def test_store_not_running(runtime_dir: Path) -> None:
 
 def test_store_running(store_cfg: StoreConfig) -> None:
     open_store(store_cfg).close()  # starts its coordinator
-    reach, stats = doctor.check_local_store(store_cfg)
+    reach, stats = stores.check_local_store(store_cfg)
     assert reach.status == "ok" and stats is not None
-    assert doctor.check_shm(store_cfg, stats).status == "ok"
+    assert stores.check_shm(store_cfg, stats).status == "ok"
 
 
 def test_store_larger_than_its_shm(runtime_dir: Path) -> None:
@@ -128,7 +129,7 @@ def test_store_larger_than_its_shm(runtime_dir: Path) -> None:
     with pytest.raises(StoreUnavailable, match="cannot reserve"):
         open_store(cfg)
     assert not launcher.is_running(cfg)
-    f = doctor.check_shm(cfg, None)
+    f = stores.check_shm(cfg, None)
     assert f.status == "fail" and "exceeds" in f.message and "sizeLimit" in f.fix
 
 
@@ -136,7 +137,7 @@ def test_store_larger_than_its_shm(runtime_dir: Path) -> None:
 def test_mooncake_master_unreachable() -> None:
     s = MooncakeSettings.load({"master_server_address": f"127.0.0.1:{free_port()}",
                                "use_env": False})
-    f = doctor.check_mooncake_master(s)
+    f = stores.check_mooncake_master(s)
     assert f.status == "fail" and "does not accept" in f.message
 
 
@@ -154,7 +155,7 @@ def test_mooncake_master_without_storage_nodes(mooncake_ns: Any, tmp_path: Path)
             s = MooncakeSettings.load({"master_server_address": "127.0.0.1:50251",
                                        "metrics_url": "http://127.0.0.1:9203/metrics",
                                        "use_env": False})
-            f = doctor.check_mooncake_master(s)
+            f = stores.check_mooncake_master(s)
     finally:
         stop_group(proc, 10)
     assert f.status == "warn" and "no memory" in f.message and "mooncake-node" in f.fix
@@ -165,12 +166,12 @@ def test_rdma_without_nics() -> None:
 
     if any(d.active_ports for d in list_devices()[0]):
         pytest.skip("this machine has an active RDMA NIC")
-    f = doctor.check_transport(MooncakeSettings.load({"protocol": "rdma", "use_env": False}))
+    f = stores.check_transport(MooncakeSettings.load({"protocol": "rdma", "use_env": False}))
     assert f.status == "fail" and "RDMA" in f.message
-    f = doctor.check_transport(MooncakeSettings.load({"protocol": "rdma", "use_env": False,
+    f = stores.check_transport(MooncakeSettings.load({"protocol": "rdma", "use_env": False,
                                                       "fallback_to_tcp": True}))
     assert f.status == "warn" and "falling back" in f.message
-    assert doctor.check_transport(MooncakeSettings.load({"use_env": False})).status == "ok"
+    assert stores.check_transport(MooncakeSettings.load({"use_env": False})).status == "ok"
 
 
 # ---- a real engine: layouts and the router config ----
@@ -211,7 +212,7 @@ def test_layout_matches(engine: Engine) -> None:
     engine.reset()
     with open_store(engine.store) as s:
         before = set(s.list_keys(KEY_PREFIX, 10000))
-    f, probe = doctor_probe.check_layout(engine.store, engine.server.url)
+    f, probe = layout.check_layout(engine.store, engine.server.url)
     assert f.status == "ok", f
     assert probe is not None and probe.model_id == "tiny" and probe.block_size == 128
     assert f.details["store_layouts"] == {f"{probe.layout_sig}/0of1": len(before)}
@@ -239,7 +240,7 @@ def test_store_holding_another_layout(engine: Engine) -> None:
 def test_engine_writing_to_another_store(engine: Engine, store_cfg: StoreConfig) -> None:
     """The doctor (like a router) is given a store the engine does not write to."""
     open_store(store_cfg).close()
-    f, probe = doctor_probe.check_layout(store_cfg, engine.server.url)
+    f, probe = layout.check_layout(store_cfg, engine.server.url)
     assert probe is None and f.status == "fail" and "wrote no block" in f.message
 
 
@@ -264,8 +265,8 @@ def test_router_config_matches(engine: Engine, tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_router_config_naming_the_wrong_model(engine: Engine, tmp_path: Path) -> None:
-    cfg = doctor_probe.load_router(_router(tmp_path, engine, model="llama-3-8b"))[0]
-    (f,) = doctor_probe.check_router(cfg, None)
+    cfg = router_checks.load_router(_router(tmp_path, engine, model="llama-3-8b"))[0]
+    (f,) = router_checks.check_router(cfg, None)
     assert f.status == "fail" and "llama-3-8b" in f.message and "tiny" in f.message
 
 
@@ -275,8 +276,8 @@ def test_router_config_with_another_block_size(engine: Engine, tmp_path: Path) -
     router would look up keys no engine writes."""
     engine.reset()
     path = _router(tmp_path, engine, keys={"block_size": 256})
-    cfg = doctor_probe.load_router(path)[0]
-    _, probe = doctor_probe.check_layout(engine.store, engine.server.url)
-    (f,) = doctor_probe.check_router(cfg, probe)
+    cfg = router_checks.load_router(path)[0]
+    _, probe = layout.check_layout(engine.store, engine.server.url)
+    (f,) = router_checks.check_router(cfg, probe)
     assert f.status == "fail" and "128-token blocks" in f.message
     assert "keys.block_size: 128" in f.message

@@ -66,6 +66,17 @@ def check_bad_config(store: dict[str, Any]) -> None:
             continue
         raise AssertionError(f"no ValueError for {bad} {msg}")
     _eq(create(store, model=None, model_id="override").model_id, "override", "model_id")
+    from kvcentric.connector.sglang.settings import SGLangSettings
+
+    for extra, why in (({"kvcentric": {"store": store, "modle_id": "x"}}, "modle_id"),
+                       ({"store": store}, "under"), ({"kvcentric": []}, "object"),
+                       ({"model_id": "m", "kvcentric": {"store": store}}, "under")):
+        try:
+            SGLangSettings.from_extra_config(extra)
+        except ValueError as exc:  # kvcentric's options are strict, SGLang's are not
+            assert why in str(exc), (extra, exc)
+            continue
+        raise AssertionError(f"no ValueError for {extra}")
 
 
 def write_cases(store: dict[str, Any], cases: dict[str, Any]) -> dict[str, Any]:
@@ -390,9 +401,9 @@ def check_shipped_config(store: dict[str, Any], path: str) -> None:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     extra = json.loads(Path(path).read_text())
-    StoreConfig.from_dict(extra["store"])  # the shipped store section is valid as is
+    StoreConfig.from_dict(extra["kvcentric"]["store"])  # the shipped store is valid as is
     cfg = storage_config(store, model="shipped")
-    cfg.extra_config = {**extra, "store": store}
+    cfg.extra_config = {**extra, "kvcentric": {**extra["kvcentric"], "store": store}}
     backend = StorageBackendFactory.create_backend("dynamic", cfg, None)
     assert backend.settings.v1, "interface_v1 must be on"
     pool = written_pool(False, "page_first", [1])

@@ -20,7 +20,7 @@ def storage_config(store: dict[str, Any], *, mla: bool = False, layout: str = "p
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
         is_page_first_layout=layout == "page_first", model_name=model,
-        extra_config={**FACTORY_KEYS, "store": dict(store), **extra})
+        extra_config={**FACTORY_KEYS, "kvcentric": {"store": dict(store), **extra}})
 
 
 def page_keys(tag: str, n: int) -> list[str]:

@@ -2,13 +2,18 @@
 
 SGLang passes ``--hicache-storage-backend-extra-config`` as one dict that also carries
 the factory's own keys (``backend_name``, ``module_path``, ``class_name``,
-``interface_v1``) and SGLang's prefetch knobs (``prefetch_threshold``, ...). kvcentric
-reads only the keys below and leaves every other key to SGLang::
+``interface_v1``) and SGLang's prefetch knobs (``prefetch_threshold``, ...), which SGLang
+parses leniently. kvcentric's options therefore sit under one ``"kvcentric"`` key, parsed
+strictly (an unknown or misspelt option is a ``ValueError`` at start-up, not a silently
+ignored one); every other key is SGLang's::
 
     {"backend_name": "kvcentric", "module_path": "kvcentric.connector.sglang",
      "class_name": "KVCentricHiCacheStorage", "interface_v1": 1,
-     "store": {"backend": "local", "name": "sglang", "capacity": "32gb"},
-     "model_id": "llama-3-8b"}
+     "kvcentric": {"store": {"backend": "local", "name": "sglang", "capacity": "32gb"},
+                   "model_id": "llama-3-8b"}}
+
+The options' earlier place, at the top level, is refused with a message saying where
+they go now.
 
 ``store`` is the :class:`~kvcentric.config.StoreConfig` every kvcentric connector takes,
 disk tier included: ``"disk": {"path": "/mnt/nvme/kvc", "capacity": "1tb"}`` in it gives
@@ -24,8 +29,8 @@ from typing import Any
 
 from kvcentric.config import StoreConfig, parse_bool, parse_fields
 
-# Keys kvcentric owns; a typo in one of these surfaces as a ValueError.
-OWN_KEYS = ("store", "model_id", "reopen_interval_s")
+SECTION = "kvcentric"  # the extra config's key holding kvcentric's options
+LEGACY_KEYS = ("store", "model_id", "reopen_interval_s")  # their place before SECTION
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,19 @@ class SGLangSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> SGLangSettings:
         extra = dict(extra or {})
-        own = {k: extra[k] for k in OWN_KEYS if k in extra}
+        legacy = [k for k in LEGACY_KEYS if k in extra]
+        if legacy:
+            raise ValueError(f"put kvcentric's SGLang options {legacy} under "
+                             f"\"{SECTION}\": {{...}} in --hicache-storage-backend-extra-"
+                             "config (SGLang ignores unknown top-level keys, so a typo there "
+                             "would go unnoticed)")
+        own = extra.get(SECTION, {})
+        if not isinstance(own, Mapping):
+            raise ValueError(f"\"{SECTION}\" must be an object of kvcentric options, got "
+                             f"{type(own).__name__}")
+        if "v1" in own:
+            raise ValueError("set \"interface_v1\" at the top level (SGLang's own key), "
+                             "not under \"kvcentric\"")
         kw = parse_fields(cls, own, "kvcentric SGLang options")
         kw["store"] = StoreConfig.from_dict(kw.get("store"))
         kw["v1"] = parse_bool(extra.get("interface_v1", 0) or 0, "interface_v1")

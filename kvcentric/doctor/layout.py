@@ -19,13 +19,13 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcentric.config import EngineEnv, StoreConfig
-from kvcentric.doctor import FAIL, OK, WARN, Finding, diagnosis_config
+from kvcentric.doctor.findings import FAIL, OK, WARN, Finding
+from kvcentric.doctor.stores import diagnosis_config
 from kvcentric.hashing import KEY_PREFIX, block_hashes, hash_seed, prompt_tail
 from kvcentric.stored_layout import stored_block_size
 
@@ -232,73 +232,3 @@ def check_layout(cfg: StoreConfig, url: str) -> tuple[Finding, ProbeResult | Non
     return Finding("layout-signature", OK, f"engine writes {details['engine_writes']} "
                    f"({probe.block_size}-token blocks); store holds {held.get(mine, 0)} "
                    "blocks of that layout and none of another", details=details), probe
-
-
-# ---- the router's config against its engines ----
-def load_router(path: str) -> tuple[Any, Finding]:
-    from kvcentric.router.config import load_config
-
-    try:
-        cfg = load_config(path)
-    except (ValueError, OSError) as exc:
-        return None, Finding("router-config", FAIL, f"{path}: {exc}",
-                             "fix the router config (see configs/router.yaml)")
-    return cfg, Finding("router-config", OK, f"{path}: model {cfg.model!r}, "
-                        f"{len(cfg.instances)} instances")
-
-
-def _router_block(cfg: Any, page: int | None) -> int | None:
-    if page is None:
-        return cfg.keys.block_size  # type: ignore[no-any-return]
-    return stored_block_size(page, cfg.keys.block_size)
-
-
-def _instance_problems(cfg: Any, info: EngineInfo, probe: ProbeResult | None) -> list[str]:
-    problems = []
-    if cfg.model not in info.models:
-        problems.append(f"serves {list(info.models)}, the router routes model "
-                        f"{cfg.model!r} (requests would fail or never match)")
-    try:
-        block = _router_block(cfg, info.page_size)
-    except ValueError as exc:
-        return problems + [str(exc)]
-    if probe is not None and probe.url == info.url:
-        if block is not None and block != probe.block_size:
-            problems.append(f"stores {probe.block_size}-token blocks, the router hashes "
-                            f"{block}-token blocks (set keys.block_size: {probe.block_size})")
-        if probe.model_id != cfg.model_id:
-            problems.append(f"keys its blocks under model id {probe.model_id!r}, the "
-                            f"router under {cfg.model_id!r} (set keys.model_id)")
-        if cfg.keys.layout_sig and cfg.keys.layout_sig != probe.layout_sig:
-            problems.append(f"writes layout {probe.layout_sig}, the router pins "
-                            f"keys.layout_sig {cfg.keys.layout_sig}")
-    return problems
-
-
-def check_router(cfg: Any, probe: ProbeResult | None) -> list[Finding]:
-    """One finding per instance of the router config: reachable, same model, same keys."""
-    out = []
-    blocks = set()
-    for inst in cfg.instances:
-        try:
-            info = engine_info(inst.url)
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            out.append(Finding("router-instance", FAIL, f"{inst.name} ({inst.url}) does not "
-                               f"answer: {exc}", "fix the instance url or start the engine"))
-            continue
-        problems = _instance_problems(cfg, info, probe)
-        if info.page_size:
-            blocks.add(stored_block_size(info.page_size, None) if cfg.keys.block_size is None
-                       else cfg.keys.block_size)
-        details = {"url": inst.url, "models": list(info.models), "page_size": info.page_size}
-        if problems:
-            out.append(Finding("router-instance", FAIL, f"{inst.name}: " + "; ".join(problems),
-                               "make the router config and the engines agree", details))
-        else:
-            out.append(Finding("router-instance", OK, f"{inst.name} serves {cfg.model!r}, "
-                               f"page {info.page_size}", details=details))
-    if len(blocks) > 1:
-        out.append(Finding("router-instance", FAIL, f"engines of different page sizes give "
-                           f"block sizes {sorted(blocks)}; the router uses one",
-                           "pin keys.block_size (and the connectors' block_size)"))
-    return out

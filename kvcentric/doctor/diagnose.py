@@ -1,0 +1,52 @@
+"""The whole doctor run: which diagnoses the inputs allow, in a fixed order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcentric.config import StoreConfig
+from kvcentric.doctor import layout, router_checks
+from kvcentric.doctor.engines import (
+    check_engine_url_version,
+    check_plugin,
+    check_sglang_version,
+    check_vllm_version,
+)
+from kvcentric.doctor.findings import SKIP, WARN, Finding
+from kvcentric.doctor.stores import store_findings
+
+
+@dataclass(frozen=True)
+class DoctorInputs:
+    store: StoreConfig | None = None
+    router_config: str | None = None
+    url: str | None = None
+
+
+def run(inputs: DoctorInputs) -> list[Finding]:
+    """Every check the inputs allow, in a fixed order."""
+    out = [check_vllm_version(), check_sglang_version()]
+    if all(f.status == SKIP for f in out):
+        out.append(Finding("engines", WARN, "neither vLLM nor SGLang is installed here",
+                           "run the doctor where the engine runs"))
+    out.append(check_plugin())
+    router = None
+    if inputs.router_config:
+        router, finding = router_checks.load_router(inputs.router_config)
+        out.append(finding)
+    store = inputs.store or (router.store if router is not None else None)
+    if store is not None:
+        out += store_findings(store)
+    probe = None
+    if inputs.url:
+        out.append(check_engine_url_version(inputs.url))
+        roles = {i.url: i.role for i in router.instances} if router is not None else {}
+        if roles.get(inputs.url.rstrip("/")) == "decode":
+            out.append(Finding("layout-signature", SKIP, f"{inputs.url} is a decode instance "
+                               "(kv_consumer: it never saves); probe a prefill one"))
+        elif store is not None:
+            finding, probe = layout.check_layout(store, inputs.url)
+            out.append(finding)
+    if router is not None:
+        out += router_checks.check_router(router, probe)
+    return out
