@@ -303,7 +303,13 @@ class StoreConfig:
         hot_timeout_s: bound on one hot-path round trip of the local store (``reserve``,
             ``commit``, ``acquire``, lookups over the socket: what a forward pass or the
             scheduler waits on). On expiry the connection is closed (its leases lapse) and
-            the circuit breaker opens (``reconnect_interval_s``).
+            the circuit breaker opens (``reconnect_interval_s``). Also the bound on one
+            Mooncake call (a lookup; a data call adds its bytes at ``min_transfer_rate``):
+            on expiry the call is abandoned and the breaker opens (docs/architecture.md §4.3).
+        min_transfer_rate: bytes per second below which a transfer counts as hung: a
+            Mooncake data call moving ``n`` bytes is abandoned after ``hot_timeout_s + n /
+            min_transfer_rate``, and the vLLM worker gives up a step's loads after its
+            ``load_timeout_s`` plus their bytes at this rate (late loads are recomputed).
         reconnect_interval_s: the circuit breaker: after a failed or timed-out call, or a
             failed (re)start, calls fail fast (``StoreUnavailable`` / a miss: the engine
             recomputes) for this long while the local client reconnects in the background.
@@ -330,6 +336,7 @@ class StoreConfig:
     prefault: bool = True
     op_timeout_s: float = 10.0
     hot_timeout_s: float = 0.1
+    min_transfer_rate: int = 256 << 20
     start_timeout_s: float = 20.0
     reconnect_interval_s: float = 1.0
     disk_read_timeout_s: float = 5.0
@@ -355,6 +362,8 @@ class StoreConfig:
                      "disk_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.min_transfer_rate <= 0:
+            raise ValueError("min_transfer_rate must be > 0 (bytes per second)")
         if self.disk is not None and not isinstance(self.disk, DiskConfig):
             raise ValueError("disk must be a DiskConfig (parse mappings with from_dict)")
         if self.disk is not None and self.backend != "local":
@@ -374,7 +383,7 @@ class StoreConfig:
         if raw is not None and "capacity" in raw and "capacity_bytes" in raw:
             raise ValueError("store: give capacity or capacity_bytes, not both")
         kw = parse_fields(cls, raw, "store", aliases={"capacity": "capacity_bytes"},
-                          sizes={"capacity_bytes"})
+                          sizes={"capacity_bytes", "min_transfer_rate"})
         if kw.get("disk") is not None:
             kw["disk"] = DiskConfig.from_dict(kw["disk"])
         return cls(**kw)

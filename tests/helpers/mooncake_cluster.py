@@ -95,8 +95,14 @@ class MooncakeCluster:
                 "probe_interval_s": 0.2, "staging_size": "64mb", **over}
 
     def store_config(self, **over: Any) -> dict[str, Any]:
-        """An ``open_store`` dict; a pure client (segment 0) unless ``over`` says otherwise."""
-        return {"backend": "mooncake", "op_timeout_s": 5.0, "mooncake": self.mooncake(**over)}
+        """An ``open_store`` dict; a pure client (segment 0) unless ``over`` says otherwise.
+
+        Its hot bound is 1 s, not the default 0.1 s: on a shared 2-core box a call now and
+        then waits over 100 ms for a core, which opens the breaker (a recompute), and tests
+        that check what a call returns are not about that; tests/test_store_mooncake_hung.py
+        tests the bound itself."""
+        return {"backend": "mooncake", "op_timeout_s": 5.0, "hot_timeout_s": 1.0,
+                "mooncake": self.mooncake(**over)}
 
     def start_node(self, name: str, segment: str = "64mb") -> subprocess.Popen[str]:
         """A storage-only node via ``kvcentric store mooncake-node``; returns once mounted."""

@@ -10,6 +10,12 @@ master is *down*), and while it is down the store answers ``ERR_UNAVAILABLE`` at
 without calling Mooncake. When the port accepts again, one real Mooncake call (``probe``)
 must succeed before the master counts as *up*: that call also makes the client reconnect
 and remount its segment on the restarted master.
+
+The same state is the store's circuit breaker for hung peers: a master or storage node
+that is stopped (SIGSTOP, a stalled host) still accepts connections, so nothing fails, the
+calls just block. A call that overruns its bound (:mod:`kvcentric.store.mooncake.calls`)
+marks the store down; the probe then waits until every abandoned call has returned (the
+peer it waited on answered) before its round trip may close the breaker again.
 """
 
 from __future__ import annotations
@@ -66,15 +72,15 @@ class MasterMonitor:
             self._up.clear()
             self.down_since = time.monotonic()
             self.outages += 1
-            log.warning("mooncake master %s:%d unreachable (%s): store calls fail fast, "
-                        "engines recompute", self.host, self.port, reason)
+            log.warning("mooncake store (master %s:%d) unavailable (%s): store calls fail "
+                        "fast, engines recompute", self.host, self.port, reason)
 
     def _mark_up(self) -> None:
         since = self.down_since or time.monotonic()
         self.down_since = None
         self._up.set()
-        log.warning("mooncake master %s:%d is back after %.1f s", self.host, self.port,
-                    time.monotonic() - since)
+        log.warning("mooncake store (master %s:%d) is back after %.1f s", self.host,
+                    self.port, time.monotonic() - since)
 
     def check_once(self) -> bool:
         """One monitor step; returns the state after it."""

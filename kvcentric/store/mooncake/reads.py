@@ -5,7 +5,9 @@ object whole into them (``batch_get_into``), or only opens a get session (the ma
 resolves the replicas once) so that :meth:`LeaseReads.fetch_range` can later get one byte
 range of every object per call: the vLLM worker fetches layer ``l`` just before layer
 ``l`` runs (docs/architecture.md §4.3). The staging extents and the session belong to the
-lease until :meth:`LeaseReads.release`.
+lease until :meth:`LeaseReads.release`. Every call is bounded (``MooncakeStore._call``): a
+get that overruns is abandoned with its extents held, so a lease released meanwhile
+gives them back only once that get has returned.
 """
 
 from __future__ import annotations
@@ -49,16 +51,17 @@ class LeaseReads:
         keys, sizes = list(keys[:len(ptrs)]), list(sizes[:len(ptrs)])
         sums: list[int | None] = [None] * len(keys)
         if session and not self.store.cfg.verify_checksums:  # a checksum needs the whole
-            codes = self.store._get(keys, lambda c: c.batch_get_session_start(keys))
+            codes = self.store._get(keys, lambda c: c.batch_get_session_start(keys), 0, ())
             n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
             self.end_session(keys[n:])
         else:
             session = False
             if self.store.cfg.verify_checksums:
                 codes, sums = get_checked(self.store, keys, [[p] for p in ptrs],
-                                                     [[s] for s in sizes])
+                                          [[s] for s in sizes], ptrs)
             else:
-                codes = self.store.batch_get_into(keys, ptrs, sizes)
+                codes = self.store._get(keys, lambda c: c.batch_get_into(keys, ptrs, sizes),
+                                        sum(sizes), ptrs)
             n = next((i for i, c in enumerate(codes) if c <= 0), len(codes))
         self.store.staging.free(ptrs[n:])
         if n == 0 and ERR_UNAVAILABLE in codes:
@@ -72,9 +75,11 @@ class LeaseReads:
         if not isinstance(held, _Held) or held.owner is not self or not held.session:
             return
         for c in chunks([[p] for p in held.ptrs]):
-            got = self.store.client.batch_get_into_multi_buffer_ranges(
-                lease.keys[c], [[p + offset] for p in held.ptrs[c]],
-                [[size]] * len(held.ptrs[c]), [[offset]] * len(held.ptrs[c]))
+            keys, ptrs = lease.keys[c], held.ptrs[c]
+            got = self.store._call(
+                lambda m, keys=keys, ptrs=ptrs: m.batch_get_into_multi_buffer_ranges(
+                    keys, [[p + offset] for p in ptrs], [[size]] * len(ptrs),
+                    [[offset]] * len(ptrs)), "ranged get", size * len(ptrs), ptrs)
             bad = [int(g) for g in got if int(g) != size]
             if bad:
                 self.store._mapped([g for g in bad if g < 0])
@@ -91,10 +96,12 @@ class LeaseReads:
             self.end_session(lease.keys)
 
     def end_session(self, keys: list[str]) -> None:
-        """Drop a get session's cached replicas (best effort: the master may be away)."""
-        if self.store._client is None or self.store._closed or not keys:
+        """Drop a get session's cached replicas (best effort, bounded; skipped while the
+        breaker is open: a release must not wait for a hung master, and the few sessions
+        in flight at an outage cost the client a few cached descriptors)."""
+        if not keys:
             return
         try:
-            self.store._client.batch_get_session_end(keys)
+            self.store._call(lambda c: c.batch_get_session_end(keys), "get session end")
         except Exception as exc:  # never let cleanup fail a request
             log.debug("batch_get_session_end failed: %s", exc)

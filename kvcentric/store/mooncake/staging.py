@@ -7,6 +7,10 @@ anonymous, prefaulted mapping, registers it once, and carves extents out of it.
 
 Ownership: the arena owns the mapping; an extent belongs to the slot or lease it was
 handed to until it is freed; the mapping is unmapped only by :meth:`StagingArena.close`.
+An object that an abandoned Mooncake call may still read or write is *held*
+(:meth:`StagingArena.hold`, :mod:`kvcentric.store.mooncake.calls`): freeing it then only
+marks it, and it returns to the arena when the call has returned (:meth:`StagingArena.unhold`),
+so no later slot or lease ever shares its bytes with that call.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class StagingArena:
         self._lock = threading.Lock()
         self._owner: dict[int, int] = {}  # object pointer -> its extent's first pointer
         self._extents: dict[int, list[int]] = {}  # extent head -> [bytes, live objects]
+        self._held: dict[int, int] = {}  # object pointer -> abandoned calls using it
+        self._freed_held: set[int] = set()  # freed by their owner while held
         rc = register(self.base, size)
         if rc != 0:
             self.close()
@@ -70,17 +76,60 @@ class StagingArena:
 
     def free(self, ptrs: Sequence[int]) -> None:
         """Free objects by the pointers :meth:`alloc_run` returned; an extent returns to
-        the arena when its last object is freed. Unknown pointers are ignored."""
+        the arena when its last object is freed. Unknown pointers are ignored; a held one
+        is freed when its last hold ends."""
         with self._lock:
             for p in ptrs:
-                head = self._owner.pop(p, None)
-                if head is None:
+                if p in self._held:
+                    if p in self._owner:
+                        self._freed_held.add(p)
                     continue
-                ext = self._extents[head]
-                ext[1] -= 1
-                if ext[1] == 0:
-                    del self._extents[head]
-                    self._alloc.free(head - self.base, ext[0])
+                self._release(p)
+
+    def _release(self, p: int) -> None:
+        head = self._owner.pop(p, None)
+        if head is None:
+            return
+        ext = self._extents[head]
+        ext[1] -= 1
+        if ext[1] == 0:
+            del self._extents[head]
+            self._alloc.free(head - self.base, ext[0])
+
+    def hold(self, ptrs: Sequence[int]) -> None:
+        """Keep these objects from reuse (an abandoned call may still use them), even
+        once freed, until as many :meth:`unhold` calls."""
+        with self._lock:
+            for p in ptrs:
+                if p in self._owner:
+                    self._held[p] = self._held.get(p, 0) + 1
+
+    def unhold(self, ptrs: Sequence[int]) -> None:
+        """End one hold of each object; one its owner freed meanwhile is freed now."""
+        with self._lock:
+            for p in ptrs:
+                n = self._held.get(p, 0) - 1
+                if n > 0:
+                    self._held[p] = n
+                    continue
+                self._held.pop(p, None)
+                if p in self._freed_held:
+                    self._freed_held.discard(p)
+                    self._release(p)
+
+    @property
+    def held(self) -> int:
+        """Objects held for abandoned calls (freed by their owners or not)."""
+        with self._lock:
+            return len(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of held objects, by the extents they were carved for (an object's share
+        of a shared extent counts as its whole extent's stride: an upper bound)."""
+        with self._lock:
+            heads = {self._owner[p] for p in self._held if p in self._owner}
+            return sum(self._extents[h][0] for h in heads)
 
     @property
     def used(self) -> int:

@@ -21,6 +21,16 @@ master is unreachable calls answer ``ERR_UNAVAILABLE`` (or raise ``StoreUnavaila
 microseconds instead of Mooncake's ~4 s reconnect stall, and the client rejoins by itself
 (:mod:`kvcentric.store.mooncake.health`). ``parents`` is ignored (Mooncake evicts by its own
 policy, not leaves first).
+
+Bounds (:mod:`kvcentric.store.mooncake.calls`): every call a step or a lookup waits on --
+lookups, ``batch_alloc``, ``batch_commit``, ``batch_acquire[_streamed]``, ``fetch_range``,
+``release`` -- returns within ``hot_timeout_s`` (a data call: plus its bytes at
+``min_transfer_rate``, :meth:`MooncakeStore.bound_s`) even when the master or a storage
+node hangs; an overrun call is abandoned (its staging is held until Mooncake returns it)
+and opens the breaker. ``batch_put_from``/``batch_get_into`` and their ``_multi`` forms
+move the *caller's* memory, which no one could keep from reuse after an abandoned call:
+their lookups are bounded, their transfers wait for Mooncake (not for hot paths: the
+connectors use slots and leases).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from kvcentric.store.base import (
     StoreUnavailable,
     WriteSlot,
 )
+from kvcentric.store.mooncake.calls import CallRunner
 from kvcentric.store.mooncake.checksums import get_checked, put_sealed
 from kvcentric.store.mooncake.client import check_installed, chunks, join
 from kvcentric.store.mooncake.codes import MC_NO_SPACE, map_code
@@ -63,6 +74,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcentric.store")
 
 _SENTINEL = "kvc/health/probe"
+# clients (and their staging) that abandoned calls still used at close: never destroyed
+# under a running call (a crash); freed at exit
+_LEAKED: list[tuple[Any, StagingArena | None]] = []
 
 
 class MooncakeStore(KVStore):
@@ -94,6 +108,8 @@ class MooncakeStore(KVStore):
         self._staging: StagingArena | None = None
         self._pinner: HostPinner | None = None
         self._reads = LeaseReads(self)
+        # made on the opening thread: its threads run on that thread's cores (§2.4)
+        self._calls = CallRunner("mooncake", self._timed_out, self._hold, self._unhold)
         host, port = s.master_host_port
         self.monitor = MasterMonitor(host, port, self._probe, s.probe_interval_s,
                                      s.probe_timeout_s)
@@ -114,7 +130,9 @@ class MooncakeStore(KVStore):
         self._client = client
 
     def _probe(self) -> bool:
-        """Monitor thread, master down: join if never joined, else one real round trip."""
+        """Monitor thread, breaker open: join if never joined, else one bounded round trip,
+        and only once every abandoned call has returned (the master or node it waited on
+        has answered, so the path it took works again)."""
         if self._closed:
             return False
         if self._client is None:
@@ -124,7 +142,37 @@ class MooncakeStore(KVStore):
                 log.warning("%s; retrying", exc)
                 return False
             return True
-        return all(int(c) >= 0 for c in self._client.batch_is_exist([_SENTINEL]))
+        if self._calls.outstanding:
+            return False
+        client = self._client
+        codes = self._calls.run(lambda: client.batch_is_exist([_SENTINEL]),
+                                self.settings.probe_timeout_s, what="probe")
+        return all(int(c) >= 0 for c in codes)
+
+    # ---- bounds ----
+    def bound_s(self, nbytes: int = 0) -> float:
+        """How long a call moving ``nbytes`` may take before it is abandoned."""
+        return self.cfg.hot_timeout_s + nbytes / self.cfg.min_transfer_rate
+
+    def _call(self, fn: Any, what: str, nbytes: int = 0, held: Sequence[int] = (),
+              timeout_s: float | None = None) -> Any:
+        """``fn(client)`` within :meth:`bound_s` (or ``timeout_s``); ``held``: staging that
+        ``fn`` reads or writes (kept from reuse if the call is abandoned). Raises
+        ``StoreUnavailable`` at once while the breaker is open, ``CallTimeout`` on expiry."""
+        client = self.client
+        bound = self.bound_s(nbytes) if timeout_s is None else timeout_s
+        return self._calls.run(lambda: fn(client), bound, held, what)
+
+    def _timed_out(self, reason: str) -> None:
+        self.monitor.mark_down(reason)
+
+    def _hold(self, ptrs: Sequence[int]) -> None:
+        if self._staging is not None:
+            self._staging.hold(ptrs)
+
+    def _unhold(self, ptrs: Sequence[int]) -> None:
+        if self._staging is not None:
+            self._staging.unhold(ptrs)
 
     # ---- plumbing ----
     @property
@@ -179,8 +227,10 @@ class MooncakeStore(KVStore):
 
     # ---- KVStore: existence, puts, gets ----
     def _exist_flags(self, keys: Sequence[str]) -> list[int]:
-        """1/0 per key; raises ``StoreUnavailable`` when the master does not answer."""
-        codes = self.client.batch_is_exist(list(keys))
+        """1/0 per key; raises ``StoreUnavailable`` when the master does not answer (in
+        ``hot_timeout_s``)."""
+        k = list(keys)
+        codes = self._call(lambda c: c.batch_is_exist(k), "lookup")
         if any(int(c) < 0 for c in codes):
             self._mapped(codes)
             raise StoreUnavailable(f"batch_is_exist failed: {codes[:3]}")
@@ -230,13 +280,15 @@ class MooncakeStore(KVStore):
         return out
 
     def _put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
-             pin_s: float = 0.0) -> list[int]:
+             pin_s: float = 0.0, held: Sequence[int] | None = None) -> list[int]:
         """Put objects given as buffer lists (one buffer: ``batch_put_from``), waiting a
         bounded time for eviction when space runs out (the master evicts asynchronously
-        once past its high watermark); ``pin_s``: soft pin (:meth:`_config`)."""
+        once past its high watermark); ``pin_s``: soft pin (:meth:`_config`). ``held``:
+        the staging objects the buffers are (each attempt bounded, :meth:`_call`);
+        ``None``: caller memory, each attempt waits for Mooncake."""
         if self.cfg.verify_checksums and keys:
-            return put_sealed(self, keys, ptrs, sizes, pin_s)
-        return self._put_raw(keys, ptrs, sizes, pin_s)
+            return put_sealed(self, keys, ptrs, sizes, pin_s, held)
+        return self._put_raw(keys, ptrs, sizes, pin_s, held)
 
     def _config(self, pin_s: float) -> Any:
         """The ``ReplicateConfig`` of a put: soft-pinned for ``pin_s`` s when > 0 (the
@@ -252,8 +304,8 @@ class MooncakeStore(KVStore):
         cfg.soft_pin_ttl_ms = int(pin_s * 1000)
         return cfg
 
-    def _put_raw(self, keys: list[str], ptrs: list[list[int]],
-                 sizes: list[list[int]], pin_s: float = 0.0) -> list[int]:
+    def _put_raw(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
+                 pin_s: float = 0.0, held: Sequence[int] | None = None) -> list[int]:
         out = [ERR_UNAVAILABLE] * len(keys)
         todo = list(range(len(keys)))
         deadline = time.monotonic() + self.settings.no_space_wait_s
@@ -261,10 +313,14 @@ class MooncakeStore(KVStore):
         replicate = self._config(pin_s)
         while todo:
             k, p, n = [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+
+            def put(c: Any, k: list[str] = k, p: list[list[int]] = p,
+                    n: list[list[int]] = n) -> Any:
+                return (c.batch_put_from(k, [x[0] for x in p], [x[0] for x in n], replicate)
+                        if single else c.batch_put_from_multi_buffers(k, p, n, replicate))
             try:
-                raw = (self.client.batch_put_from(k, [x[0] for x in p], [x[0] for x in n],
-                                                  replicate) if single else
-                       self.client.batch_put_from_multi_buffers(k, p, n, replicate))
+                raw = (put(self.client) if held is None else
+                       self._call(put, "put", sum(sum(x) for x in n), held))
             except StoreUnavailable:
                 break
             for i, c in zip(todo, self._mapped(raw)):
@@ -302,11 +358,14 @@ class MooncakeStore(KVStore):
             out += self._get(k, lambda m, k=k, p=p, n=n: m.batch_get_into_multi_buffers(k, p, n))
         return out
 
-    def _get(self, keys: Sequence[str], call: Any) -> list[int]:
+    def _get(self, keys: Sequence[str], call: Any, nbytes: int = 0,
+             held: Sequence[int] | None = None) -> list[int]:
+        """``call(client)``'s per-key codes, mapped and counted. ``held``: the staging it
+        moves into (bounded, :meth:`_call`); ``None``: caller memory (waits for Mooncake)."""
         if not keys:
             return []
         try:
-            raw = call(self.client)
+            raw = call(self.client) if held is None else self._call(call, "get", nbytes, held)
         except StoreUnavailable:
             return [ERR_UNAVAILABLE] * len(keys)
         out = self._mapped(raw)
@@ -323,7 +382,8 @@ class MooncakeStore(KVStore):
         deadline = time.monotonic() + self.cfg.op_timeout_s
         while True:
             try:
-                code = self._mapped([self.client.remove(key, force)])[0]
+                code = self._mapped([self._call(lambda c: c.remove(key, force), "remove",
+                                                timeout_s=self.cfg.op_timeout_s)])[0]
             except StoreUnavailable:
                 return ERR_UNAVAILABLE
             if code != ERR_HAS_LEASE or time.monotonic() >= deadline:
@@ -356,9 +416,9 @@ class MooncakeStore(KVStore):
             return []
         try:
             return self._put([s.key for s in slots], [[s.ptr] for s in slots],
-                             [[s.size] for s in slots], pin_s)
+                             [[s.size] for s in slots], pin_s, [s.ptr for s in slots])
         finally:
-            self.batch_abort(slots)
+            self.batch_abort(slots)  # a slot an abandoned put still reads stays held
 
     def batch_abort(self, slots: Sequence[WriteSlot]) -> None:
         if self._staging is not None:
@@ -424,6 +484,9 @@ class MooncakeStore(KVStore):
                 "keys": int(m.get("master_key_count", 0)),
                 "evictions": int(m.get("master_evicted_key_count", 0)),
                 "staging_used_bytes": self._staging.used if self._staging else 0,
+                "staging_held_bytes": self._staging.held_bytes if self._staging else 0,
+                "abandoned_calls": self._calls.abandoned,
+                "abandoned_running": self._calls.outstanding,
                 "master_up": self.monitor.up, "outages": self.monitor.outages, **counters}
 
     def list_keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
@@ -432,15 +495,23 @@ class MooncakeStore(KVStore):
 
     def clear(self, force: bool = True) -> int:
         """Remove every object (``force``: leased ones too); returns how many."""
-        return int(self.client.remove_all(force))
+        return int(self._call(lambda c: c.remove_all(force), "remove_all",
+                              timeout_s=self.cfg.op_timeout_s))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.monitor.close()  # waits out a probe or join in flight
+        self._calls.close()
         client, self._client = self._client, None
         if client is None:
+            return
+        if not self._calls.drain(self.cfg.op_timeout_s):
+            log.warning("%d abandoned mooncake calls still running at close: their client "
+                        "and staging stay until exit", self._calls.outstanding)
+            _LEAKED.append((client, self._staging))
+            self._staging = None
             return
         for ptr in list(self._registered):
             client.unregister_buffer(ptr)
