@@ -37,7 +37,10 @@ class ConnectorSettings:
         load_failure_policy: what vLLM does after a failed load. ``"recompute"`` (our
             default; a cache is best effort) or ``"fail"``.
         save_decode: also store full blocks of generated tokens (multi-turn reuse).
-        load_timeout_s: bound on waiting for one step's loads; late layers are recomputed.
+        load_timeout_s: bound on a step's waits for its copy jobs (loads, and packs queued
+            behind them), plus their bytes at ``store.min_transfer_rate``: past it the
+            step's loads are recomputed and its saves dropped. The store bounds each of its
+            own calls (``store.hot_timeout_s``), so this is a backstop a little above those.
         async_copy: copy pages on a background thread so copies overlap layer compute.
         async_commit: publish a step's saved objects on a background thread once their
             pages are copied out of the KV cache, so the step (and the request's first
@@ -75,7 +78,7 @@ class ConnectorSettings:
     model_revision: str | None = None
     load_failure_policy: str = "recompute"
     save_decode: bool = True
-    load_timeout_s: float = 10.0
+    load_timeout_s: float = 0.5
     async_copy: bool = True
     async_commit: bool = True
     spare_cpu_threads: bool = True

@@ -42,12 +42,20 @@ attention; the host waits for the copy stream only before releasing leases and c
 Failures never produce wrong tokens: an object that is missing, corrupt (checksums on),
 or whose copy failed is reported through :meth:`take_load_errors` with every page after
 it, so vLLM recomputes those tokens; a save that fails is dropped (aborted).
+
+Bounded waits: a step waits for its copy jobs at most ``load_timeout_s`` plus their bytes
+at the store's ``min_transfer_rate`` in all (the store bounds each of its own calls). A
+step that gives up reports its loads as load errors and aborts its saves, but never frees
+what a late job may still use: its jobs stop touching the KV cache (:class:`_Gate`), its
+leases are released and its slots aborted only once its jobs are done (a done-callback).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -71,6 +79,42 @@ class IntegrityError(RuntimeError):
     """A leased object's header names another key, rank, layout or format."""
 
 
+class _Gate:
+    """Whether one step's load jobs may still write the KV cache. Closing waits for an
+    unpack in progress (a copy, never a store call); after :meth:`close` no job of that
+    step unpacks (a late one may still be in a store call: its step's leases are released
+    only once it is done)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = True
+
+    def close(self) -> None:
+        with self.lock:
+            self.open = False
+
+
+def when_done(futs: Sequence[Future[None]], fn: Callable[[], None]) -> None:
+    """Run ``fn`` once every future in ``futs`` is done (now, when they all are; else on
+    the thread that finishes the last one). Cancelled futures count as done."""
+    left = [len(futs) + 1]
+    lock = threading.Lock()
+
+    def one(_: object = None) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            try:
+                fn()
+            except Exception:  # a callback must not die silently on the copy thread
+                log.exception("deferred cleanup failed")
+
+    for fut in futs:
+        fut.add_done_callback(one)
+    one()
+
+
 class KVCentricWorker:
     """Moves pages between the paged KV cache and the store for one worker."""
 
@@ -90,7 +134,8 @@ class KVCentricWorker:
                                         initargs=(spare,)) if settings.async_copy else None
         self._load_futs: list[Future[None]] = []
         self._load_failed = False
-        self._poisoned = False  # the copy thread found a bad header: unpack nothing more
+        self._gate = _Gate()  # this step's load jobs may unpack (closed: bad header, gave up)
+        self._wait_left = 0.0  # seconds this step may still wait for its copy jobs
         self._load_plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]] = []
         self._fetch_group = 1  # layers per ranged fetch, set per step
         self._leases: list[ReadLease] = []
@@ -170,10 +215,13 @@ class KVCentricWorker:
             # one ranged store call per group of layers: each call has a fixed cost
             # (Mooncake over TCP: ~5 ms), which small per-layer ranges would pay L times
             self._fetch_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
+            self._wait_left = self._bound_s(per_layer * len(self._kv))
             if self._path.ordering is not None:
                 self._path.ordering.begin_loads(len(self._kv))
-            self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer)
-                               for layer in range(len(self._kv))]
+            # each job gets its step's plans and gate: a late job never sees the next step's
+            plans, group, gate = list(self._load_plans), self._fetch_group, self._gate
+            self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer,
+                                         plans, group, gate) for layer in range(len(self._kv))]
             if not hooks_run:
                 for layer in range(len(self._kv)):
                     self._wait_layer(layer)
@@ -218,34 +266,46 @@ class KVCentricWorker:
         self._load_errors.update(p for pages in page_ids for p in pages if p != SKIP)
         self.stats.add(load_errors=len(page_ids))
 
-    def _unpack_layer(self, layer: int) -> None:
+    def _bound_s(self, nbytes: int) -> float:
+        """How long a step may wait for copy jobs moving ``nbytes``."""
+        return self.settings.load_timeout_s + nbytes / self.settings.store.min_transfer_rate
+
+    def _unpack_layer(self, layer: int, plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]],
+                      group: int, gate: _Gate) -> None:
         """Copy thread: fetch this layer's group of byte ranges (first layer of a group;
         the first group brings the headers, checked before anything is unpacked), then
         move the layer's pages into the cache: on CPU layer by layer; on CUDA the whole
         group at its first layer, as one transfer per run (small layers, e.g. MLA's, were
-        host-bound one DMA, stream switch and event per layer)."""
-        if self._load_failed or self._poisoned:
-            return  # the step's loads are being recomputed: leave the pages alone
+        host-bound one DMA, stream switch and event per layer). Nothing is unpacked once
+        ``gate`` closed (the step's loads are recomputed: leave the pages alone)."""
+        if not gate.open:
+            return
         g = self.layout.geometry
-        first = layer % self._fetch_group == 0
-        count = min(self._fetch_group, len(self._kv) - layer)
+        first = layer % group == 0
+        count = min(group, len(self._kv) - layer)
         if first:
             offset, size = g.layer_range(layer, count)
-            for lease, _, _ in self._load_plans:
+            for lease, _, _ in plans:
                 self.store.fetch_range(lease, offset, size)
-        if layer == 0:
-            self._check_headers()
-        ordering = self._path.ordering
-        if ordering is None:
-            self._unpack_all(layer)
-        elif first:  # the bytes are in host memory: the GPU copies them on a copy lane
-            ordering.run_load(layer, lambda: self._unpack_group(layer, count), count)
+        with gate.lock:
+            if not gate.open:
+                return
+            if layer == 0:
+                self._check_headers(plans, gate)
+            ordering = self._path.ordering
+            if ordering is None:
+                for _, plan, _ in plans:
+                    plan.unpack_layer(layer, self._kv[layer])
+            elif first:  # the bytes are in host memory: the GPU copies them on a copy lane
+                ordering.run_load(layer, lambda: self._unpack_group(plans, layer, count), count)
 
-    def _check_headers(self) -> None:
+    def _check_headers(self, plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]],
+                       gate: _Gate) -> None:
         """Every leased object's header against the object this step asked for;
-        ``IntegrityError`` (the step's loads are recomputed) on any mismatch."""
+        ``IntegrityError`` (the step's loads are recomputed; ``gate`` closes, its lock is
+        held) on any mismatch."""
         bad = 0
-        for lease, _, refs in self._load_plans:
+        for lease, _, refs in plans:
             for ptr, ref, key in zip(lease.ptrs, refs, lease.keys):
                 if not self._headers.check(ptr, ref):
                     bad += 1
@@ -253,16 +313,13 @@ class KVCentricWorker:
                               "%s; recomputing", key, self._headers.describe(ptr),
                               describe(self._headers.expected(ref)))
         if bad:
-            self._poisoned = True
+            gate.open = False
             self.stats.add(integrity_errors=bad)
             raise IntegrityError(f"{bad} leased objects failed their header check")
 
-    def _unpack_all(self, layer: int) -> None:
-        for _, plan, _ in self._load_plans:
-            plan.unpack_layer(layer, self._kv[layer])
-
-    def _unpack_group(self, first: int, count: int) -> None:
-        for _, plan, _ in self._load_plans:
+    def _unpack_group(self, plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]],
+                      first: int, count: int) -> None:
+        for _, plan, _ in plans:
             plan.unpack_layers(first, self._kv[first:first + count])
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -274,20 +331,16 @@ class KVCentricWorker:
         if not self._load_futs or self._load_failed:
             return
         t0 = time.perf_counter()
-        try:
-            self._load_futs[layer].result(self.settings.load_timeout_s)
-        except Exception as exc:  # a failed or late load: recompute everything loaded
-            log.error("layer load failed (%s); recomputing this step's loaded blocks", exc)
-            self._fail_loads()
-        else:
-            if self._path.ordering is not None:
-                self._path.ordering.wait_layer(layer)
+        if self._wait_job(self._load_futs[layer]) and self._path.ordering is not None:
+            self._path.ordering.wait_layer(layer)
         self.stats.add(load_wait_seconds=time.perf_counter() - t0)
 
     def _fail_loads(self) -> None:
-        """Report every page this step loads; later layers' loads must not run (they
-        would write pages vLLM is about to recompute)."""
+        """Report every page this step loads; its jobs must not unpack any more (they
+        would write pages vLLM is about to recompute): the gate closes (waiting out an
+        unpack in progress) and queued jobs are cancelled."""
         self._load_failed = True
+        self._gate.close()
         for fut in self._load_futs:
             fut.cancel()
         for _, plan, _ in self._load_plans:
@@ -379,12 +432,9 @@ class KVCentricWorker:
         self._finish_saves()
 
     def _finish_loads(self) -> None:
-        for fut in self._load_futs:  # the running one, at most: leases outlive copies
-            try:
-                fut.result()
-            except Exception:  # a layer never waited for failed: report it all the same
-                if not self._load_failed:
-                    self._fail_loads()
+        for fut in self._load_futs:  # within the step's bound: leases outlive copies
+            if self._load_failed or not self._wait_job(fut):
+                break
         if self._path.ordering is not None:
             self._path.ordering.loads_done()  # the GPU may still read the leased bytes
         for lease, plan, _ in self._load_plans:
@@ -396,10 +446,31 @@ class KVCentricWorker:
                             plan.num_objects)
                 self._load_errors.update(plan.page_ids())
                 self.stats.add(load_errors=plan.num_objects)
-        for lease in self._leases:
-            self.store.release(lease)
+        leases, store = self._leases, self.store
+
+        def release() -> None:
+            for lease in leases:
+                store.release(lease)
+        # a job that overran its step may still fetch into, or read, its leases
+        when_done(self._load_futs, release)
         self._leases, self._load_plans, self._load_futs = [], [], []
-        self._load_failed = self._poisoned = False
+        self._load_failed = False
+        self._gate = _Gate()
+
+    def _wait_job(self, fut: Future[None]) -> bool:
+        """Wait for one load job within what is left of the step's bound; a job that
+        failed or is late fails the step's loads (False)."""
+        t0 = time.perf_counter()
+        try:
+            fut.result(max(self._wait_left, 0.0))
+            return True
+        except Exception as exc:  # failed, or late (TimeoutError): recompute all loaded
+            log.error("layer load failed (%s); recomputing this step's loaded blocks",
+                      exc or type(exc).__name__)
+            self._fail_loads()
+            return False
+        finally:
+            self._wait_left -= time.perf_counter() - t0
 
     def _finish_saves(self) -> None:
         slots, self._slots = self._slots, []
@@ -408,12 +479,20 @@ class KVCentricWorker:
         packed_layers, self._packed_layers, self._save_batch = self._packed_layers, 0, []
         if not slots:
             return
+        # the packs may wait behind this step's late load jobs on the copy thread
+        left = self._bound_s(len(slots) * self.layout.geometry.object_bytes)
         try:
             for fut in futs:
-                fut.result()
-        except Exception as exc:
-            log.error("saving %d blocks failed: %s", len(slots), exc, exc_info=True)
-            self.store.batch_abort(slots)
+                t0 = time.perf_counter()
+                fut.result(max(left, 0.0))
+                left -= time.perf_counter() - t0
+        except Exception as exc:  # failed, or late (TimeoutError): never commit
+            log.error("saving %d blocks failed: %s", len(slots), exc or type(exc).__name__,
+                      exc_info=not isinstance(exc, TimeoutError))
+            for fut in futs:
+                fut.cancel()
+            store = self.store  # a pack still running writes into the slots: abort after it
+            when_done(futs, lambda: store.batch_abort(slots))
             return
         if packed_layers != len(self._kv):  # a layer never ran: the objects are incomplete
             self.store.batch_abort(slots)
