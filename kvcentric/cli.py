@@ -36,15 +36,21 @@ def _store_cfg(args: argparse.Namespace) -> StoreConfig:
 
 
 def _serve(cfg: StoreConfig) -> int:
+    from kvcentric.store import StoreUnavailable
     from kvcentric.store.local import launcher
     from kvcentric.store.local.ownership import StartRefused
     from kvcentric.store.local.server import Coordinator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    with launcher.start_lock(cfg):
-        if launcher.is_running(cfg):
-            print(f"store {cfg.name!r} is already running at {cfg.socket_path}", file=sys.stderr)
-            return 1
+    try:
+        with launcher.start_lock(cfg):  # refuses a runtime dir not ours to trust
+            if launcher.is_running(cfg):
+                print(f"store {cfg.name!r} is already running at {cfg.socket_path}",
+                      file=sys.stderr)
+                return 1
+    except (StoreUnavailable, OSError) as exc:
+        print(f"store {cfg.name!r} refused to start: {exc}", file=sys.stderr)
+        return 1
     coordinator = Coordinator(cfg)
     try:
         coordinator.prepare()  # e.g. a stopped coordinator still holds the store
@@ -161,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(cfg, args.host, args.port)
     if args.action == "stop":
+        from kvcentric.store import StoreUnavailable
         from kvcentric.store.local import launcher
 
-        stopped = launcher.stop(cfg)
+        try:  # with the admin token next to the socket
+            stopped = launcher.stop(cfg)
+        except StoreUnavailable as exc:
+            print(f"kvcentric store stop: {exc}", file=sys.stderr)
+            return 1
         print(f"store {cfg.name!r} {'stopped' if stopped else 'was not running'}")
         return 0
     return _stats(cfg, args.prometheus)

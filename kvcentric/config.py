@@ -12,6 +12,7 @@ process; test helpers build environments for the processes they start).
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import types
@@ -186,6 +187,8 @@ def _tree_bytes(path: Path) -> int:
 
 
 MAX_DISK_WRITERS = 64
+MIN_SEAL_KEY = 16  # characters of a disk tier's seal key
+MAX_PIN_S = 3600.0  # a soft pin bounds a handoff, not a retention policy
 MAX_PUT_WAIT_S = 0.5  # a held-back put must stay well inside any client's op timeout
 DEFAULT_DIRTY_LIMIT = 0.5
 
@@ -216,6 +219,12 @@ class DiskConfig:
             refused (``ERR_NO_SPACE``, counted ``refused_undemoted``); 0 refuses at once.
             At most ``MAX_PUT_WAIT_S``: a hot-path store call must not wait much longer
             (kvcentric.store.local.tiered's docstring has the whole contract).
+        seal_key: when set (at least 16 characters), every object file carries an
+            HMAC-SHA256 under this key of its header (key, parent, size and the payload's
+            checksum), and a restart serves only files whose seal verifies: files another
+            writer put in the tier's directory are deleted, not served. Changing the key
+            drops the tier's files at the next restart. The launcher passes it to the
+            coordinator on a pipe, never on a command line.
 
     :meth:`from_dict` checks the file system once (``ValueError``): ``path`` must be a
     directory (or creatable under a writable one) and ``capacity_bytes`` must fit in its
@@ -228,10 +237,14 @@ class DiskConfig:
     high_watermark: float = 0.0
     dirty_limit: float | None = None
     put_wait_s: float = 0.025
+    seal_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
             raise ValueError("store.disk.capacity must be positive")
+        if self.seal_key is not None and len(self.seal_key) < MIN_SEAL_KEY:
+            raise ValueError(f"store.disk.seal_key must have at least {MIN_SEAL_KEY} "
+                             "characters")
         if not 1 <= self.writers <= MAX_DISK_WRITERS:
             raise ValueError(f"store.disk.writers must be in [1, {MAX_DISK_WRITERS}]")
         if not 0.0 <= self.high_watermark <= 1.0:
@@ -322,6 +335,19 @@ class StoreConfig:
             shared-memory index instead of a round trip (docs/architecture.md §4.4).
         lease_ttl_s: a read lease older than this is reclaimed by the local coordinator, so
             a hung but connected client cannot pin objects forever (0 = never).
+        peer_group: a group (name or gid) whose members may use this local store too: its
+            coordinator accepts their connections (``SO_PEERCRED``) and makes the runtime
+            dir (``0710``), socket, arena (``0660``) and lookup index (``0640``) theirs to
+            use; its clients trust a runtime dir of another user whose group it is. ``None``
+            (the default): the store's user only. Admin operations stay the user's (the
+            token is ``0600``).
+        max_pin_s: the longest soft pin (``batch_commit(pin_s=...)``) a client may ask for
+            without the store's admin token (longer ones, up to ``MAX_PIN_S``, need it; the
+            local client presents it when it can read it).
+        max_pinned_bytes: the most bytes one connection of the local store may hold
+            soft-pinned; a pin beyond it is refused (the object is committed unpinned,
+            counted ``pins_refused``). ``None``: half the capacity
+            (:attr:`pinned_bytes_cap`).
         disk: the local store's disk tier (:class:`DiskConfig`), or ``None`` for DRAM only.
         mooncake: backend-specific settings (see ``kvcentric.store.mooncake``).
     """
@@ -342,6 +368,9 @@ class StoreConfig:
     disk_read_timeout_s: float = 5.0
     shared_index: bool = True
     lease_ttl_s: float = 300.0
+    peer_group: str | None = None
+    max_pin_s: float = 60.0
+    max_pinned_bytes: int | None = None
     disk: DiskConfig | None = None
     mooncake: Mapping[str, Any] = field(default_factory=dict)
 
@@ -362,6 +391,12 @@ class StoreConfig:
                      "disk_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if not 0 <= self.max_pin_s <= MAX_PIN_S:
+            raise ValueError(f"max_pin_s must be in [0, {MAX_PIN_S}]")
+        if self.max_pinned_bytes is not None and self.max_pinned_bytes < 0:
+            raise ValueError("max_pinned_bytes must be >= 0")
+        if self.peer_group is not None:
+            self.peer_gid  # noqa: B018 (a ValueError naming an unknown group, here)
         if self.min_transfer_rate <= 0:
             raise ValueError("min_transfer_rate must be > 0 (bytes per second)")
         if self.disk is not None and not isinstance(self.disk, DiskConfig):
@@ -383,7 +418,8 @@ class StoreConfig:
         if raw is not None and "capacity" in raw and "capacity_bytes" in raw:
             raise ValueError("store: give capacity or capacity_bytes, not both")
         kw = parse_fields(cls, raw, "store", aliases={"capacity": "capacity_bytes"},
-                          sizes={"capacity_bytes", "min_transfer_rate"})
+                          sizes={"capacity_bytes", "max_pinned_bytes",
+                                 "min_transfer_rate"})
         if kw.get("disk") is not None:
             kw["disk"] = DiskConfig.from_dict(kw["disk"])
         return cls(**kw)
@@ -404,3 +440,27 @@ class StoreConfig:
     @property
     def lock_path(self) -> Path:
         return self.runtime_dir / f"{self.name}.lock"
+
+    @property
+    def token_path(self) -> Path:
+        """The local coordinator's admin token (``0600``, next to its socket)."""
+        return self.runtime_dir / f"{self.name}.token"
+
+    @property
+    def peer_gid(self) -> int | None:
+        """The gid of ``peer_group`` (``ValueError`` when no such group exists)."""
+        g = self.peer_group
+        if g is None:
+            return None
+        if g.isdigit():
+            return int(g)
+        try:
+            return grp.getgrnam(g).gr_gid
+        except KeyError:
+            raise ValueError(f"store.peer_group {g!r} is not a group on this host") from None
+
+    @property
+    def pinned_bytes_cap(self) -> int:
+        """``max_pinned_bytes``, or half the capacity when unset."""
+        return (self.max_pinned_bytes if self.max_pinned_bytes is not None
+                else self.capacity_bytes // 2)

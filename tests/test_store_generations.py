@@ -45,8 +45,9 @@ def coordinators(cfg: StoreConfig) -> list[int]:
             cmd = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"kvcentric.store.local.server" in cmd and any(
-                f'"name": "{cfg.name}"'.encode() in part for part in cmd) \
+        named = any(f'"name": "{cfg.name}"'.encode() in part for part in cmd) or any(
+            a == b"--name" and b == cfg.name.encode() for a, b in zip(cmd, cmd[1:]))
+        if b"kvcentric.store.local.server" in cmd and named \
                 and launcher.pid_alive(int(d.name)):
             pids.append(int(d.name))
     return pids

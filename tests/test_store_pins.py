@@ -74,11 +74,14 @@ def test_a_pin_ends_at_its_deadline(store: KVStore) -> None:
     assert store.batch_exists(["short"]) == 0  # the decode never came: it is a cache again
 
 
-def test_a_store_of_pinned_objects_refuses_puts(store: KVStore) -> None:
-    pinned = [f"p{i}" for i in range(16)]
-    assert commit(store, pinned, pin_s=60) == [OK] * 16
-    assert commit(store, ["newcomer"]) == [ERR_NO_SPACE]  # refused, nothing evicted
-    assert store.batch_exists(pinned) == 16
+def test_a_store_of_pinned_objects_refuses_puts(store_cfg: StoreConfig) -> None:
+    # one client may pin the whole store only when its cap says so (the default cap is
+    # half the capacity: tests/test_store_hostile_peers.py)
+    with open_store(store_cfg.with_(max_pinned_bytes=store_cfg.capacity_bytes)) as store:
+        pinned = [f"p{i}" for i in range(16)]
+        assert commit(store, pinned, pin_s=60) == [OK] * 16
+        assert commit(store, ["newcomer"]) == [ERR_NO_SPACE]  # refused, nothing evicted
+        assert store.batch_exists(pinned) == 16
 
 
 def test_pins_are_bounded(store: KVStore) -> None:

@@ -2,7 +2,10 @@
 
 Every case talks to a real coordinator over its real Unix socket. The bar: a bad peer
 gets an error or a closed connection; the coordinator never crashes, never runs what it
-was sent, and keeps serving everyone else while it happens.
+was sent, keeps its arena, and keeps serving everyone else while it happens. A frame that
+cannot be decoded or is not a request (too big, too deep, garbage, values of the wrong
+shape) closes its connection; a request whose arguments have the wrong types gets an
+error. Admin operations without the token: tests/test_store_admin.py.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 
 from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_HAS_LEASE, OK, open_store
-from kvcentric.store.local import wire
+from kvcentric.store.local import ownership, wire
 from kvcentric.store.local.client import LocalStore
 from tests.store_contract import get, put
 
@@ -76,6 +79,17 @@ HOSTILE = {
     "a msgpack map, not a request": wire.encode({"op": "exists"}),
     "a request whose op is a number": wire.encode([7, ["a"]]),
     "truncated msgpack": _payload(msgspec.msgpack.encode(["exists", ["a", "b"]])[:-3]),
+    # msgspec decodes recursively: this raised RecursionError, which killed the coordinator
+    # and removed its arena (issue 32)
+    "200 KB of nested arrays": _payload(b"\x91" * 200_000 + b"\xc0"),
+    "nested maps": _payload(b"\x81\xa1k" * 70_000 + b"\xc0"),
+    "nested arrays inside a request": _payload(  # ["exists", [[[[...]]]]]
+        b"\x92" + msgspec.msgpack.encode("exists") + b"\x91" * 100_000 + b"\xc0"),
+    "an array claiming 4 billion items": _payload(b"\xdd\xff\xff\xff\xff\xc0"),
+    "a map as an argument": wire.encode(["exists", {"a": 1}]),
+    "bytes as an argument": wire.encode(["exists", b"ab"]),
+    "a list of lists as an argument": wire.encode(["exists", [["a"]]]),
+    "an empty request": wire.encode([]),
 }
 
 
@@ -83,13 +97,22 @@ HOSTILE = {
 def test_hostile_frames_close_the_connection_and_nothing_else(
         case: str, store: LocalStore, store_cfg: StoreConfig) -> None:
     pid = store.stats()["pid"]
+    arena = ownership.generation_files(store_cfg, "arena")
+    other = _raw(store_cfg)  # a well-behaved connection open meanwhile
     sock = _raw(store_cfg)
-    sock.sendall(HOSTILE[case])
+    try:
+        sock.sendall(HOSTILE[case])
+    except BrokenPipeError:
+        pass  # closed before it finished sending
     assert _closed_by_peer(sock), f"{case}: the coordinator kept a garbage connection open"
     sock.close()
     assert not MARKER.exists(), "a frame ran code in the coordinator"
     assert store.batch_exists(["a", "b"]) == 2  # same coordinator, still serving
     assert store.stats()["pid"] == pid
+    assert ownership.generation_files(store_cfg, "arena") == arena and arena[0].exists()
+    other.sendall(wire.encode(["exists", ["a", "b"]]))  # only the hostile one was closed
+    assert wire.recv_frame(other) == 2
+    other.close()
 
 
 def test_bad_requests_get_errors_and_the_connection_lives(store: LocalStore,

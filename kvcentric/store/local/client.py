@@ -9,6 +9,10 @@ Ownership: memory behind caller ``ptrs`` is the caller's. ``WriteSlot.ptr`` and
 ``ReadLease.ptrs`` point into the shared arena and are valid only until commit/abort and
 release respectively; each keeps its arena mapping alive until then, and its session
 (:mod:`kvcentric.store.local.session`) says whether the coordinator still honours it.
+
+Every offset, size and file a coordinator sends is checked before a byte is copied or a
+file opened (:mod:`kvcentric.store.local.replies`); a reply out of bounds kills its
+session, like a failed call (the engine recomputes).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from kvcentric.store.base import (
     WriteSlot,
     checksum,
 )
+from kvcentric.store.local import disk, replies
 from kvcentric.store.local.disk_reads import READ_THREADS, DiskReads
 from kvcentric.store.local.link import Link
 from kvcentric.store.local.session import Session
@@ -58,6 +63,7 @@ class LocalStore(KVStore):
         self.cfg = cfg
         self._link = Link(cfg)
         self._read_pool: ThreadPoolExecutor | None = None  # disk-tier reads, made on first use
+        self._pin_warned = False  # told once that long pins are cut to max_pin_s
         try:
             self._link.connect()
         except StoreUnavailable as exc:
@@ -128,9 +134,15 @@ class LocalStore(KVStore):
         arena = s.arena
         if not arena.hold():  # taken before the call: the mapping cannot go meanwhile
             raise StoreUnavailable(f"store {self.cfg.name!r}: arena released")
+        ints = [int(n) for n in sizes]
         try:
-            codes = self._link.hot(s, "reserve", list(keys), [int(n) for n in sizes],
+            codes = self._link.hot(s, "reserve", list(keys), ints,
                                    list(parents) if parents is not None else [None] * len(keys))
+            replies.check_slots(codes, ints, arena.capacity)
+        except replies.BadReply as exc:
+            arena.drop()
+            self._link.trip(s, exc)  # its slots die with it: the coordinator reclaims them
+            raise
         except BaseException:
             arena.drop()
             raise
@@ -169,12 +181,36 @@ class LocalStore(KVStore):
             return [ERR_UNAVAILABLE] * len(slots)
         sums = [checksum(x.ptr, x.size) if self.cfg.verify_checksums else None for x in slots]
         try:
+            if pin_s > s.max_pin_s and not s.admin:
+                pin_s = self._long_pin(s, pin_s)
             codes = list(self._link.hot(s, "commit", [x.key for x in slots], sums,
                                         float(pin_s)))
         except StoreUnavailable:
             codes = [ERR_UNAVAILABLE] * len(slots)
+        except ValueError:  # refused (a pin out of bounds): nothing was committed
+            self.batch_abort(slots)
+            raise
+        if len(codes) != len(slots):
+            self._link.trip(s, replies.BadReply("commit: the reply does not match the request"))
+            codes = [ERR_UNAVAILABLE] * len(slots)
         self._end_slots(slots)
         return codes
+
+    def _long_pin(self, s: Session, pin_s: float) -> float:
+        """A pin over the coordinator's ``max_pin_s`` is an admin operation (gate.py):
+        present the token, or, when it cannot be read (a ``peer_group`` member), pin for
+        ``max_pin_s`` only."""
+        try:
+            self._link.authenticate(s)
+            return pin_s
+        except StoreUnavailable as exc:
+            if not s.alive:
+                raise
+            if not self._pin_warned:
+                self._pin_warned = True
+                log.warning("store %r: pinning for %.0f s, not %.0f s: %s", self.cfg.name,
+                            s.max_pin_s, pin_s, exc)
+            return s.max_pin_s
 
     def batch_abort(self, slots: Sequence[WriteSlot]) -> None:
         s = self._link.session
@@ -224,12 +260,21 @@ class LocalStore(KVStore):
         reads = None
         try:
             asked = time.monotonic()
-            lease_id, entries = self._link.hot(s, "acquire", list(keys))
+            asking = list(keys)
+            try:
+                lease_id, entries = replies.check_lease(
+                    self._link.hot(s, "acquire", asking), asking, arena.capacity, s.tier)
+            except replies.BadReply as exc:
+                self._link.trip(s, exc)  # nothing read: the lease dies with the session
+                raise
             # the coordinator reclaims the lease lease_ttl_s after it granted it, which is
             # after we asked: treating it as lapsed from asked + ttl is always on the safe side
             deadline = asked + s.lease_ttl_s if s.lease_ttl_s > 0 else float("inf")
             if any(len(e) > 3 for e in entries):
-                reads = DiskReads(len(entries), self._disk_pool(), self.cfg.disk_read_timeout_s)
+                tier, owner = s.tier, s.owner
+                assert tier is not None  # check_lease refused disk entries without one
+                reads = DiskReads(len(entries), self._disk_pool(), self.cfg.disk_read_timeout_s,
+                                  lambda path: disk.open_object(tier, path, owner))
             ptrs: list[int] = []
             for i, ent in enumerate(entries):
                 if len(ent) == 3:
@@ -343,8 +388,9 @@ class LocalStore(KVStore):
         return list(self._link.call("keys", prefix, limit))
 
     def clear(self) -> int:
-        """Remove every unleased object; returns how many."""
-        return int(self._link.call("clear"))
+        """Remove every unleased object; returns how many. An admin operation: the
+        coordinator's token must be readable (``StoreUnavailable`` otherwise)."""
+        return int(self._link.admin_call("clear"))
 
     def stats(self) -> dict[str, Any]:
         return dict(self._link.call("stats"))

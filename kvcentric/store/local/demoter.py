@@ -10,6 +10,10 @@ Writers run in parallel: a device with a queue takes several fdatasync'd writes 
 thread takes at most its share of the queued writes as one batch, so one thread never
 holds the whole queue while the others idle, and a batch's results (which free DRAM for
 held-back writers) come back after a few writes, not after ``BATCH``.
+
+Every path is resolved inside the tier's root without following a symlink
+(:mod:`kvcentric.store.local.disk`), so no job reads, writes or deletes outside it; with a
+seal key, files are sealed on write and recovery serves only files sealed under it.
 """
 
 from __future__ import annotations
@@ -66,13 +70,16 @@ class DiskWorker:
     """``threads`` I/O threads; results are collected with :meth:`results` after
     :attr:`wake_fd` became readable."""
 
-    def __init__(self, arena_path: Path, capacity: int, root: Path, threads: int) -> None:
-        fd = os.open(arena_path, os.O_RDONLY)
+    def __init__(self, arena_path: Path, capacity: int, root: Path, threads: int,
+                 seal_key: bytes | None = None, gid: int | None = None) -> None:
+        fd = os.open(arena_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             self._mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         self.root = root
+        self.seal_key = seal_key
+        self.gid = gid  # a peer_group's: its members' clients read the files
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._done: deque[Any] = deque()
         self.wake_fd, self._wake_w = os.pipe()
@@ -125,7 +132,7 @@ class DiskWorker:
             if isinstance(job, WriteJob):
                 self._write_batch([job, *self._more_writes()])
             elif isinstance(job, Path):
-                disk.remove_object(job)
+                self._remove(job)
             elif job == "recover":
                 self._recover()
 
@@ -147,38 +154,45 @@ class DiskWorker:
 
     def _write_batch(self, jobs: list[WriteJob]) -> None:
         done: list[WriteDone] = []
-        dirs: set[Path] = set()
+        dirs: set[str] = set()
         for job in jobs:
             try:
                 view = memoryview(self._mm)[job.offset:job.offset + job.size]
-                csum = disk.write_object(job.path, job.key, job.parent, view)
-                dirs.add(job.path.parent)
+                csum = disk.write_object(self.root, job.path, job.key, job.parent, view,
+                                         self.seal_key, self.gid)
+                dirs.add(job.path.parent.name)
                 done.append(WriteDone(job.token, True, csum, path=job.path))
-            except (OSError, ValueError) as exc:
+            except disk.ERRORS as exc:
                 full = isinstance(exc, OSError) and exc.errno in disk.FULL_ERRNOS
                 log.warning("disk tier: cannot write %s: %s", job.path, exc)
                 done.append(WriteDone(job.token, False, full=full, error=str(exc)))
         for d in dirs:  # the renames are durable only once their directories are
             try:
-                disk.fsync_dir(d)
-            except OSError as exc:
-                log.warning("disk tier: cannot fsync %s: %s", d, exc)
+                disk.fsync_dir(self.root, d)
+            except disk.ERRORS as exc:
+                log.warning("disk tier: cannot fsync %s: %s", self.root / d, exc)
         for r in done:
             self._post(r)
+
+    def _remove(self, path: Path) -> None:
+        try:
+            disk.remove_object(self.root, path)
+        except disk.ERRORS as exc:
+            log.warning("disk tier: cannot remove %s: %s", path, exc)
 
     def _recover(self) -> None:
         files = dropped = 0
         try:
             for path in disk.scan(self.root):
                 files += 1
-                h = disk.read_header(path)
+                h = disk.read_header(self.root, path, self.seal_key)
                 if h is None or not disk.names_key(path, h.key) \
-                        or not disk.verify(path, h):
-                    log.warning("disk tier: dropping torn or corrupt file %s", path)
-                    disk.remove_object(path)
+                        or not disk.verify(self.root, path, h):
+                    log.warning("disk tier: dropping torn, corrupt or unsealed file %s", path)
+                    self._remove(path)
                     dropped += 1
                     continue
                 self._post(Recovered(h, path))
-        except OSError as exc:
+        except disk.ERRORS as exc:  # the root was removed or swapped
             log.warning("disk tier: recovery scan of %s failed: %s", self.root, exc)
         self._post(RecoveryDone(files, dropped))

@@ -40,7 +40,7 @@ class ColdRead:
 
 def drop_pages(path: Path) -> None:
     """Evict ``path``'s clean pages from the page cache (its next read goes to the device)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
@@ -69,7 +69,10 @@ def cold_read(where: Path, nbytes: int, chunk: int = CHUNK, reps: int = 3) -> Co
     buf = bytearray(os.urandom(min(nbytes, chunk)))
     times, fetched = [], []
     try:
-        with open(path, "wb") as f:
+        # a new file, never through a planted symlink: where may be a shared directory
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with open(fd, "wb") as f:
             for off in range(0, nbytes, len(buf)):
                 f.write(memoryview(buf)[: min(len(buf), nbytes - off)])
             f.flush()
@@ -78,7 +81,7 @@ def cold_read(where: Path, nbytes: int, chunk: int = CHUNK, reps: int = 3) -> Co
         for _ in range(reps):
             drop_pages(path)
             before = device_read_bytes()
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 t0 = time.perf_counter()
                 for off in range(0, nbytes, len(buf)):

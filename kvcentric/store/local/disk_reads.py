@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvcentric.store.base import checksum
+from kvcentric.store.base import StoreUnavailable, checksum
 from kvcentric.store.local.disk import DATA_OFFSET
 from kvcentric.store.local.tiered import CORRUPT, MISSING, PROMOTE
 
@@ -82,8 +82,12 @@ class DiskReads:
     its methods; ``pool`` threads only read into the objects' memory, and :meth:`close`
     ends the lease once they are done."""
 
-    def __init__(self, n: int, pool: Executor, timeout_s: float) -> None:
+    def __init__(self, n: int, pool: Executor, timeout_s: float,
+                 opener: Callable[[str], int] | None = None) -> None:
         self.objects: list[_DiskObject] = []
+        # the client's opener resolves a file inside its tier without following a symlink
+        # (kvcentric.store.local.disk.open_object); by default: the path, O_NOFOLLOW
+        self._opener = opener or _open
         self.codes_ = [0] * n  # per lease position; filled for failures and verifications
         self.timeout_s = timeout_s
         self._pool = pool
@@ -109,8 +113,8 @@ class DiskReads:
         """Open object ``i``'s file; returns where its bytes will be, or None (and a MISSING
         code) when the file is gone."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            fd = self._opener(path)
+        except (OSError, StoreUnavailable):  # gone, or refused (a symlink, not ours)
             self.codes_[i] = MISSING
             return None
         try:
@@ -221,6 +225,10 @@ class DiskReads:
         self.objects = []
         if then is not None:
             then(codes)
+
+
+def _open(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def _pread_into(fd: int, ptr: int, size: int, pos: int) -> None:

@@ -12,6 +12,10 @@ and so are soft-pinned ones: a P/D prefill commits its blocks pinned for ``pin_s
 until the first read (the decode loading them) or the deadline, whichever comes first, so
 eviction pressure between the handoff's save and load cannot turn it into a recompute. A
 put that finds only leased or pinned objects to evict is refused (``ERR_NO_SPACE``).
+Pins are capped per client (``pin_cap`` bytes per owner, a connection): a pin past the cap
+is refused (the object is committed unpinned, counted ``pins_refused``), and the pins of a
+client that disconnects lapse with it, so pinned bytes never exceed ``pin_cap`` per
+connected client.
 
 A child committed before its parent (two requests racing on one prefix) is an orphan
 until the parent commits; then it is linked. Each entry knows its depth and whether its
@@ -63,6 +67,7 @@ class Entry:
     demoting: bool = False  # a disk write of its DRAM bytes is in flight (they are pinned)
     promo: int = -1  # DRAM extent a reader fills from disk, published at settle
     pinned_until: float = 0.0  # soft pin (monotonic deadline); cleared by the first read
+    pin_owner: int = -1  # the client whose pin budget the pin counts against
 
     def evictable(self, now: float) -> bool:
         return self.readers == 0 and self.pinned_until <= now
@@ -85,6 +90,7 @@ class Counters:
     lookups: int = 0  # answered by the coordinator; shared-index lookups are not counted
     expired_leases: int = 0
     pinned: int = 0  # objects committed with a soft pin
+    pins_refused: int = 0  # pins past a client's cap (committed unpinned)
 
 
 @dataclass
@@ -97,8 +103,12 @@ class Lease:
 class ObjectIndex:
     """All metadata of one arena. ``owner`` ids identify client connections."""
 
-    def __init__(self, capacity: int, shared: SharedIndexWriter | None = None) -> None:
+    def __init__(self, capacity: int, shared: SharedIndexWriter | None = None,
+                 pin_cap: int | None = None) -> None:
         self.alloc = ExtentAllocator(capacity)
+        self.pin_cap = capacity if pin_cap is None else pin_cap
+        self._pins: dict[int, dict[str, Entry]] = {}  # owner -> its pinned entries
+        self._pinned_bytes: dict[int, int] = {}
         self.shared = shared
         self.entries: dict[str, Entry] = {}
         self._orphans: dict[str, list[Entry]] = {}  # parent key -> committed, unlinked children
@@ -130,8 +140,7 @@ class ObjectIndex:
             return ERR_NOT_FOUND
         e.state, e.checksum = COMMITTED, checksum
         if pin_s > 0:
-            e.pinned_until = time.monotonic() + pin_s
-            self.counters.pinned += 1
+            self._pin(e, owner, pin_s)
         parent = self.entries.get(e.parent) if e.parent else None
         if parent is not None and parent.state == COMMITTED:
             self._link(parent, e)
@@ -147,6 +156,30 @@ class ObjectIndex:
         self.counters.puts += 1
         self.counters.put_bytes += e.size
         return OK
+
+    def _pin(self, e: Entry, owner: int, pin_s: float) -> None:
+        """Pin ``e`` for ``pin_s`` within ``owner``'s budget, or count the refusal."""
+        now = time.monotonic()
+        held = self._pinned_bytes.get(owner, 0)
+        if held + e.size > self.pin_cap:  # pins past their deadline still count: drop them
+            for old in [p for p in self._pins.get(owner, {}).values() if p.pinned_until <= now]:
+                self._unpin(old)
+            held = self._pinned_bytes.get(owner, 0)
+        if held + e.size > self.pin_cap:
+            self.counters.pins_refused += 1
+            return
+        e.pinned_until, e.pin_owner = now + pin_s, owner
+        self._pins.setdefault(owner, {})[e.key] = e
+        self._pinned_bytes[owner] = held + e.size
+        self.counters.pinned += 1
+
+    def _unpin(self, e: Entry) -> None:
+        owner, e.pin_owner, e.pinned_until = e.pin_owner, -1, 0.0
+        pins = self._pins.get(owner)
+        if pins is not None and pins.pop(e.key, None) is e:
+            self._pinned_bytes[owner] -= e.size
+            if not pins:
+                del self._pins[owner], self._pinned_bytes[owner]
 
     def _link(self, parent: Entry, child: Entry) -> None:
         parent.kids.append(child)
@@ -201,7 +234,8 @@ class ObjectIndex:
             if e is None or e.state != COMMITTED:
                 break
             e.readers += 1
-            e.pinned_until = 0.0  # read: the handoff it was pinned for is done
+            if e.pin_owner >= 0:  # read: the handoff it was pinned for is done
+                self._unpin(e)
             if k in self._leaves:
                 self._leaves.move_to_end(k)
             got.append(e)
@@ -249,6 +283,8 @@ class ObjectIndex:
 
     def _drop(self, e: Entry) -> None:
         del self.entries[e.key]
+        if e.pin_owner >= 0:
+            self._unpin(e)
         self._leaves.pop(e.key, None)
         if self.shared is not None:
             self.shared.delete(e.key)
@@ -308,7 +344,10 @@ class ObjectIndex:
         return len(victims)
 
     def drop_owner(self, owner: int) -> tuple[int, int]:
-        """Reclaim a gone client's leases and pending writes; returns (leases, pendings)."""
+        """Reclaim a gone client's leases and pending writes and end its pins; returns
+        (leases, pendings)."""
+        for e in list(self._pins.get(owner, {}).values()):
+            self._unpin(e)
         lease_ids = [lid for lid, lease in self._leases.items() if lease.owner == owner]
         for lid in lease_ids:
             self.release(lid, owner)

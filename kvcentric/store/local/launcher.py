@@ -5,12 +5,18 @@ session, so it outlives the client); a file lock makes concurrent first clients 
 exactly one, and the coordinator's own lifetime lock (:mod:`~kvcentric.store.local.ownership`)
 makes sure no client starts one while another lives, even a stopped one. ``kvcentric
 store serve`` runs one in the foreground instead.
+
+Nothing here touches a runtime dir before it passed its checks
+(:func:`kvcentric.store.local.trust.check_dir`): an untrusted one is ``Untrusted`` (a
+``StoreUnavailable`` naming its path, owner and mode). The coordinator's config, which may
+hold the disk tier's seal key, reaches it on a pipe, not its command line.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +27,7 @@ from pathlib import Path
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
-from kvcentric.store.local import ownership
+from kvcentric.store.local import gate, ownership, trust
 
 
 def config_json(cfg: StoreConfig) -> str:
@@ -29,12 +35,16 @@ def config_json(cfg: StoreConfig) -> str:
     raw: dict[str, object] = {
         "name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
         "runtime_dir": str(cfg.runtime_dir), "idle_timeout_s": cfg.idle_timeout_s,
-        "lease_ttl_s": cfg.lease_ttl_s}
+        "lease_ttl_s": cfg.lease_ttl_s, "peer_group": cfg.peer_group,
+        "max_pin_s": cfg.max_pin_s}
+    if cfg.max_pinned_bytes is not None:
+        raw["max_pinned_bytes"] = cfg.max_pinned_bytes
     if cfg.disk is not None:
         d = cfg.disk
         raw["disk"] = {"path": str(d.path), "capacity_bytes": d.capacity_bytes,
                        "writers": d.writers, "high_watermark": d.high_watermark,
-                       "dirty_limit": d.dirty_limit, "put_wait_s": d.put_wait_s}
+                       "dirty_limit": d.dirty_limit, "put_wait_s": d.put_wait_s,
+                       "seal_key": d.seal_key}
     return json.dumps(raw)
 
 
@@ -53,14 +63,29 @@ def is_running(cfg: StoreConfig) -> bool:
 
 @contextmanager
 def start_lock(cfg: StoreConfig) -> Iterator[None]:
-    """Exclusive lock held while checking for and starting a coordinator."""
-    cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(cfg.lock_path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """Exclusive lock held while checking for and starting a coordinator; creates the
+    runtime dir (``0700``) and refuses one that is not ours to trust (``Untrusted``)."""
+    trust.check_dir(cfg.runtime_dir, "store runtime directory", create=True)
+    fd = trust.open_or_create(cfg.lock_path, os.O_RDWR, "store start lock")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _check_dir(cfg: StoreConfig) -> bool:
+    """True when the runtime dir exists and may be trusted by a client, False when it
+    does not exist; ``Untrusted`` otherwise."""
+    try:
+        trust.check_dir(cfg.runtime_dir, "store runtime directory", gid=cfg.peer_gid,
+                        mine=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def ensure_running(cfg: StoreConfig) -> None:
@@ -72,9 +97,9 @@ def ensure_running(cfg: StoreConfig) -> None:
     none answers and none can be started: the runtime dir cannot be created or locked, a
     silent coordinator holds the store, the process cannot be spawned, it refuses to start
     (the message says why, e.g. the arena does not fit its tmpfs), or it does not answer
-    within ``cfg.start_timeout_s``.
+    within ``cfg.start_timeout_s``; ``Untrusted`` for a runtime dir not to be trusted.
     """
-    if is_running(cfg):
+    if _check_dir(cfg) and is_running(cfg):
         return
     log_path = cfg.runtime_dir / f"{cfg.name}.log"
     try:
@@ -87,13 +112,19 @@ def ensure_running(cfg: StoreConfig) -> None:
                     f"the coordinator of store {cfg.name!r} (pid {pid or 'unknown'}) holds "
                     f"{cfg.owner_path} but does not answer at {cfg.socket_path}; not "
                     "starting a second one")
-            with open(log_path, "ab") as logf:
-                start = logf.tell()
+            logfd = trust.open_or_create(log_path, os.O_WRONLY | os.O_APPEND, "store log")
+            try:
+                start = os.lseek(logfd, 0, os.SEEK_END)
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "kvcentric.store.local.server",
-                     "--config-json", config_json(cfg), "--detach"],
-                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                     "--config-json", "-", "--name", cfg.name, "--detach"],
+                    stdin=subprocess.PIPE, stdout=logfd, stderr=logfd, start_new_session=True,
                 )
+            finally:
+                os.close(logfd)
+            assert proc.stdin is not None
+            with proc.stdin:  # a pipe, not argv: other users can read a command line
+                proc.stdin.write(config_json(cfg).encode())
             if proc.wait(timeout=cfg.start_timeout_s) != 0:
                 raise StoreUnavailable(f"store coordinator failed to start: "
                                        f"{_last_line(log_path, start)} (see {log_path})")
@@ -107,11 +138,14 @@ def _last_line(path: Path, start: int) -> str:
     """The last non-empty line written to ``path`` after byte ``start`` (the refusing
     coordinator's message) or a placeholder."""
     try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            lines = [ln.strip() for ln in f.read(1 << 16).decode(errors="replace").splitlines()]
-    except OSError:
+        fd = trust.open_file(path, os.O_RDONLY, "store log")
+        try:
+            raw = os.pread(fd, 1 << 16, start)
+        finally:
+            os.close(fd)
+    except (OSError, trust.Untrusted):
         return "no message"
+    lines = [ln.strip() for ln in raw.decode(errors="replace").splitlines()]
     return next((ln for ln in reversed(lines) if ln), "no message")
 
 
@@ -126,16 +160,31 @@ def _wait_up(cfg: StoreConfig, log_path: Path) -> None:
 
 
 def stop(cfg: StoreConfig, timeout_s: float = 10.0) -> bool:
-    """Ask the coordinator of ``cfg`` to shut down; True if one was running."""
+    """Ask the coordinator of ``cfg`` to shut down, with its admin token, and wait (up to
+    ``timeout_s``) until it let go of the store; True if one was running. ``Untrusted``
+    for a runtime dir, token or coordinator not to be trusted, ``StoreUnavailable`` when
+    the token cannot be read or is refused."""
     from kvcentric.store.local.rpc import RpcClient
 
-    if not is_running(cfg):
+    if not _check_dir(cfg) or not is_running(cfg):
         return False
+    try:
+        token = gate.read_token(cfg)
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot stop store {cfg.name!r}: its admin token "
+                               f"{cfg.token_path} cannot be read: {exc}") from exc
     with RpcClient(cfg.socket_path, timeout_s) as rpc:
-        rpc.connect()
-        rpc.call("shutdown")
+        rpc.connect(lambda sock: trust.check_peer(sock, os.geteuid(), cfg.socket_path))
+        try:
+            rpc.call("auth", token)
+            rpc.call("shutdown")
+        except ValueError as exc:
+            raise StoreUnavailable(f"cannot stop store {cfg.name!r}: {exc}") from exc
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and is_running(cfg):
+    # gone once it let go of the store's lock (after finishing its disk writes), not
+    # when its socket goes silent: a start right after stop() must not find it holding on
+    while time.monotonic() < deadline and (is_running(cfg)
+                                           or ownership.holder(cfg) is not None):
         time.sleep(0.02)
     return True
 

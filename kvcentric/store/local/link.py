@@ -17,7 +17,8 @@ Contract:
   there, never on a hot path (prefaulting releases the GIL: :mod:`.session`).
 - **Administrative calls** (stats, keys, clear, remove) wait ``op_timeout_s`` and may
   connect inline, outside the breaker's interval: tools and tests call them, not engines'
-  steps.
+  steps. Admin operations (clear, long pins) first present the coordinator's admin token,
+  read from its ``0600`` file, once per session (:meth:`Link.authenticate`).
 - **Generations.** The link keeps one reference on the current generation's arena, so a
   reconnect to the same coordinator maps and prefaults nothing; a new generation's hello,
   or finding no coordinator holding the store before starting one, lets the old mapping
@@ -33,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
-from kvcentric.store.local import launcher, ownership, session
-from kvcentric.store.local.session import Arena, Session
+from kvcentric.store.local import gate, launcher, ownership, session
+from kvcentric.store.local.session import Arena, Hello, Session
 
 if TYPE_CHECKING:
     from kvcentric.cuda.pinning import HostPinner
@@ -79,7 +80,8 @@ class Link:
                 rpc, hello = session.greet(self.cfg)
                 try:
                     new = Session(rpc, self._arena_of(hello), session.open_index(
-                        self.cfg, hello.get("index")), hello, self.cfg.hot_timeout_s)
+                        self.cfg, hello.raw.get("index"), hello.owner), hello,
+                        self.cfg.hot_timeout_s)
                 except BaseException:
                     rpc.close()
                     raise
@@ -109,19 +111,20 @@ class Link:
         if old is not None:
             old.drop()
 
-    def _arena_of(self, hello: dict[str, Any]) -> Arena:
+    def _arena_of(self, hello: Hello) -> Arena:
         """The mapping of the hello's generation: ours when it is the same coordinator;
         else the old one is let go (unmapped once no lease or slot uses it) and the new
         one mapped (and prefaulted) here, off the hot path."""
         arena = self.arena
-        if arena is not None and arena.generation == hello["generation"]:
+        raw = hello.raw
+        if arena is not None and arena.generation == raw["generation"]:
             return arena
         with self._state:
             old, self.arena = self.arena, None
         if old is not None:
             old.drop()
-        arena = Arena(hello["arena"], int(hello["capacity"]), hello["generation"],
-                      self.cfg.prefault)
+        arena = Arena(raw["arena"], int(raw["capacity"]), raw["generation"],
+                      self.cfg.prefault, hello.owner)
         if self.pinner is not None:
             arena.pin(self.pinner)
         with self._state:
@@ -197,6 +200,36 @@ class Link:
     def call(self, op: str, *args: Any) -> Any:
         """One administrative round trip (``op_timeout_s``), connecting inline if needed."""
         s = self.session or self.connect()
+        try:
+            return s.rpc.call(op, *args)
+        except StoreUnavailable as exc:
+            self.trip(s, exc)
+            raise
+
+    def authenticate(self, s: Session) -> None:
+        """Present the admin token on ``s`` (once per session); ``StoreUnavailable`` when
+        the token cannot be read (another user's store, a file not ours) or is refused."""
+        if s.admin:
+            return
+        try:
+            token = gate.read_token(self.cfg)
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot read the admin token of store {self.cfg.name!r} "
+                                   f"({self.cfg.token_path}): {exc}") from exc
+        try:
+            s.rpc.call("auth", token)
+        except StoreUnavailable as exc:
+            self.trip(s, exc)
+            raise
+        except ValueError as exc:  # refused: the coordinator closes the connection too
+            self.trip(s, exc)
+            raise StoreUnavailable(str(exc)) from exc
+        s.admin = True
+
+    def admin_call(self, op: str, *args: Any) -> Any:
+        """:meth:`call` on a session that presented the admin token."""
+        s = self.session or self.connect()
+        self.authenticate(s)
         try:
             return s.rpc.call(op, *args)
         except StoreUnavailable as exc:

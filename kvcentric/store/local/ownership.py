@@ -16,6 +16,12 @@ writers. Files of dead generations are unlinked by the next coordinator once it 
 lock (the lock proves their coordinator is gone); a client that still maps one keeps its
 pages until it unmaps it, which is when tmpfs frees them.
 
+**Trusted files.** The runtime dir must pass :func:`kvcentric.store.local.trust.check_dir`
+(created ``0700``; a symlink, another user's directory or one others can write is refused
+with a message naming its owner and mode); every file is opened ``O_NOFOLLOW``, and a
+generation's files are created ``O_EXCL``, so nothing is ever written through a file or
+symlink someone planted.
+
 **Reserved memory.** The arena is reserved with ``posix_fallocate`` before the coordinator
 serves: on a tmpfs without room it refuses to start (:class:`StartRefused`, naming the
 path and the sizes) instead of handing out a sparse file whose first write past the free
@@ -34,6 +40,7 @@ import time
 from pathlib import Path
 
 from kvcentric.config import StoreConfig
+from kvcentric.store.local import trust
 
 LOCK_WAIT_S = 1.0  # launchers probe the lock (shared, for microseconds): retry past them
 GENERATION_HEX = 32  # a 128-bit generation id
@@ -64,10 +71,10 @@ def holder(cfg: StoreConfig) -> int | None:
     """The pid of the coordinator that holds ``cfg``'s store (0 when it is held but the pid
     is unreadable), or None when no coordinator lives. Takes the lock shared for an instant;
     a starting coordinator retries past that (:data:`LOCK_WAIT_S`)."""
-    try:
-        fd = os.open(cfg.owner_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:  # read-only: a peer_group member may probe a store it cannot write
+        fd = os.open(cfg.owner_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return None  # no runtime dir: nobody can hold it
+        return None  # no runtime dir or lock file: nobody holds it
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -95,8 +102,9 @@ class Generation:
     detaching ``fork`` (held by the child once the parent exits).
     """
 
-    def __init__(self, cfg: StoreConfig, lock_fd: int) -> None:
+    def __init__(self, cfg: StoreConfig, lock_fd: int, gid: int | None = None) -> None:
         self.cfg = cfg
+        self.gid = gid  # the peer_group's: its members map the arena and read the index
         self.id = secrets.token_hex(GENERATION_HEX // 2)
         self.arena_path = generation_file(cfg, "arena", self.id)
         self.index_path = generation_file(cfg, "index", self.id)
@@ -104,19 +112,27 @@ class Generation:
 
     @classmethod
     def claim(cls, cfg: StoreConfig) -> Generation:
-        """Become the store's coordinator; ``StartRefused`` when another one lives (even a
-        stopped one) or the arena cannot be reserved."""
+        """Become the store's coordinator; ``StartRefused`` when the runtime dir or the
+        lock file is not to be trusted (the message names path, owner and mode), another
+        coordinator lives (even a stopped one) or the arena cannot be reserved."""
         try:
-            cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(cfg.owner_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
+            gid = cfg.peer_gid
+            trust.check_dir(cfg.runtime_dir, "store runtime directory", gid=gid, create=True)
+            if gid is not None:  # ours: the group may reach the socket, not create files
+                os.chown(cfg.runtime_dir, -1, gid)
+                os.chmod(cfg.runtime_dir, 0o710)
+            fd = trust.open_or_create(cfg.owner_path, os.O_RDWR, "store lock file",
+                                      mode=0o600 if gid is None else 0o640, gid=gid)
+        except trust.Untrusted as exc:
+            raise StartRefused(str(exc)) from exc
+        except (OSError, ValueError) as exc:
             raise StartRefused(f"cannot open {cfg.owner_path}: {exc}") from exc
         try:
             _lock(fd, cfg)
-            gen = cls(cfg, fd)
+            gen = cls(cfg, fd, gid)
             gen.record_pid()
             gen._remove_dead()
-            reserve(gen.arena_path, cfg.capacity_bytes, "arena")
+            reserve(gen.arena_path, cfg.capacity_bytes, "arena", gid)
         except BaseException:
             os.close(fd)  # drops the lock
             raise
@@ -162,8 +178,9 @@ def _lock(fd: int, cfg: StoreConfig) -> None:
         "not starting a second one on its files")
 
 
-def reserve(path: Path, size: int, what: str) -> None:
-    """Create ``path`` (new, mode 0600) with ``size`` bytes allocated (``posix_fallocate``);
+def reserve(path: Path, size: int, what: str, gid: int | None = None) -> None:
+    """Create ``path`` (new: ``O_EXCL``, never through a symlink; mode 0600, or 0660 and
+    group ``gid``) with ``size`` bytes allocated (``posix_fallocate``);
     ``StartRefused`` naming the path, the size and the file system's free space when it
     cannot be (the file is removed then)."""
     def refused(why: str) -> StartRefused:
@@ -176,8 +193,9 @@ def reserve(path: Path, size: int, what: str) -> None:
         if size > st.f_bavail * st.f_frsize:
             raise refused(os.strerror(errno.ENOSPC))
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
+        fd = trust.open_file(path, os.O_RDWR, f"store {what}", new=True,
+                             mode=0o600 if gid is None else 0o660, gid=gid)
+    except (OSError, trust.Untrusted) as exc:
         raise StartRefused(f"cannot create the store's {what} at {path}: {exc}") from exc
     try:
         os.posix_fallocate(fd, 0, size)

@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,9 @@ class RpcClient:
         self._buf = bytearray(READ_CHUNK)  # replies land here (one call at a time)
         self._queued: deque[bytes] = deque()  # one-way frames waiting for the lock
 
-    def connect(self) -> None:
-        """Connect (bounded by ``timeout_s``); ``StoreUnavailable`` when nobody answers."""
+    def connect(self, check: Callable[[socket.socket], None] | None = None) -> None:
+        """Connect (bounded by ``timeout_s``); ``StoreUnavailable`` when nobody answers.
+        ``check`` vets the peer before a byte is sent (it raises to refuse it)."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(self.timeout_s)  # a full listen backlog blocks a connect
@@ -55,9 +57,14 @@ class RpcClient:
             tv = _timeval(self.poll_s)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            if check is not None:
+                check(s)
         except OSError as exc:
             s.close()
             raise StoreUnavailable(f"cannot reach store at {self.path}: {exc}") from exc
+        except BaseException:
+            s.close()
+            raise
         with self._lock:
             if self._closed or self._sock is not None:
                 s.close()

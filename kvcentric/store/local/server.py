@@ -8,10 +8,13 @@ shared-memory lookup index (:mod:`kvcentric.store.local.shared_index`).
 It reclaims a client's leases and pending writes when that client's connection closes,
 which is how a crashed (SIGKILLed) engine's state is cleaned up, and leases older than
 ``lease_ttl_s``, so a hung client cannot pin objects forever. A client that sends bytes
-that are not a valid frame is disconnected (and so reclaimed); the loop never blocks on
-one client's socket.
+that are not a valid frame is disconnected (and so reclaimed): any exception while a frame
+is read, decoded or checked closes that connection only, never the coordinator; the loop
+never blocks on one client's socket. Who may connect and who may run admin operations
+(clear, shutdown, long pins) is :mod:`kvcentric.store.local.gate`'s.
 
-Run: ``python -m kvcentric.store.local.server --config-json '{...}'`` (normally started by
+Run: ``python -m kvcentric.store.local.server --config-json '{...}'`` (``-``: read it from
+stdin, as the launcher does; normally started by
 :func:`kvcentric.store.local.launcher.ensure_running` or ``kvcentric store serve``).
 """
 
@@ -30,8 +33,9 @@ from collections import deque
 from typing import Any
 
 from kvcentric.config import StoreConfig
-from kvcentric.store.local import wire
+from kvcentric.store.local import gate, trust, wire
 from kvcentric.store.local.demoter import DiskWorker
+from kvcentric.store.local.gate import Forbidden, Gate
 from kvcentric.store.local.holdback import Holdback
 from kvcentric.store.local.index import ObjectIndex
 from kvcentric.store.local.ownership import Generation, StartRefused
@@ -39,7 +43,6 @@ from kvcentric.store.local.shared_index import SharedIndexWriter, slots_for
 from kvcentric.store.local.tiered import TieredIndex
 from kvcentric.store.metrics import log_line
 
-MAX_PIN_S = 3600.0  # a soft pin bounds a handoff, not a retention policy
 log = logging.getLogger("kvcentric.store")
 STATS_LOG_INTERVAL_S = 30.0
 LEASE_SWEEP_INTERVAL_S = 1.0
@@ -58,6 +61,7 @@ class _Client:
         self.frames = wire.FrameBuffer()
         self.unsent = bytearray()  # replies the socket did not take yet
         self.queued: deque[tuple[str, list[Any]]] = deque()  # behind a held-back reserve
+        self.admin = False  # presented the admin token
 
 
 class Coordinator:
@@ -69,13 +73,15 @@ class Coordinator:
         self.index: ObjectIndex
         self._holdback: Holdback | None = None  # reserves waiting for the disk tier
         if cfg.disk is not None and cfg.disk_dir is not None:
-            self.index = TieredIndex(cfg.capacity_bytes, cfg.disk.capacity_bytes, cfg.disk_dir,
-                                     cfg.disk.high_watermark, self._submit,
-                                     dirty_limit=cfg.disk.dirty_fraction)
+            self.index = TieredIndex(cfg.capacity_bytes, cfg.disk.capacity_bytes,
+                                     cfg.disk_dir.absolute(), cfg.disk.high_watermark,
+                                     self._submit, dirty_limit=cfg.disk.dirty_fraction,
+                                     pin_cap=cfg.pinned_bytes_cap)
             self._holdback = Holdback(self.index, cfg.disk.put_wait_s)
         else:
-            self.index = ObjectIndex(cfg.capacity_bytes)
+            self.index = ObjectIndex(cfg.capacity_bytes, pin_cap=cfg.pinned_bytes_cap)
         self.gen: Generation | None = None
+        self._gate: Gate | None = None
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Client] = {}
         self._shared: SharedIndexWriter | None = None
@@ -85,16 +91,27 @@ class Coordinator:
 
     def prepare(self) -> None:
         """Claim the store and reserve its memory (the lifetime lock, a fresh arena and
-        lookup index); ``StartRefused`` says why it cannot. Runs before a detaching fork,
-        so a refusal reaches the launcher as this process's exit status and message."""
+        lookup index, the admin token, the disk tier's directory); ``StartRefused`` says
+        why it cannot. Runs before a detaching fork, so a refusal reaches the launcher as
+        this process's exit status and message."""
         gen = Generation.claim(self.cfg)
+        what = f"reserve the store's lookup index at {gen.index_path}"
         try:
-            self._shared = SharedIndexWriter(gen.index_path,
-                                             slots_for(self.cfg.capacity_bytes))
-        except OSError as exc:
+            self._shared = SharedIndexWriter(gen.index_path, slots_for(self.cfg.capacity_bytes),
+                                             gen.gid)
+            what = f"write the store's admin token at {self.cfg.token_path}"
+            self._gate = Gate(self.cfg, gate.write_token(self.cfg))
+            if isinstance(self.index, TieredIndex):
+                what = f"create the disk tier's directory {self.index.root}"
+                trust.check_dir(self.index.root, "disk tier directory", gid=gen.gid,
+                                create=True)
+        except (OSError, trust.Untrusted) as exc:
+            if self._gate is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.cfg.token_path)
             gen.release()
-            raise StartRefused(f"cannot reserve the store's lookup index at "
-                               f"{gen.index_path}: {exc}") from exc
+            raise StartRefused(str(exc) if isinstance(exc, trust.Untrusted) else
+                               f"cannot {what}: {exc}") from exc
         self.gen = gen
 
     def _submit(self, job: object) -> None:
@@ -105,12 +122,11 @@ class Coordinator:
         """Start the disk tier's I/O threads and the rebuild of its index from its files."""
         if not isinstance(self.index, TieredIndex):
             return
-        root = self.index.root
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        assert self.cfg.disk is not None
-        assert self.gen is not None
-        self._disk = DiskWorker(self.gen.arena_path, self.cfg.capacity_bytes, root,
-                                self.cfg.disk.writers)
+        assert self.cfg.disk is not None and self.gen is not None  # prepare() checked root
+        key = self.cfg.disk.seal_key
+        self._disk = DiskWorker(self.gen.arena_path, self.cfg.capacity_bytes, self.index.root,
+                                self.cfg.disk.writers, key.encode() if key else None,
+                                self.gen.gid)
         self._sel.register(self._disk.wake_fd, selectors.EVENT_READ, DISK_EVENT)
         self.index.recovering = True
         self._disk.submit("recover")
@@ -132,9 +148,11 @@ class Coordinator:
         if os.path.exists(path):
             os.unlink(path)  # stale: the launcher holds the lock and found nobody answering
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(path)
+        sock.bind(path)  # in the runtime dir only we can write: nobody swaps it meanwhile
         self._sock_ino = os.stat(path).st_ino
-        os.chmod(path, 0o600)
+        if self.gen is not None and self.gen.gid is not None:
+            os.chown(path, -1, self.gen.gid)
+        os.chmod(path, 0o600 if self.gen is None or self.gen.gid is None else 0o660)
         sock.listen(128)
         sock.setblocking(False)
         return sock
@@ -163,10 +181,14 @@ class Coordinator:
                     if skey.data == DISK_EVENT:
                         woken = True
                         continue
-                    if events & selectors.EVENT_WRITE and not self._flush(skey.data):
-                        continue
-                    if events & selectors.EVENT_READ:
-                        self._handle(skey.data)
+                    try:
+                        if events & selectors.EVENT_WRITE and not self._flush(skey.data):
+                            continue
+                        if events & selectors.EVENT_READ:
+                            self._handle(skey.data)
+                    except Exception:  # one client's trouble is never the coordinator's
+                        log.exception("dropping client %d", skey.fd)
+                        self._drop(skey.fd)
                 now = time.monotonic()
                 self._disk_turn(now, woken)
                 self._holdback_turn(now)
@@ -225,6 +247,12 @@ class Coordinator:
             sock, _ = lsock.accept()
         except BlockingIOError:
             return
+        assert self._gate is not None
+        why = self._gate.admit(sock)
+        if why is not None:  # before a byte of it is read
+            log.warning("refusing a connection: %s", why)
+            sock.close()
+            return
         sock.setblocking(False)
         client = _Client(sock)
         self._conns[sock.fileno()] = client
@@ -237,12 +265,14 @@ class Coordinator:
             data = client.sock.recv(1 << 20)
             if not data:
                 raise EOFError
-            requests = [wire.request_of(wire.decode(p)) for p in client.frames.feed(data)]
+            requests = [wire.request_of(wire.decode_request(p))
+                        for p in client.frames.feed(data)]
         except BlockingIOError:
             return
-        except (EOFError, OSError, wire.ProtocolError) as exc:
+        except Exception as exc:  # EOF, I/O, a frame too big, too deep, not a request...
             if not isinstance(exc, EOFError):
-                log.warning("dropping client %d: %s", owner, exc)
+                log.warning("dropping client %d: %s: %s", owner, type(exc).__name__,
+                            str(exc)[:200])
             self._drop(owner)
             return
         client.queued.extend(requests)
@@ -252,11 +282,24 @@ class Coordinator:
         """Answer ``client``'s queued requests in order, up to a held-back reserve (its
         reply, and so the requests behind it, come from :meth:`_holdback_turn`)."""
         owner = client.sock.fileno()
+        assert self._gate is not None
         while client.queued and not (self._holdback and self._holdback.holds(owner)):
-            op, args = client.queued.popleft()
+            op, raw = client.queued.popleft()
             try:
-                with self._write_section(op):
-                    reply: Any = self._dispatch(owner, op, args)
+                args = wire.checked_args(op, raw)
+                if op == "auth":
+                    self._gate.auth(args[0])
+                    client.admin = True
+                    reply: Any = True
+                else:
+                    self._gate.check(client.admin, op, args)
+                    with self._write_section(op):
+                        reply = self._dispatch(owner, op, args)
+            except Forbidden as exc:  # answered, then the connection is closed
+                log.warning("refusing %r from client %d: %s", op[:32], owner, exc)
+                if self._reply(client, ["error", f"Forbidden: {exc}"]):  # sent if it fits
+                    self._drop(owner)
+                return
             except Exception as exc:  # a bad request must not kill the coordinator
                 log.warning("bad request %r: %s: %s", op[:32], type(exc).__name__, exc)
                 reply = ["error", f"{type(exc).__name__}: {exc}"]
@@ -320,8 +363,8 @@ class Coordinator:
             log.warning("reclaimed %d read leases older than %.0f s", expired,
                         self.cfg.lease_ttl_s)
 
-    def _dispatch(self, owner: int, op: str, raw_args: list[Any]) -> Any:
-        args = wire.checked_args(op, raw_args)
+    def _dispatch(self, owner: int, op: str, args: tuple[Any, ...]) -> Any:
+        """Run one checked request (:func:`wire.checked_args`, :meth:`Gate.check`)."""
         idx = self.index
         if op == "exists":
             return idx.leading_run(args[0])
@@ -335,10 +378,9 @@ class Coordinator:
                 return self._holdback.reserve(owner, keys, sizes, parents, time.monotonic())
             return [idx.reserve(k, s, p, owner) for k, s, p in zip(keys, sizes, parents)]
         if op == "commit":
-            keys, sums, pin_s = args
-            if len(keys) != len(sums) or not 0 <= pin_s <= MAX_PIN_S:
-                raise ValueError(f"commit: keys and checksums differ in length, or a pin "
-                                 f"outside [0, {MAX_PIN_S}] s")
+            keys, sums, pin_s = args  # pin_s: bounded by the gate
+            if len(keys) != len(sums):
+                raise ValueError("commit: keys and checksums differ in length")
             return [idx.commit(k, owner, c, pin_s) for k, c in zip(keys, sums)]
         if op == "abort":
             for k in args[0]:
@@ -365,7 +407,8 @@ class Coordinator:
         if op == "stats":
             shared = self._shared
             return {**idx.stats(), "pid": os.getpid(), "clients": len(self._conns),
-                    "shared_index": int(bool(shared and shared.enabled))}
+                    "shared_index": int(bool(shared and shared.enabled)),
+                    "refused_peers": self._gate.refused_peers if self._gate else 0}
         if op == "hello":
             shared = self._shared
             assert self.gen is not None
@@ -374,6 +417,8 @@ class Coordinator:
                     "index": str(self.gen.index_path) if shared and shared.enabled else None,
                     "lease_ttl_s": self.cfg.lease_ttl_s,
                     "disk_tier": isinstance(idx, TieredIndex),
+                    "disk_dir": str(idx.root) if isinstance(idx, TieredIndex) else None,
+                    "max_pin_s": self.cfg.max_pin_s,
                     # clients' hot-path bound covers a reserve held back this long
                     "reserve_wait_s": (self.cfg.disk.put_wait_s if self.cfg.disk is not None
                                        and self._holdback is not None else 0.0)}
@@ -396,18 +441,28 @@ class Coordinator:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.socket_path)
         if self.gen is not None:
+            if self._gate is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.cfg.token_path)
             self.gen.release()  # last: the lock keeps a second coordinator out until here
         log.info("kvcentric local store %r stopped", self.cfg.name)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="kvcentric local store coordinator")
-    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--config-json", required=True, help="the store's config; - reads it "
+                    "from stdin (the launcher's way: a seal key must not be on a command line)")
+    ap.add_argument("--name", default=None, help="the store's name, checked against the "
+                    "config's (so that ps tells coordinators apart)")
     ap.add_argument("--detach", action="store_true",
                     help="fork into the background (the launcher's parent exits at once)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    coordinator = Coordinator(StoreConfig.from_dict(json.loads(args.config_json)))
+    raw = sys.stdin.read() if args.config_json == "-" else args.config_json
+    cfg = StoreConfig.from_dict(json.loads(raw))
+    if args.name is not None and args.name != cfg.name:
+        ap.error(f"--name {args.name!r} is not the config's store {cfg.name!r}")
+    coordinator = Coordinator(cfg)
     try:
         coordinator.prepare()
     except StartRefused as exc:

@@ -13,6 +13,11 @@
   the last is dropped, so a copy thread never touches memory being unmapped, even across
   a coordinator restart; sessions of one generation share it (a reconnect to the same
   coordinator maps and prefaults nothing).
+- :func:`greet`: a session starts only after the runtime dir passed its checks, the
+  process listening on the socket proved (``SO_PEERCRED``) to run as the dir's owner, and
+  its hello named this store's own files (:mod:`.trust`, :mod:`.replies`); the arena and
+  lookup index are mapped only if they are regular files of that owner, reached through
+  no symlink, as large as announced.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import logging
 import mmap
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
+from kvcentric.store.local import replies, trust
 from kvcentric.store.local.rpc import RpcClient
 from kvcentric.store.local.shared_index import SharedIndexReader
 
@@ -41,9 +48,14 @@ class Arena:
     """A counted mapping of the arena file of generation ``generation``; ``base`` is its
     address here. Starts with one reference (the caller's)."""
 
-    def __init__(self, path: str, capacity: int, generation: str, prefault: bool) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    def __init__(self, path: str, capacity: int, generation: str, prefault: bool,
+                 owner: int | None = None) -> None:
+        fd = trust.open_file(path, os.O_RDWR, "store arena", owner=owner)
         try:
+            size = os.fstat(fd).st_size
+            if size < capacity:  # a mapping past the file's end is a SIGBUS on first touch
+                raise replies.BadReply(f"the arena {path} has {size} B, less than the "
+                                       f"{capacity} B the coordinator announced")
             self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -108,16 +120,20 @@ class Session:
     reference on ``arena`` until closed."""
 
     def __init__(self, rpc: RpcClient, arena: Arena, index: SharedIndexReader | None,
-                 hello: dict[str, Any], hot_timeout_s: float) -> None:
+                 hello: Hello, hot_timeout_s: float) -> None:
         self.rpc = rpc
         self.arena = arena
         self.index = index
         self.generation = arena.generation
-        self.lease_ttl_s = float(hello.get("lease_ttl_s") or 0.0)
-        self.disk_tier = bool(hello.get("disk_tier", False))
+        self.owner = hello.owner  # the uid whose files this session may open
+        self.tier = hello.tier  # the disk tier's directory (None: no disk tier)
+        self.admin = False  # presented the admin token (kvcentric.store.local.gate)
+        self.max_pin_s = float(hello.raw.get("max_pin_s", 0.0))
+        self.lease_ttl_s = float(hello.raw.get("lease_ttl_s") or 0.0)
+        self.disk_tier = hello.tier is not None
         # a reserve may be held back this long for the disk tier (and every call of this
         # connection may queue behind one): the hot-path bound covers it
-        self.hot_timeout_s = hot_timeout_s + float(hello.get("reserve_wait_s") or 0.0)
+        self.hot_timeout_s = hot_timeout_s + float(hello.raw.get("reserve_wait_s") or 0.0)
         self.alive = arena.hold()
 
     def peer_alive(self) -> bool:
@@ -135,29 +151,48 @@ class Session:
         self.arena.drop()
 
 
-def greet(cfg: StoreConfig) -> tuple[RpcClient, dict[str, Any]]:
-    """Connect to ``cfg``'s coordinator and say hello (``op_timeout_s``); the connection's
-    reads wake every ``hot_timeout_s`` so hot calls end in time. ``StoreUnavailable`` when
-    it does not answer or is too old to name its generation."""
+@dataclass(frozen=True)
+class Hello:
+    """A coordinator's checked hello (:func:`replies.check_hello`), the uid that owns the
+    store (its runtime dir's owner, which the coordinator runs as) and its disk tier."""
+
+    raw: dict[str, Any]
+    owner: int
+    tier: Path | None
+
+
+def greet(cfg: StoreConfig) -> tuple[RpcClient, Hello]:
+    """Check ``cfg``'s runtime dir, connect to its coordinator, check who it is and say
+    hello (``op_timeout_s``); the connection's reads wake every ``hot_timeout_s`` so hot
+    calls end in time. ``StoreUnavailable`` when it does not answer; ``Untrusted`` or
+    ``BadReply`` (both ``StoreUnavailable``) when the dir, the peer or the hello fails its
+    checks (module docstring)."""
+    try:
+        owner = trust.check_dir(cfg.runtime_dir, "store runtime directory", gid=cfg.peer_gid,
+                                mine=False)
+    except FileNotFoundError as exc:
+        raise StoreUnavailable(f"cannot reach store at {cfg.socket_path}: no runtime "
+                               f"directory {cfg.runtime_dir}") from exc
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot examine {cfg.runtime_dir}: {exc}") from exc
     rpc = RpcClient(cfg.socket_path, cfg.op_timeout_s, poll_s=cfg.hot_timeout_s)
     try:
-        rpc.connect()
-        hello = rpc.call("hello")
-        if not isinstance(hello, dict) or not isinstance(hello.get("generation"), str):
-            raise StoreUnavailable(f"the coordinator at {cfg.socket_path} names no "
-                                   "generation (an older kvcentric): restart it")
+        rpc.connect(lambda sock: trust.check_peer(sock, owner, cfg.socket_path))
+        raw = rpc.call("hello")
+        hello = Hello(raw, owner, replies.check_hello(cfg, raw))
     except BaseException:
         rpc.close()
         raise
     return rpc, hello
 
 
-def open_index(cfg: StoreConfig, path: str | None) -> SharedIndexReader | None:
-    """Map a generation's shared lookup index, or None (lookups use the socket)."""
+def open_index(cfg: StoreConfig, path: str | None, owner: int) -> SharedIndexReader | None:
+    """Map a generation's shared lookup index (a file of ``owner``), or None (lookups use
+    the socket)."""
     if not path or not cfg.shared_index:
         return None
     try:
-        return SharedIndexReader(Path(path))
-    except (OSError, ValueError) as exc:
+        return SharedIndexReader(Path(path), owner)
+    except (OSError, ValueError, StoreUnavailable) as exc:
         log.warning("shared lookup index unusable (%s); lookups use the socket", exc)
         return None

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import xxhash
 
+from kvcentric.store.local import trust
+
 MAGIC = 0x6B76_6378_6964_7831  # "kvcxidx1"
 VERSION = 1
 HEADER_WORDS = 8
@@ -70,13 +72,10 @@ def meta_word(depth: int, complete: bool) -> int:
     return depth << 2 | int(complete) << 1 | 1
 
 
-def _map(path: Path, nbytes: int, writable: bool) -> tuple[mmap.mmap, memoryview]:
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-    try:
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED,
-                       mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-    finally:
-        os.close(fd)
+def _map(fd: int, nbytes: int, writable: bool) -> tuple[mmap.mmap, memoryview]:
+    """Map ``nbytes`` of ``fd`` (which the caller opened and closes)."""
+    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED,
+                   mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     return mm, memoryview(mm).cast("Q")
 
 
@@ -88,20 +87,23 @@ class SharedIndexWriter:
     which holds the seqlock odd; nested sections are one section.
     """
 
-    def __init__(self, path: Path, nslots: int) -> None:
+    def __init__(self, path: Path, nslots: int, gid: int | None = None) -> None:
         if nslots & (nslots - 1) or nslots < 16:
             raise ValueError("nslots must be a power of two >= 16")
         self.path = path
         self.nslots = nslots
         self._mask = nslots - 1
         nbytes = 8 * (HEADER_WORDS + SLOT_WORDS * nslots)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # a new file (O_EXCL): a planted file or symlink is never written through; readable
+        # by a peer_group (gid) when there is one
+        fd = trust.open_file(path, os.O_RDWR, "store lookup index", new=True,
+                             mode=0o600 if gid is None else 0o640, gid=gid)
         try:
             # allocated now: a write into a hole of a full tmpfs would be a SIGBUS later
             os.posix_fallocate(fd, 0, nbytes)
+            self._mm, self._w = _map(fd, nbytes, writable=True)
         finally:
             os.close(fd)
-        self._mm, self._w = _map(path, nbytes, writable=True)
         w = self._w
         w[0], w[1], w[SEQ], w[NSLOTS], w[ENABLED], w[LIVE] = MAGIC, VERSION, 0, nslots, 1, 0
         self._depth = 0
@@ -200,16 +202,25 @@ class SharedIndexReader:
     """A client's read-only view; ``leading_run`` returns None when the caller must ask
     the coordinator instead (writer busy for too long, index disabled, not x86-64)."""
 
-    def __init__(self, path: Path) -> None:
-        size = os.path.getsize(path)
-        self._mm, self._r = _map(path, size, writable=False)
+    def __init__(self, path: Path, owner: int | None = None) -> None:
+        """Map ``path``, a regular file of ``owner`` (default: us) reached through no
+        symlink (``Untrusted`` otherwise); ``ValueError`` when it is not a whole index."""
+        fd = trust.open_file(path, os.O_RDONLY, "store lookup index", owner=owner)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8 * HEADER_WORDS:
+                raise ValueError(f"{path} is too small for a kvcentric shared index")
+            self._mm, self._r = _map(fd, size, writable=False)
+        finally:
+            os.close(fd)
         r = self._r
-        if size < 8 * HEADER_WORDS or r[0] != MAGIC or r[1] != VERSION:
+        if r[0] != MAGIC or r[1] != VERSION:
             self.close()
             raise ValueError(f"{path} is not a kvcentric shared index (version {VERSION})")
-        if size != 8 * (HEADER_WORDS + SLOT_WORDS * r[NSLOTS]):
+        n = r[NSLOTS]
+        if n < 16 or n & (n - 1) or size != 8 * (HEADER_WORDS + SLOT_WORDS * n):
             self.close()
-            raise ValueError(f"{path} has the wrong size for its {r[NSLOTS]} slots")
+            raise ValueError(f"{path} has the wrong size for its {n} slots")
         self._mask = r[NSLOTS] - 1
         self.usable = platform.machine().lower() in ("x86_64", "amd64")
 

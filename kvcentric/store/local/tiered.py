@@ -90,8 +90,8 @@ class TierCounters:
 class TieredIndex(ObjectIndex):
     def __init__(self, capacity: int, disk_capacity: int, root: Path, high_watermark: float,
                  submit: Callable[[Any], None], shared: SharedIndexWriter | None = None,
-                 dirty_limit: float = 1.0) -> None:
-        super().__init__(capacity, shared)
+                 dirty_limit: float = 1.0, pin_cap: int | None = None) -> None:
+        super().__init__(capacity, shared, pin_cap)
         self.root = root
         self.disk_capacity = disk_capacity
         self.disk_used = 0
