@@ -218,3 +218,46 @@ def test_a_seal_key_is_never_on_a_command_line(disk_cfg: StoreConfig) -> None:
         assert KEY.encode() not in cmdline and sealed.name.encode() in cmdline
         assert KEY not in repr(sealed)
     launcher.stop(sealed)
+
+
+@pytest.mark.skipif(other_user.reason() is not None, reason=other_user.reason() or "")
+def test_a_peer_group_member_reads_the_disk_tier(store_cfg: StoreConfig) -> None:
+    """With ``peer_group`` the tier's directories are ``0710`` and its files ``0640``, the
+    group's: nobody in the group reads disk-only objects (search permission is all its
+    client needs: it opens the tier's directories ``O_PATH``)."""
+    base = Path("/dev/shm") / f"kvc-gd-{uuid.uuid4().hex[:8]}"
+    tier = Path("/tmp") / f"kvc-gdt-{uuid.uuid4().hex[:8]}"
+    for d in (base, tier):
+        d.mkdir()
+        d.chmod(0o711)
+    cfg = store_cfg.with_(runtime_dir=base / "rt", peer_group="nogroup", capacity_bytes=16 * MB,
+                          disk=DiskConfig(tier, 256 * MB))
+    try:
+        with open_store(cfg) as s:
+            assert isinstance(s, LocalStore)
+            keys = [f"g/{i}" for i in range(120)]  # ~2x DRAM: the first ones leave it
+            for i in range(0, len(keys), 8):
+                assert put(s, keys[i:i + 8], [keys[i - 1] if i else None,
+                                              *keys[i:i + 7]]) == [OK] * 8
+                assert wait_until(lambda: s.stats()["demoting"] == 0, 20)
+            assert wait_until(lambda: settled(s), 20)
+            assert s.batch_residency(keys[:3]).disk_only == (0, 1, 2)
+            assert oct((tier / cfg.name).stat().st_mode & 0o777) == "0o710"
+            raw = {"name": cfg.name, "runtime_dir": str(cfg.runtime_dir),
+                   "peer_group": "nogroup", "capacity_bytes": 16 * MB, "hot_timeout_s": 2.0}
+            out = other_user.python(f"""
+import numpy as np
+from kvcentric.config import StoreConfig
+from kvcentric.store import open_store
+from tests.helpers.payload import payload
+from tests.store_contract import get
+with open_store(StoreConfig.from_dict({raw!r})) as s:
+    ks = ["g/0", "g/1", "g/2"]
+    print(s.batch_residency(ks).disk_only, [b is not None and bool(np.array_equal(
+        b, payload(k, b.nbytes))) for k, b in zip(ks, get(s, ks))])
+""")
+            assert out.stdout.strip().splitlines()[-1] == "(0, 1, 2) [True, True, True]", out
+    finally:
+        launcher.stop(cfg)
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(tier, ignore_errors=True)

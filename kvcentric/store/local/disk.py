@@ -58,6 +58,8 @@ MAGIC_SEALED = b"KVCDISK2"  # the header carries an HMAC under the tier's seal k
 _MAC = 32  # HMAC-SHA256
 _SUB = re.compile(r"[0-9a-f]{2}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# a client's lookups need only search permission (a peer_group's 0710 directories)
+_PATH_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # what a tier file operation raises for a file it cannot use (refused paths included)
 ERRORS = (OSError, ValueError, trust.Untrusted)
 DATA_OFFSET = 4096  # page-aligned payload: readahead and any future O_DIRECT reader agree
@@ -134,11 +136,12 @@ def decode_header(raw: bytes, seal_key: bytes | None = None) -> Header | None:
     return Header(key, parent, size, csum)
 
 
-def _open_dir(name: Path | str, what: str, owner: int | None, dir_fd: int | None = None) -> int:
+def _open_dir(name: Path | str, what: str, owner: int | None, dir_fd: int | None = None,
+              flags: int = _DIR_FLAGS) -> int:
     """A descriptor of directory ``name`` (never through a symlink); ``Untrusted`` unless
     it is ``owner``'s (default: ours) and no other user can write it."""
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise trust.Untrusted(f"refusing {what} {str(name)!r}: it is a symlink") from exc
@@ -154,10 +157,10 @@ def _open_dir(name: Path | str, what: str, owner: int | None, dir_fd: int | None
     return fd
 
 
-def open_root(root: Path, owner: int | None = None) -> int:
+def open_root(root: Path, owner: int | None = None, flags: int = _DIR_FLAGS) -> int:
     """A descriptor of the tier's root directory; ``Untrusted`` unless it is a directory
     (not a symlink) of ``owner`` (default: us) that no other user can write."""
-    return _open_dir(root, "disk tier directory", owner)
+    return _open_dir(root, "disk tier directory", owner, flags=flags)
 
 
 def parts(root: Path, path: Path | str) -> tuple[str, str]:
@@ -171,11 +174,11 @@ def parts(root: Path, path: Path | str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def _sub(root: Path, sub: str, owner: int | None = None, create: bool = False,
-         gid: int | None = None) -> Iterator[int]:
+         gid: int | None = None, flags: int = _DIR_FLAGS) -> Iterator[int]:
     """A descriptor of ``root/sub``: neither reached through a symlink, both ``owner``'s
     and writable by nobody else; ``create`` makes ``sub`` (``0700``, ``0710`` for a
     group) when missing."""
-    rfd = open_root(root, owner)
+    rfd = open_root(root, owner, flags)
     try:
         made = False
         if create:
@@ -184,7 +187,7 @@ def _sub(root: Path, sub: str, owner: int | None = None, create: bool = False,
                 made = True
             except FileExistsError:
                 pass
-        sfd = _open_dir(sub, "disk tier directory", owner, dir_fd=rfd)
+        sfd = _open_dir(sub, "disk tier directory", owner, dir_fd=rfd, flags=flags)
     finally:
         os.close(rfd)
     try:
@@ -255,7 +258,7 @@ def open_object(root: Path, path: Path | str, owner: int | None = None) -> int:
     file of ``owner`` (default: us) reached through no symlink; ``ValueError`` for a path
     outside the tier, ``Untrusted``/``OSError`` otherwise."""
     sub, name = parts(root, path)
-    with _sub(root, sub, owner) as sfd:
+    with _sub(root, sub, owner, flags=_PATH_FLAGS) as sfd:
         return trust.open_file(name, os.O_RDONLY, "disk tier file", owner=owner, dir_fd=sfd)
 
 
