@@ -33,6 +33,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvcentric.router.config import SloConfig
 from kvcentric.router.cost_model import Profile, tiered_load_s
@@ -155,18 +156,37 @@ def decode_cost(d: Instance, local: int, full_blocks: int, n_tokens: int,
     return DecodeCost(d.name, local, t_load + first_step, tbt)
 
 
+class DecoderPick(NamedTuple):
+    """The decode instance a split (P/D) pair would use: ``extra_s`` its load and first
+    step on top of the prefill's TTFT."""
+
+    extra_s: float
+    instance: Instance
+    cost: DecodeCost
+
+
+class Pairing(NamedTuple):
+    """One candidate prefill instance with the decode instance it would pair with."""
+
+    ttft_s: float
+    tbt_s: float
+    prefill: Instance
+    decode: Instance
+    cost: PrefillCost
+
+
 def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: int,
                   params: CostParams, tbt_slo: float, disk_only: Sequence[int] = ()
-                  ) -> tuple[float, Instance, DecodeCost] | None:
+                  ) -> DecoderPick | None:
     """The decode-role instance with the soonest first token within the TBT SLO."""
     full_blocks = n_tokens // params.block_size
-    best: tuple[float, Instance, DecodeCost] | None = None
+    best: DecoderPick | None = None
     for d in decode:
         if d.spec.role != "decode":
             continue  # a 'both' instance decodes only what it prefilled itself
         dc = decode_cost(d, runs.get(d.slot, 0), full_blocks, n_tokens, params, disk_only)
-        if dc.tbt_s <= tbt_slo and (best is None or dc.load_s + dc.tbt_s < best[0]):
-            best = (dc.load_s + dc.tbt_s, d, dc)
+        if dc.tbt_s <= tbt_slo and (best is None or dc.load_s + dc.tbt_s < best.extra_s):
+            best = DecoderPick(dc.load_s + dc.tbt_s, d, dc)
     return best
 
 
@@ -183,8 +203,8 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     tbt_slo = slo.tbt_ms / 1000.0
     best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo, disk_only)
     costs: list[PrefillCost] = []
-    best: tuple[float, float, Instance, Instance, PrefillCost] | None = None
-    best_key: tuple[float, int, float] | None = None
+    best: Pairing | None = None
+    best_key: tuple[float, int, float] | None = None  # (ttft, batch order, kv usage)
     min_tbt = math.inf
     for p in prefill:
         pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
@@ -192,26 +212,25 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         costs.append(pc)
         if p.spec.role == "both":
             tbt = params.profile.tbt_s(p.batch() + 1, p.stats.kv_usage)
-            pair: tuple[float, float, Instance] | None = (pc.ttft_s, tbt, p)
+            pair = Pairing(pc.ttft_s, tbt, p, p, pc)
         elif best_d is not None:
-            pair = (pc.ttft_s + best_d[0], best_d[2].tbt_s, best_d[1])
+            pair = Pairing(pc.ttft_s + best_d.extra_s, best_d.cost.tbt_s, p, best_d.instance,
+                           pc)
         else:
-            pair = None
-        if pair is None:
             continue
-        min_tbt = min(min_tbt, pair[1])
+        min_tbt = min(min_tbt, pair.tbt_s)
         # equal predicted TTFT, same prefix knowledge: on separate processors the one
         # running fewer sequences, then the emptier cache, so new prefixes spread out; on a
         # shared processor the busier one (one engine batching beats two time-slicing it)
-        key = (pair[0], -p.batch() if p.proc.shared else p.batch(), p.stats.kv_usage)
-        if pair[1] <= tbt_slo and (best_key is None or key < best_key):
-            best, best_key = (pair[0], pair[1], p, pair[2], pc), key
+        key = (pair.ttft_s, -p.batch() if p.proc.shared else p.batch(), p.stats.kv_usage)
+        if pair.tbt_s <= tbt_slo and (best_key is None or key < best_key):
+            best, best_key = pair, key
     if best is None:
         msg = (f"predicted TBT {min_tbt * 1000:.0f} ms exceeds the SLO {slo.tbt_ms:.0f} ms"
                if math.isfinite(min_tbt) else
                "no decode instance can take the request within the TBT SLO")
         return Rejection("tbt", 1, math.inf, min_tbt, msg)
-    ttft, tbt, p, d, pc = best
+    ttft, tbt, p, d, pc = best.ttft_s, best.tbt_s, best.prefill, best.decode, best.cost
     slo_s = slo.ttft_ms / 1000.0
     # Refuse what load makes late. A prompt too long for the SLO even on an idle instance is
     # served best effort: refusing would not help it (no retry ever would) and serving it
