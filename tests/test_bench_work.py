@@ -10,7 +10,8 @@ LMCACHE_PAGE = """# HELP lmcache_mp_l1_write_chunks_total Total chunks written t
 lmcache_mp_l1_write_chunks_total{cache_salt="",l1_tag="x"} 3.0
 lmcache_mp_l1_write_chunks_total{cache_salt="s",l1_tag="x"} 2.0
 lmcache_mp_l1_write_chunks_created{cache_salt=""} 1.7e9
-lmcache_mp_num_chunks_loaded_total{worker_id="0"} 4.0
+lmcache_mp_l1_read_chunks_total{cache_salt=""} 4.0
+lmcache_mp_num_chunks_loaded_total{worker_id="0"} 0.0
 lmcache_mp_l1_usage_ratio 0.25
 """
 

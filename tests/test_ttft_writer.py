@@ -35,7 +35,7 @@ class _Arm:
         return ("# TYPE lmcache_mp_l1_write_chunks_total counter\n"
                 f'lmcache_mp_l1_write_chunks_total{{salt="a"}} {self.saved / 2}\n'
                 f'lmcache_mp_l1_write_chunks_total{{salt="b"}} {self.saved / 2}\n'
-                "lmcache_mp_num_chunks_loaded_total 0\n")
+                "lmcache_mp_l1_read_chunks_total 0\n")
 
 
 def _readers(arms: dict[str, _Arm]) -> dict[str, Any]:

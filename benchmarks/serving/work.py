@@ -7,7 +7,9 @@ saves and loads are read from its own accounting, never from ours:
 - ours (``kvc``, ``kvcentric``, ``kvcentric_whole_get``): the connector's counters on
   vLLM's ``/metrics`` (:data:`OURS`: blocks saved, blocks loaded);
 - ``lmcache``: the ``lmcache server``'s own ``/metrics`` (LMCache's OpenTelemetry counters,
-  :data:`LMCACHE`: chunks written to its L1, chunks loaded into the engine);
+  :data:`LMCACHE`: chunks written to its L1; chunks read from its L1 for the engine, or
+  counted as loaded into it, whichever is larger: with vLLM driving the transfer, as on
+  CPU, LMCache 0.5.6 publishes only the L1 reads);
 - ``mooncake_store_connector``: the Mooncake master's ``/metrics`` (:data:`MOONCAKE`:
   objects whose put completed, replica lookups of gets) and vLLM's own count of tokens a
   connector provided (``vllm:external_prefix_cache_hits_total``).
@@ -25,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 OURS = ("vllm:kvcentric_saved_blocks_total", "vllm:kvcentric_loaded_blocks_total")
-LMCACHE = ("lmcache_mp_l1_write", "lmcache_mp_num_chunks_loaded")
+LMCACHE = ("lmcache_mp_l1_write", "lmcache_mp_l1_read", "lmcache_mp_num_chunks_loaded")
 MOONCAKE = ("master_put_end_requests_total", "master_batch_put_end_items_total",
             "master_get_replica_list_requests_total",
             "master_batch_get_replica_list_items_total")
@@ -99,9 +101,10 @@ def ours(vllm_metrics: Mapping[str, float], block_tokens: int) -> Work:
 
 def lmcache(server_metrics: Mapping[str, float], chunk_tokens: int) -> Work:
     """LMCache's own counters, as tokens (``chunk_tokens`` a chunk): chunks written to
-    the server's L1 (saved) and chunks loaded into the engine (loaded)."""
-    saved, loaded = (_counter(server_metrics, stem) * chunk_tokens for stem in LMCACHE)
-    return Work(saved, loaded, "tokens", "the lmcache server's counters")
+    the server's L1 (saved); chunks read from its L1 or loaded into the engine, the larger
+    (loaded)."""
+    saved, read, loaded = (_counter(server_metrics, stem) * chunk_tokens for stem in LMCACHE)
+    return Work(saved, max(read, loaded), "tokens", "the lmcache server's counters")
 
 
 def mooncake(master_metrics: Mapping[str, float], vllm_metrics: Mapping[str, float]) -> Work:
