@@ -39,8 +39,9 @@ def test_report_covers_every_committed_json_and_is_deterministic(tmp_path: Path)
     text = outs[0].decode()
     sections = _sections(text)
     assert sorted(sections) == jsons
-    for body in sections.values():  # every committed result says what, where, which code
+    for rel, body in sections.items():  # every committed result says what, where, which code
         assert "- Command: " in body and "- Machine: " in body and "- Commit: " in body
+        assert report.NOT_RECORDED not in body, f"{rel}: command, machine or commit not recorded"
     for png in pngs:  # every figure is shown, with its command and machine
         assert f"]({png})" in text
         assert re.search(rf"\*`{re.escape(png)}`[^\n]*Command: [^\n]+Machine: ", text)
@@ -68,7 +69,7 @@ def test_writer_records_command_machine_and_figures(tmp_path: Path,
     drawn: list[Path] = []
 
     def draw(p: Path) -> Path:
-        shutil.copy(RESULTS / "ttft.png", p)
+        shutil.copy(RESULTS / "ttft_quick.png", p)
         drawn.append(p)
         return p
 
@@ -87,7 +88,7 @@ def test_writer_records_command_machine_and_figures(tmp_path: Path,
     assert "benchmarks/results" not in " ".join(git["dirty_paths"])
     assert saved["figures"] == [{"file": "demo_cdf.png", "title": "Demo CDF"}]
     (res / "old.json").write_text(json.dumps({"summary": {"speed": 2.0}}))
-    (res / "old_plot.png").write_bytes((RESULTS / "ttft.png").read_bytes())
+    (res / "old_plot.png").write_bytes((RESULTS / "ttft_quick.png").read_bytes())
     (res / "stray.png").write_bytes(b"")
     (res / "logs").mkdir()
     (res / "logs" / "server-config.json").write_text("{}")  # scratch: not a result
