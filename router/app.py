@@ -47,6 +47,7 @@ from kvcentric.router.replication import Replicator
 from kvcentric.router.scheduler import Conductor
 from kvcentric.router.store_view import StoreView
 from kvcentric.router.tokenize import PromptTokenizer
+from kvcentric.router.upstream import Upstreams
 from kvcentric.stored_layout import stored_block_size
 
 # ZMQ closes a removed instance's event socket on its I/O thread, a moment after the
@@ -72,7 +73,7 @@ class RouterState:
     transport: httpx.AsyncBaseTransport | None = None
     proxy: Proxy | None = None
     replicator: Replicator | None = None
-    client: httpx.AsyncClient | None = None
+    client: Upstreams | None = None
     zmq_ctx: zmq.asyncio.Context | None = None
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
@@ -140,7 +141,13 @@ class RouterState:
         task = self.tasks.pop(f"events:{name}", None)
         if task is not None:
             task.cancel()
-        return self.conductor.registry.remove(name)  # closes the socket now: port reusable
+        inst = self.conductor.registry.remove(name)  # closes the socket now: port reusable
+        if self.client is not None and not any(i.spec.url == inst.spec.url
+                                                for i in self.conductor.registry):
+            forget = asyncio.get_running_loop().create_task(self.client.forget(inst.spec.url))
+            self.tasks[f"forget:{name}:{id(forget)}"] = forget
+            forget.add_done_callback(lambda t: self.tasks.pop(f"forget:{name}:{id(t)}", None))
+        return inst
 
     async def check_instance(self, inst: Instance) -> None:
         """One health check of ``inst`` (it enters rotation when it passes)."""
@@ -201,9 +208,8 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         up = cfg.upstream
-        state.client = httpx.AsyncClient(
-            transport=state.transport, limits=httpx.Limits(max_connections=1024),
-            timeout=httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s))
+        state.client = Upstreams(httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s),
+                                 state.transport)
         state.proxy = Proxy(state.conductor, state.client, state.metrics)
         state.zmq_ctx = zmq.asyncio.Context()
         for spec in cfg.instances:

@@ -27,6 +27,7 @@ from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.kv_events import EventListener, EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.router.processor import Processor
+from kvcentric.router.upstream import Upstreams
 
 log = logging.getLogger("router.instances")
 
@@ -164,7 +165,7 @@ class Registry:
         inst.healthy = True
 
 
-async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
+async def check(inst: Instance, registry: Registry, client: Upstreams | httpx.AsyncClient,
                 hc: HealthConfig, api_key: str | None = None) -> None:
     """One health check of ``inst``, and a metrics poll if ``hc.metrics_interval_s`` has
     passed since its last successful one (with it, the engine's context from
@@ -196,7 +197,7 @@ async def check(inst: Instance, registry: Registry, client: httpx.AsyncClient,
         inst.max_model_len = await _context(inst, client, timeout_s, headers)
 
 
-async def _context(inst: Instance, client: httpx.AsyncClient, timeout_s: float,
+async def _context(inst: Instance, client: Upstreams | httpx.AsyncClient, timeout_s: float,
                    headers: dict[str, str]) -> int | None:
     """The smallest ``max_model_len`` ``inst``'s ``/v1/models`` lists, or None."""
     try:

@@ -35,6 +35,7 @@ from kvcentric.router.errors import error_response
 from kvcentric.router.instances import Instance
 from kvcentric.router.metrics import RouterMetrics, hit_tiers
 from kvcentric.router.scheduler import Conductor
+from kvcentric.router.upstream import Upstreams
 
 log = logging.getLogger("router.proxy")
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
@@ -75,7 +76,7 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 
 class Proxy:
-    def __init__(self, conductor: Conductor, client: httpx.AsyncClient,
+    def __init__(self, conductor: Conductor, client: Upstreams | httpx.AsyncClient,
                  metrics: RouterMetrics) -> None:
         self.c = conductor
         self.client = client

@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 
 from kvcentric.router.instances import Instance
+from kvcentric.router.upstream import Upstreams
 
 if TYPE_CHECKING:
     from kvcentric.router.metrics import RouterMetrics
@@ -108,7 +109,7 @@ class Warmup:
 
 class Replicator:
     def __init__(self, conductor: Conductor, metrics: RouterMetrics,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: Upstreams | httpx.AsyncClient | None = None) -> None:
         self.c = conductor
         self.cfg = conductor.cfg.replication
         self.metrics = metrics
