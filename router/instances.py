@@ -92,6 +92,7 @@ class Instance:
             "kv_event_batches": self.listener.batches if self.listener else 0,
             "kv_event_gaps": self.listener.gaps if self.listener else 0,
             "kv_event_batches_replayed": self.listener.replayed if self.listener else 0,
+            "kv_event_pages": len(self.translator) if self.translator else 0,
             "correction": round(self.correction, 3),
             "max_model_len": self.max_model_len,
         }
@@ -212,9 +213,12 @@ async def _context(inst: Instance, client: Upstreams | httpx.AsyncClient, timeou
 
 
 def fit_capacity(inst: Instance, index: PrefixIndex, block_size: int) -> None:
-    """Size ``inst``'s LRU to its engine's KV cache, once the engine reported it."""
+    """Size ``inst``'s LRU to its engine's KV cache, once the engine reported it (and
+    bound its event translator's page map to twice that many pages)."""
     st = inst.stats
     if st.num_pages and st.page_size:
         blocks = st.num_pages * st.page_size // block_size
         if blocks > 0 and blocks != index.capacity(inst.slot):
             index.set_capacity(inst.slot, blocks)
+        if inst.translator is not None:  # its page map: twice what the engine can hold
+            inst.translator.max_pages = max(1024, 2 * st.num_pages)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,14 +49,29 @@ class _Page:
     blocks: list[bytes] = field(default_factory=list)
 
 
-class EventTranslator:
-    """Per instance: engine page events -> (blocks now resident, blocks no longer resident)."""
+MAX_PAGES = 1 << 18  # pages remembered per engine until its cache size is known
+MAX_BLOCKS_PER_PAGE = 64  # continuations remembered per page (see EventTranslator)
 
-    def __init__(self, model_id: str, block_size: int | None) -> None:
+
+class EventTranslator:
+    """Per instance: engine page events -> (blocks now resident, blocks no longer resident).
+
+    Memory is bounded whatever the engine sends or the router misses: at most
+    ``max_pages`` pages are remembered (the least recently stored forgotten first; the
+    app sets it to twice the engine's cache once the engine reports its size), and each
+    page at most :data:`MAX_BLOCKS_PER_PAGE` of the blocks that contain it. A page
+    forgotten here can no longer be reported removed, so its blocks stay in the index
+    until its per-instance LRU drops them: stale residency is bounded, never leaked.
+    """
+
+    def __init__(self, model_id: str, block_size: int | None,
+                 max_pages: int = MAX_PAGES) -> None:
         self.model_id = model_id
-        self._pages: dict[Any, _Page] = {}
+        self._pages: OrderedDict[Any, _Page] = OrderedDict()
         self.skipped = 0  # events we could not translate (unknown parent, LoRA, multimodal)
+        self.forgotten = 0  # pages dropped by the bound
         self.block_bytes = 0
+        self.max_pages = max_pages
         self.reset(block_size)
 
     def reset(self, block_size: int | None) -> None:
@@ -105,12 +121,21 @@ class EventTranslator:
             run = state.run + (vh,)
             if completed:
                 for prev in run[:-1]:
-                    if prev in self._pages:
-                        self._pages[prev].blocks.extend(completed)
+                    p = self._pages.get(prev)
+                    if p is not None:
+                        p.blocks.extend(completed)
+                        if len(p.blocks) > MAX_BLOCKS_PER_PAGE:
+                            del p.blocks[:len(p.blocks) - MAX_BLOCKS_PER_PAGE]
                 run = (vh,) if pending else ()
             state = _Page(chain, pending, run, completed)
-            self._pages[vh] = state
+            pages = self._pages
+            if vh in pages:
+                pages.move_to_end(vh)
+            pages[vh] = state
             done.extend(completed)
+        while len(self._pages) > self.max_pages:
+            self._pages.popitem(last=False)
+            self.forgotten += 1
         return done
 
     def _start(self, parent: Any, first_extra: Any) -> _Page | None:
