@@ -39,14 +39,50 @@ class _Page:
 
     ``chain``: hash of the last complete stored block at or before this page;
     ``pending``: little-endian u32 tokens of the incomplete block after it;
-    ``run``: engine hashes of the pages holding ``pending``; ``blocks``: our blocks that
-    contain this page (a page may be shared by several continuations).
+    ``run``: engine hashes of the pages holding ``pending``.
     """
 
     chain: bytes
     pending: bytes
     run: tuple[Any, ...]
-    blocks: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class _Span:
+    """One ``BlockStored`` event's pages, translated once as a whole: ``buf`` is the
+    pending bytes before the event (``p0`` of them) and its tokens; ``completed`` our
+    blocks completed within ``buf``; a page's own state and blocks are computed from
+    these when asked (a child event, a removal), not stored per page. ``later``: blocks
+    completed by later events that contain one of these pages (its last pending run)."""
+
+    chain: bytes
+    buf: bytes
+    p0: int
+    step: int
+    block: int
+    completed: list[bytes]
+    hashes: list[Any]
+    parent_run: tuple[Any, ...]
+    later: dict[int, list[bytes]] = field(default_factory=dict)
+
+    def state(self, i: int) -> _Page:
+        """Chain state after page ``i``."""
+        e = self.p0 + (i + 1) * self.step
+        c = e // self.block
+        pending = self.buf[c * self.block:e]
+        if not pending:
+            run: tuple[Any, ...] = ()
+        elif c == 0:
+            run = self.parent_run + tuple(self.hashes[:i + 1])
+        else:
+            run = tuple(self.hashes[(c * self.block - self.p0) // self.step:i + 1])
+        return _Page(self.completed[c - 1] if c else self.chain, pending, run)
+
+    def blocks(self, i: int) -> list[bytes]:
+        """Our blocks that contain page ``i``."""
+        s = self.p0 + i * self.step
+        last = min(len(self.completed) - 1, (s + self.step - 1) // self.block)
+        return [*self.completed[s // self.block:last + 1], *self.later.get(i, ())]
 
 
 MAX_PAGES = 1 << 18  # pages remembered per engine until its cache size is known
@@ -56,10 +92,16 @@ MAX_BLOCKS_PER_PAGE = 64  # continuations remembered per page (see EventTranslat
 class EventTranslator:
     """Per instance: engine page events -> (blocks now resident, blocks no longer resident).
 
+    An event is translated as a whole: one chained hash over its tokens (after its
+    parent page's pending ones) gives every block it completes; a page keeps only a
+    reference to its event (:class:`_Span`) and its position, its state and blocks
+    being computed when a child event or a removal asks (~0.3 us per page instead of
+    ~4.5 us per page translated one by one, on 16-token GPU pages and 256-token blocks).
+
     Memory is bounded whatever the engine sends or the router misses: at most
     ``max_pages`` pages are remembered (the least recently stored forgotten first; the
     app sets it to twice the engine's cache once the engine reports its size), and each
-    page at most :data:`MAX_BLOCKS_PER_PAGE` of the blocks that contain it. A page
+    page at most :data:`MAX_BLOCKS_PER_PAGE` of the later blocks that contain it. A page
     forgotten here can no longer be reported removed, so its blocks stay in the index
     until its per-instance LRU drops them: stale residency is bounded, never leaked.
     """
@@ -67,7 +109,7 @@ class EventTranslator:
     def __init__(self, model_id: str, block_size: int | None,
                  max_pages: int = MAX_PAGES) -> None:
         self.model_id = model_id
-        self._pages: OrderedDict[Any, _Page] = OrderedDict()
+        self._pages: OrderedDict[Any, tuple[_Span, int]] = OrderedDict()
         self.skipped = 0  # events we could not translate (unknown parent, LoRA, multimodal)
         self.forgotten = 0  # pages dropped by the bound
         self.block_bytes = 0
@@ -112,37 +154,34 @@ class EventTranslator:
         except (ValueError, TypeError, OverflowError):  # not a list of token ids
             self.skipped += 1
             return []
-        step = page * 4
-        done: list[bytes] = []
+        buf = state.pending + raw
+        completed, _ = extend_chain(state.chain, buf, self.block_bytes // 4)
+        span = _Span(state.chain, buf, len(state.pending), page * 4, self.block_bytes,
+                     completed, hashes, state.run)
+        if completed and state.pending:  # the parent's pending pages are in the first
+            for prev in state.run:
+                ref = self._pages.get(prev)
+                if ref is not None:
+                    later = ref[0].later.setdefault(ref[1], [])
+                    later.append(completed[0])
+                    if len(later) > MAX_BLOCKS_PER_PAGE:
+                        del later[:len(later) - MAX_BLOCKS_PER_PAGE]
+        pages = self._pages
         for i, vh in enumerate(hashes):
-            completed, pending = extend_chain(
-                state.chain, state.pending + raw[i * step:(i + 1) * step], self.block_bytes // 4)
-            chain = completed[-1] if completed else state.chain
-            run = state.run + (vh,)
-            if completed:
-                for prev in run[:-1]:
-                    p = self._pages.get(prev)
-                    if p is not None:
-                        p.blocks.extend(completed)
-                        if len(p.blocks) > MAX_BLOCKS_PER_PAGE:
-                            del p.blocks[:len(p.blocks) - MAX_BLOCKS_PER_PAGE]
-                run = (vh,) if pending else ()
-            state = _Page(chain, pending, run, completed)
-            pages = self._pages
             if vh in pages:
                 pages.move_to_end(vh)
-            pages[vh] = state
-            done.extend(completed)
-        while len(self._pages) > self.max_pages:
-            self._pages.popitem(last=False)
+            pages[vh] = (span, i)
+        while len(pages) > self.max_pages:
+            pages.popitem(last=False)
             self.forgotten += 1
-        return done
+        return completed
 
     def _start(self, parent: Any, first_extra: Any) -> _Page | None:
         if parent is None:
             salt = next((x for x in (first_extra or ()) if isinstance(x, str)), None)
             return _Page(root_hash(hash_seed(self.model_id, salt)), b"", ())
-        return self._pages.get(parent)
+        ref = self._pages.get(parent)
+        return ref[0].state(ref[1]) if ref is not None else None
 
     def removed(self, ev: dict[str, Any]) -> list[bytes]:
         """Apply one ``BlockRemoved``; returns our blocks that lost a page."""
@@ -152,9 +191,9 @@ class EventTranslator:
             self.skipped += 1
             return gone
         for vh in hashes:
-            p = self._pages.pop(vh, None)
-            if p is not None:
-                gone.extend(p.blocks)
+            ref = self._pages.pop(vh, None)
+            if ref is not None:
+                gone.extend(ref[0].blocks(ref[1]))
         return gone
 
     def cleared(self) -> None:
