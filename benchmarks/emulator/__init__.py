@@ -1,0 +1,1 @@
+"""Engine emulator: calibrated OpenAI-compatible engines, dozens in one process."""

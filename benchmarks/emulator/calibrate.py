@@ -1,0 +1,200 @@
+"""Do 2 emulated engines serve a workload as 2 real vLLM CPU engines do (TTFT, hit tokens)?
+
+    flock /tmp/kvc-vllm.lock python -m benchmarks.emulator.calibrate [--reps 3] [--quick]
+        [--profile vllm_cpu_bench] [--slowdown 1.0]
+
+The same workloads, the same client, the same settings on both sides: 2 instances of the
+``bench`` model (bf16, the comparisons' server flags and thread pinning; each engine's
+KV cache ``--pages`` pages of 128 tokens; no connector), both engines' workers on the
+same cores (the only way two fit this 2-core machine with room for the rest), the client
+round-robin over them. The emulated side is :mod:`benchmarks.emulator.server` with the
+profile measured on one such engine alone (:mod:`benchmarks.emulator.measure`), both
+engines on one processor shared as measured on two such engines (``measure --shared``:
+one engine at a time, the other's step waiting for its busy period and the handoff,
+:class:`benchmarks.emulator.processors.ExclusiveProcessor`). Workloads: ``hotprefix`` (one 3072-token prefix, 64-token
+questions at a Poisson rate: the engines' prefix caches and queueing) and
+``multiturn`` (users with a shared system prompt, private context, turns after think
+time, each user kept on one instance: prefill of growing histories while others decode).
+
+Each side runs every workload ``--reps`` times (the real engines once started per
+repetition, prefix caches emptied between workloads). Reported per workload: TTFT mean
+and p90 (median over repetitions, with the range) on both sides, their relative errors,
+and the prefix-cache hit tokens (which must be equal); ``calibration_error_max`` is the
+worst of the mean and p90 errors over the workloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
+from benchmarks.lib import results_writer as rw
+from benchmarks.lib.paths import RESULTS
+from benchmarks.serving.client import Api
+from benchmarks.serving.fleet import SERVED_NAME, SERVER_ARGS, pinned_threads_env, warm_up
+from benchmarks.serving.loadgen import benchmark
+from benchmarks.serving.runner import RunConfig
+from benchmarks.serving.tokens import TokenSource
+from benchmarks.serving.workloads import Session, Turn, Workload, WorkloadSpec, build
+from kvcentric.testing.models import build_model
+from kvcentric.testing.servers import VllmServer
+
+TARGET = 0.15
+
+
+def workloads(quick: bool, seed: int) -> dict[str, tuple[WorkloadSpec, str]]:
+    return {
+        "hotprefix": (WorkloadSpec(workload="shared-prefix", seed=seed, num_groups=1,
+                                   prompts_per_group=24 if quick else 60,
+                                   shared_system_prompt_len=3072, turn_input_len=64,
+                                   output_len=16, request_rate=0.8), "round-robin"),
+        "multiturn": (WorkloadSpec(workload="multi-turn", seed=seed,
+                                   num_users=4 if quick else 8, turns_mean=3,
+                                   shared_system_prompt_len=512, user_context_len=1024,
+                                   turn_input_len=64, output_len=16, turn_gap=3.0,
+                                   user_rate=0.25), "session"),
+    }
+
+
+@contextmanager
+def real_side(model: str, pages: int, logs: Path) -> Iterator[list[str]]:
+    servers = [VllmServer(model, SERVED_NAME, None, "bfloat16", 4096,
+                          (*SERVER_ARGS, "--num-gpu-blocks-override", str(pages)),
+                          pinned_threads_env(), logs / f"vllm-{i}.log") for i in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(900)
+        warm_up(servers, "calibrate")
+        for s in servers:
+            s.reset_prefix_cache()
+        yield [s.url for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@contextmanager
+def emulated_side(model: str, pages: int, profile: str, slowdown: float,
+                  logs: Path) -> Iterator[list[str]]:
+    with EmulatedFleet(EmulatorSpec(2, model, profile=profile, pages=pages,
+                                    max_model_len=4096, compute="shared",
+                                    discipline="exclusive", slowdown=slowdown), logs) as f:
+        yield f.urls
+
+
+def run_side(urls: list[str], src: TokenSource, quick: bool, seed: int,
+             label: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, (spec, routing) in workloads(quick, seed).items():
+        w: Workload = build(spec, src)
+        if name == "hotprefix":  # each engine computes the prefix first: hits then do
+            # not depend on whether a request came before another's prefill ended
+            sys_ = w.sessions[0].system
+            w = Workload(w.name, w.sessions, [Session(f"warm{i}", 0.0, (Turn((), 1),), sys_)
+                                              for i in range(len(urls))], w.info)
+        cfg = RunConfig(tuple(urls), Api(SERVED_NAME, "completions"), routing=routing)
+        res = benchmark(src, w, cfg, metrics_urls=urls, label=f"{label} {name}",
+                        sample_interval_s=0)
+        s = res["summary"]
+        out[name] = {"ttft_mean_ms": s["ttft_mean_ms"], "ttft_p90_ms": s["ttft_p90_ms"],
+                     "ttft_p50_ms": s["ttft_p50_ms"], "tpot_mean_ms": s["tpot_mean_ms"],
+                     "hit_tokens": s["hit_tokens"], "completed": s["completed"],
+                     "failed": s["failed"], "requests": w.num_requests}
+        print(f"{label} {name}: mean {s['ttft_mean_ms']:.0f} ms p90 {s['ttft_p90_ms']:.0f} ms "
+              f"hits {s['hit_tokens']}", flush=True)
+        for u in urls:  # next workload starts cold
+            import httpx
+
+            httpx.post(u + "/reset_prefix_cache", timeout=30)
+    return out
+
+
+def compare(real: list[dict[str, Any]], emu: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = {}
+    worst = 0.0
+    for name in real[0]:
+        row: dict[str, Any] = {}
+        for m in ("ttft_mean_ms", "ttft_p90_ms", "ttft_p50_ms", "tpot_mean_ms"):
+            r = [x[name][m] for x in real]
+            e = [x[name][m] for x in emu]
+            rm, em = statistics.median(r), statistics.median(e)
+            row[m] = {"real": rm, "emulated": em, "real_range": [min(r), max(r)],
+                      "emulated_range": [min(e), max(e)], "relative_error": abs(em - rm) / rm}
+        row["hit_tokens"] = {"real": [x[name]["hit_tokens"] for x in real],
+                             "emulated": [x[name]["hit_tokens"] for x in emu]}
+        row["hit_tokens_equal"] = row["hit_tokens"]["real"] == row["hit_tokens"]["emulated"]
+        rows[name] = row
+        worst = max(worst, row["ttft_mean_ms"]["relative_error"],
+                    row["ttft_p90_ms"]["relative_error"])
+    return {"workloads": rows, "calibration_error_max": worst,
+            "within_target": worst <= TARGET,
+            "hit_tokens_equal": all(r["hit_tokens_equal"] for r in rows.values())}
+
+
+def table(cmp: dict[str, Any]) -> str:
+    lines = [f"{'workload':<10} {'metric':<14} {'real ms':>9} {'emulated':>9} {'error':>7}"]
+    for name, row in cmp["workloads"].items():
+        for m in ("ttft_mean_ms", "ttft_p90_ms", "ttft_p50_ms", "tpot_mean_ms"):
+            r = row[m]
+            lines.append(f"{name:<10} {m:<14} {r['real']:>9.0f} {r['emulated']:>9.0f} "
+                         f"{r['relative_error']:>7.1%}")
+        lines.append(f"{name:<10} hit tokens real {row['hit_tokens']['real']} emulated "
+                     f"{row['hit_tokens']['emulated']}")
+    lines.append(f"calibration_error_max {cmp['calibration_error_max']:.1%} "
+                 f"(target {TARGET:.0%}); hit tokens equal: {cmp['hit_tokens_equal']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--pages", type=int, default=64)
+    ap.add_argument("--profile", default="vllm_cpu_bench")
+    ap.add_argument("--slowdown", type=float, default=1.0)
+    ap.add_argument("--sides", default="real,emulated")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    src = TokenSource(model)
+    logs = Path(tempfile.mkdtemp(prefix="kvc-emu-calibrate-"))
+    real: list[dict[str, Any]] = []
+    emu: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    sides: dict[str, tuple[Callable[[], Any], list[dict[str, Any]]]] = {
+        "real": (lambda: real_side(model, args.pages, logs), real),
+        "emulated": (lambda: emulated_side(model, args.pages, args.profile, args.slowdown,
+                                           logs), emu)}
+    for rep in range(args.reps):
+        for side in args.sides.split(","):
+            make, acc = sides[side]
+            with make() as urls:
+                acc.append(run_side(urls, src, args.quick, rep, side))
+    cmp = compare(real, emu)
+    doc = {"summary": {"calibration_error_max": cmp["calibration_error_max"],
+                       "within_target": cmp["within_target"],
+                       "hit_tokens_equal": cmp["hit_tokens_equal"], "target": TARGET,
+                       "reps": args.reps, "wall_s": time.monotonic() - t0},
+           "comparison": cmp, "real": real, "emulated": emu,
+           "settings": {"pages": args.pages, "profile": args.profile,
+                        "discipline": "exclusive", "instances": 2,
+                        "cores": "both engines' workers on the same cores",
+                        "env": pinned_threads_env()},
+           "workloads": {k: v[0].__dict__ for k, v in workloads(args.quick, 0).items()}}
+    out = args.out or RESULTS / f"emulator_calibration{'_quick' if args.quick else ''}.json"
+    rw.write(out, doc, table(cmp), command=rw.command_line(__file__, argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

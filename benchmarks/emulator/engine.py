@@ -1,0 +1,245 @@
+"""One emulated engine: vLLM's continuous-batching scheduler, timed by a profile.
+
+:class:`EngineCore` is the scheduler as a state machine with no clock of its own: each
+:meth:`EngineCore.plan` takes every decoding sequence (one token each) and fills the rest
+of the token budget with prefill chunks, first of running prefills, then of waiting
+requests in arrival order (FCFS; a request is admitted when ``max_num_seqs`` and its
+prompt's pages allow, else it and everything behind it wait). Admitting a request looks
+up its prompt in the engine's page cache (:mod:`.pages`) and, with a connector, in the
+store (:mod:`.connector`); a store hit beyond the engine's own pages adds its load time
+to the step. :meth:`EngineCore.finish` applies a step: computed pages are cached (KV
+events), a request whose last prompt token was computed emits its first token (and its
+blocks go to the store), decoding requests emit one token each, finished ones free
+their pages. The step lasts :meth:`EngineProfile.step_time` on the engine's processor.
+
+How steps of engines sharing a processor are timed is :mod:`.processors`' business.
+
+:func:`predict_alone` runs one core on a virtual clock (tests, the profile's checks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .connector import StoreHits
+from .pages import PageCache, SeqPages
+from .profile import EngineProfile
+
+
+@dataclass(eq=False)
+class Request:
+    """One request inside an engine; times from the engine's clock (seconds)."""
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    salt: str | None = None
+    arrival: float = 0.0
+    on_token: Callable[[int, bool], None] | None = None  # (token id, last?)
+    next_token: Callable[[int], int] = lambda i: 100 + i  # the i-th output token's id
+    seq: SeqPages = field(init=False)
+    computed: int = 0  # prompt tokens whose KV the engine has (hits included)
+    local_hit: int = 0
+    external_hit: int = 0
+    load_s: float = 0.0
+    output: int = 0
+    t_admit: float | None = None
+    t_first: float | None = None
+    t_done: float | None = None
+    t_last: float | None = None  # when its last token was emitted
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.seq = SeqPages(list(self.prompt), self.salt)
+
+    @property
+    def n(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.computed >= self.n
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.local_hit + self.external_hit
+
+
+@dataclass
+class Step:
+    chunks: list[tuple[Request, int]]
+    decodes: list[Request]
+    admitted: list[Request]
+    work_s: float
+
+
+@dataclass
+class Counters:
+    """vLLM's counters, as its ``/metrics`` names them (without the prefix)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, profile: EngineProfile, pages: int,
+                 connector: StoreHits | None = None) -> None:
+        self.p = profile
+        self.cache = PageCache(pages, profile.page_size)
+        self.connector = connector
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = Counters()
+        self.finished: deque[Request] = deque(maxlen=20000)  # for per-request reports
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        """The client went away: drop ``req`` (a step under way skips it)."""
+        if req.aborted or req.t_done is not None:
+            return
+        req.aborted = True
+        self.counters.aborted += 1
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+            self.cache.release(req.seq)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def plan(self, now: float) -> Step | None:
+        """The next step's batch (admissions applied), or None when there is no work."""
+        p = self.p
+        decodes = [r for r in self.running if r.prefilled]
+        budget = p.max_num_batched_tokens - len(decodes)
+        chunks: list[tuple[Request, int]] = []
+        for r in self.running:
+            if budget <= 0:
+                break
+            if not r.prefilled:
+                c = min(r.n - r.computed, budget)
+                chunks.append((r, c))
+                budget -= c
+        admitted = []
+        load = 0.0
+        while self.waiting and budget > 0 and len(self.running) < p.max_num_seqs:
+            r = self.waiting[0]
+            hit_pages = self.cache.match(r.seq)
+            local = hit_pages * p.page_size
+            stored = self.connector.lookup(r.prompt, r.salt) if self.connector else 0
+            if not self.cache.admit(r.seq, hit_pages, r.n):
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            admitted.append(r)
+            r.t_admit = now
+            r.local_hit = local
+            r.external_hit = max(0, stored - local)
+            r.computed = local + r.external_hit
+            r.load_s = p.load_s(r.external_hit)
+            load += r.load_s
+            c = min(r.n - r.computed, budget)
+            chunks.append((r, c))
+            budget -= c
+            self._count_admission(r)
+        if not chunks and not decodes:
+            return None
+        work = p.step_time([(c, r.computed) for r, c in chunks],
+                           [r.n + r.output for r in decodes]) + load
+        return Step(chunks, decodes, admitted, work)
+
+    def _count_admission(self, r: Request) -> None:
+        k = self.counters
+        k.requests += 1
+        k.prompt_tokens += r.n
+        k.prefix_cache_queries += r.n
+        k.prefix_cache_hits += r.local_hit
+        if self.connector is not None:
+            k.external_prefix_cache_queries += r.n - r.local_hit
+            k.external_prefix_cache_hits += r.external_hit
+
+    def finish(self, step: Step, now: float) -> list[Request]:
+        """Apply ``step`` (done at ``now``); returns the requests that finished."""
+        cache = self.cache
+        self.counters.steps += 1
+        self.counters.busy_s += step.work_s
+        done: list[Request] = []
+        for r, c in step.chunks:
+            if r.aborted:
+                continue
+            r.computed += c
+            cache.commit(r.seq, r.computed)
+            if r.prefilled:
+                r.t_first = now
+                if self.connector is not None:
+                    self.connector.save(r.prompt, r.salt, with_tail=True)
+                self._emit(r, done)
+        for r in step.decodes:
+            if not r.aborted:
+                self._emit(r, done)
+        for r in done:
+            r.t_done = now
+            self.counters.finished += 1
+            self.running.remove(r)
+            if self.connector is not None and r.output > 1:
+                self.connector.save(r.seq.tokens[:r.n + r.output - 1], r.salt, with_tail=False)
+            cache.release(r.seq)
+            self.finished.append(r)
+        return done
+
+    def _emit(self, r: Request, done: list[Request]) -> None:
+        """``r`` produced its next token (its KV is computed at the next step)."""
+        tok = r.next_token(r.output)
+        r.output += 1
+        self.counters.generation_tokens += 1
+        last = r.output >= r.max_tokens
+        if not last:
+            r.seq.tokens.append(tok)
+            self.cache.grow(r.seq, r.n + r.output)
+            self.cache.commit(r.seq, r.n + r.output - 1)
+        if r.on_token is not None:
+            r.on_token(tok, last)
+        if last:
+            done.append(r)
+
+
+def predict_alone(profile: EngineProfile, reqs: Sequence[tuple[float, int, int, int]],
+                  pages: int = 1 << 20) -> dict[str, Any]:
+    """Run one engine core on a virtual clock: ``reqs`` = (arrival s, prompt tokens,
+    unused, max tokens) with prompts that share nothing; returns each one's ``ttft_s``
+    (api_s included) and ``e2e_s`` in the given order."""
+    core = EngineCore(profile, pages)
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
+    objs = [Request(f"r{i}", [1_000_000 * (i + 1) + k for k in range(n)], max(1, m),
+                    arrival=t) for i, (t, n, _, m) in enumerate(reqs)]
+    now, k = 0.0, 0
+    while k < len(order) or not core.idle:
+        while k < len(order) and objs[order[k]].arrival + profile.api_s <= now + 1e-12:
+            core.add(objs[order[k]])
+            k += 1
+        step = core.plan(now)
+        if step is None:
+            now = objs[order[k]].arrival + profile.api_s
+            continue
+        now += step.work_s
+        core.finish(step, now)
+    nan = math.nan
+    return {"ttft_s": [(r.t_first or nan) - r.arrival for r in objs],
+            "e2e_s": [(r.t_done or nan) - r.arrival for r in objs]}

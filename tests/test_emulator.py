@@ -1,0 +1,306 @@
+"""The engine emulator: its timing model, page cache, vLLM's KV event wire format and
+replay endpoint (read back by the router's own listener), processor sharing, store hits
+and its OpenAI/metrics surface (one emulator process, a few engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from benchmarks.emulator import events as ev
+from benchmarks.emulator.connector import StoreHits
+from benchmarks.emulator.engine import EngineCore, Request, predict_alone
+from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
+from benchmarks.emulator.pages import PageCache, SeqPages
+from benchmarks.emulator.processors import ExclusiveProcessor, Processor
+from benchmarks.emulator.profile import DecodePoint, EngineProfile, PrefillPoint, fit, load
+from kvcentric.config import StoreConfig
+from kvcentric.hashing import block_hashes, hash_seed
+from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch
+from kvcentric.store import open_store
+from kvcentric.testing.models import build_model
+
+PROF = EngineProfile("t", "test", api_s=0.01, step_s=0.02, prefill_token_s=5e-4,
+                     prefill_pair_s=1e-7, decode_seq_s=1e-3, decode_ctx_s=1e-6,
+                     page_size=16, max_num_batched_tokens=256, max_num_seqs=8)
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(10, 8000) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------- timing model
+
+def test_a_lone_prefill_is_api_plus_its_chunked_steps() -> None:
+    n = 600  # three chunks of the 256-token budget
+    want = PROF.api_s + sum(PROF.step_time([(c, ctx)], []) for c, ctx in
+                            ((256, 0), (256, 256), (88, 512)))
+    assert PROF.prefill_alone_s(n) == pytest.approx(want)
+    assert predict_alone(PROF, [(0.0, n, 0, 1)])["ttft_s"][0] == pytest.approx(want)
+
+
+def test_decodes_share_steps_and_prefills_wait_for_the_token_budget() -> None:
+    # four prompts of 200 tokens arriving together: the 256-token budget serves one and
+    # a bit per step, so later ones wait; then all decode in one batch per step
+    out = predict_alone(PROF, [(0.0, 200, 0, 4)] * 4)
+    ttft = out["ttft_s"]
+    assert ttft == sorted(ttft) and ttft[0] < ttft[-1]
+    gap = out["e2e_s"][-1] - ttft[-1]  # its 3 more tokens: decode steps of 1 to 4 sequences
+    assert 3 * PROF.itl_s(1, 201) <= gap <= 3 * PROF.itl_s(4, 203) + 1e-9
+
+
+def test_fit_recovers_the_coefficients_it_was_made_from() -> None:
+    pre = [PrefillPoint(n, h, PROF.prefill_alone_s(n, h))
+           for n in (64, 300, 600, 1000) for h in (0, n // 2)]
+    dec = [DecodePoint(b, c, PROF.itl_s(b, c)) for b in (1, 4, 8) for c in (100, 1000)]
+    got = fit(pre, dec, name="t", source="test", page_size=16, max_num_batched_tokens=256)
+    assert got.fit["relative_error_max"] < 1e-6
+    for k in ("api_s", "step_s", "prefill_token_s", "prefill_pair_s", "decode_seq_s"):
+        assert getattr(got, k) == pytest.approx(getattr(PROF, k), rel=1e-3)
+
+
+def test_committed_profiles_load_and_are_sane() -> None:
+    for name in ("vllm_cpu_bench", "h100_llama8b"):
+        p = load(name)
+        assert p.source and p.prefill_alone_s(2048) > p.prefill_alone_s(2048, 1920)
+        assert p.itl_s(32) >= p.itl_s(1) > 0
+    with pytest.raises(ValueError):
+        EngineProfile.from_json({**load("vllm_cpu_bench").to_json(), "step_s": -1})
+
+
+# --------------------------------------------------------------------------- page cache
+
+def test_pages_hit_leading_runs_and_evict_least_recently_freed_first() -> None:
+    cache = PageCache(8, 16)
+    a = SeqPages(toks(1, 64), None)  # 4 pages
+    assert cache.match(a) == 0 and cache.admit(a, 0, 64)
+    cache.commit(a, 64)
+    stored = cache.take_events()
+    assert [type(e).__name__ for e in stored] == ["BlockStored"]
+    assert len(stored[0].block_hashes) == 4 and stored[0].parent_block_hash is None
+    cache.release(a)
+    again = SeqPages(toks(1, 64), None)
+    assert cache.match(again) == 3  # the last token is always computed
+    b = SeqPages(toks(2, 112), None)  # 7 pages: evicts a's pages, last page first
+    assert cache.admit(b, 0, 112)
+    gone = [e.block_hashes[0] for e in cache.take_events() if isinstance(e, ev.BlockRemoved)]
+    assert gone == list(reversed(a.hashes(16)))[:3]
+    assert cache.kv_usage == pytest.approx(7 / 8)
+    assert not cache.admit(SeqPages(toks(3, 64), None), 0, 64)  # no room: waits
+
+
+def test_the_router_rebuilds_what_the_engine_cached_from_its_events() -> None:
+    """The emulator's BlockStored/BlockRemoved, decoded and translated by the router's own
+    code, name exactly the router's blocks of the cached pages."""
+    cache = PageCache(64, 16)
+    tr = EventTranslator("bench", 32)
+    prompt = toks(4, 100)
+    seq = SeqPages(prompt, "s1")
+    cache.admit(seq, 0, 100)
+    cache.commit(seq, 100)
+    blocks: set[bytes] = set()
+    for e in decode_batch(ev.encode_batch(cache.take_events())):
+        assert e["type"] == "BlockStored"
+        blocks.update(tr.stored(e))
+    assert blocks == set(block_hashes(prompt[:96], 32, hash_seed("bench", "s1")))
+
+
+# ---------------------------------------------------------------------- wire and replay
+
+def test_event_batches_are_byte_identical_to_vllms() -> None:
+    kve = pytest.importorskip("vllm.distributed.kv_events")
+    t = toks(5, 32)
+    ours = ev.encode_batch([ev.stored([11, 12], None, t, 16, "salt"), ev.removed(11),
+                            ev.AllBlocksCleared()], ts=1.5)
+    theirs = msgspec.msgpack.Encoder().encode(kve.KVEventBatch(ts=1.5, events=[
+        kve.BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=t,
+                        block_size=16, lora_id=None, medium="GPU", lora_name=None,
+                        extra_keys=[("salt",), None], group_idx=0),
+        kve.BlockRemoved(block_hashes=[11], medium="GPU", group_idx=0),
+        kve.AllBlocksCleared()], data_parallel_rank=0))
+    assert ours == theirs
+
+
+def test_a_late_listener_replays_the_publishers_buffer_then_follows_live() -> None:
+    from kvcentric.testing.servers import free_port
+
+    live, replay = f"tcp://*:{free_port()}", f"tcp://*:{free_port()}"
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ev.Publisher(ctx, live, replay)
+        pub.start()
+        cache = PageCache(64, 16)
+        prompts = [toks(10 + i, 48) for i in range(3)]
+        for p in prompts:  # published before anyone listens
+            s = SeqPages(p, None)
+            cache.admit(s, 0, 48)
+            cache.commit(s, 48)
+            pub.publish(cache.take_events())
+        tr = EventTranslator("bench", 16)
+        seen: set[bytes] = set()
+
+        def on_events(evs: list[dict[str, Any]]) -> None:
+            for e in evs:
+                seen.update(tr.stored(e))
+
+        lst = EventListener(ctx, live.replace("*", "127.0.0.1"), on_events, bind=False,
+                            replay=replay.replace("*", "127.0.0.1"))
+        task = asyncio.get_running_loop().create_task(lst.run())
+        want = {h for p in prompts for h in block_hashes(p, 16, hash_seed("bench"))}
+        for _ in range(200):
+            if seen >= want:
+                break
+            await asyncio.sleep(0.02)
+        assert seen == want and lst.replayed == 3
+        later = toks(20, 48)
+        s = SeqPages(later, None)
+        cache.admit(s, 0, 48)
+        cache.commit(s, 48)
+        batch = cache.take_events()
+        for _ in range(100):  # the SUB's connection may still be forming
+            pub.publish(batch)
+            await asyncio.sleep(0.05)
+            if set(block_hashes(later, 16, hash_seed("bench"))) <= seen:
+                break
+        assert set(block_hashes(later, 16, hash_seed("bench"))) <= seen
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close()
+        lst.close()
+        ctx.term()
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------ processors, store
+
+def test_engines_on_one_processor_share_it() -> None:
+    async def run(shared: bool) -> float:
+        p1 = Processor()
+        p2 = p1 if shared else Processor()
+        t0 = time.perf_counter()
+        await asyncio.gather(p1.run(0.2), p2.run(0.2))
+        return time.perf_counter() - t0
+
+    assert run_t(run, False) == pytest.approx(0.2, abs=0.08)
+    assert run_t(run, True) == pytest.approx(0.4, abs=0.08)
+
+
+def test_an_exclusive_processor_serves_its_holder_then_hands_over() -> None:
+    """Engine B's step waits for A's busy period and the handoff; A, holding the
+    processor, runs its next step first even though B asked before it."""
+    async def run() -> dict[str, float]:
+        p = ExclusiveProcessor(handoff_s=0.1)
+        t0 = time.perf_counter()
+        done: dict[str, float] = {}
+
+        async def a() -> None:
+            await p.run(0.1, "A")
+            await p.run(0.1, "A")  # resubmitted at once: A keeps the processor
+            done["A"] = time.perf_counter() - t0
+
+        async def b() -> None:
+            await asyncio.sleep(0.02)
+            await p.run(0.1, "B")
+            done["B"] = time.perf_counter() - t0
+
+        await asyncio.gather(a(), b())
+        return done
+
+    done = asyncio.run(run())
+    assert done["A"] == pytest.approx(0.2, abs=0.05)
+    assert done["B"] == pytest.approx(0.4, abs=0.06)  # 0.2 of A, 0.1 handoff, 0.1 own
+
+
+def run_t(fn: Any, arg: bool) -> float:
+    return float(asyncio.run(fn(arg)))
+
+
+def test_store_hits_come_from_the_real_store_and_cost_their_load(
+        store_cfg: StoreConfig) -> None:
+    with open_store(store_cfg) as st:
+        hits = StoreHits(st, "bench", 16)
+        a, b = EngineCore(PROF, 64, hits), EngineCore(PROF, 64, hits)
+        prompt = toks(30, 200)
+
+        def serve(core: EngineCore) -> Request:
+            r = Request("r", prompt, 2)
+            core.add(r)
+            t = 0.0
+            while not core.idle:
+                s = core.plan(t)
+                assert s is not None
+                t += s.work_s
+                core.finish(s, t)
+            return r
+
+        first = serve(a)
+        assert first.cached_tokens == 0
+        second = serve(b)  # another engine: the store has the prompt, tail included
+        assert second.local_hit == 0 and second.external_hit == 199
+        assert second.load_s == pytest.approx(PROF.load_s(199))
+        assert b.counters.external_prefix_cache_hits == 199
+
+
+# ------------------------------------------------------------------------------- HTTP
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedFleet]:
+    logs = tmp_path_factory.mktemp("emu")
+    prof = logs / "p.json"
+    PROF.with_(page_size=128, max_num_batched_tokens=2048).save(prof)
+    tok = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    with EmulatedFleet(EmulatorSpec(2, tok, profile=str(prof), pages=32), logs) as f:
+        yield f
+
+
+def stream(url: str, prompt: list[int], max_tokens: int = 3) -> dict[str, Any]:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    texts, usage = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30,
+                      headers={"x-request-id": "req-1"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                obj = json.loads(line[6:])
+                usage = obj.get("usage") or usage
+                texts += [c["text"] for c in obj["choices"]]
+    return {"texts": texts, "usage": usage}
+
+
+def test_http_streams_counts_hits_and_reports_as_vllm(emulator: EmulatedFleet) -> None:
+    url = emulator.urls[0]
+    prompt = toks(40, 300)
+    first = stream(url, prompt)
+    assert len(first["texts"]) == 3 and first["usage"]["prompt_tokens"] == 300
+    again = stream(url, prompt)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    other = stream(emulator.urls[1], prompt)  # no store: the other engine misses
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    page = httpx.get(url + "/metrics").text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 256.0' in page
+    assert 'num_gpu_blocks="32"' in page and "vllm:num_requests_running" in page
+    recs = httpx.get(url + "/emulator/requests").json()
+    assert recs[-1]["request_id"] == "req-1" and recs[-1]["local_hit"] == 256
+    r = httpx.post(url + "/v1/chat/completions", json={
+        "model": "bench", "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 2}, timeout=30).json()
+    assert r["object"] == "chat.completion" and r["usage"]["completion_tokens"] == 2
+    assert httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": [1]},
+                      timeout=30).status_code == 404
+    assert httpx.post(url + "/reset_prefix_cache").status_code == 200
+    assert stream(url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
