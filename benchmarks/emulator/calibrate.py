@@ -1,7 +1,8 @@
 """Do 2 emulated engines serve a workload as 2 real vLLM CPU engines do (TTFT, hit tokens)?
 
-    flock /tmp/kvc-vllm.lock python -m benchmarks.emulator.calibrate [--reps 3] [--quick]
-        [--profile vllm_cpu_bench] [--slowdown 1.0]
+    python -m benchmarks.emulator.calibrate [--reps 3] [--quick] [--profile vllm_cpu_bench]
+
+(on a machine shared with other vLLM users, inside ``flock /tmp/kvc-vllm.lock``)
 
 The same workloads, the same client, the same settings on both sides: 2 instances of the
 ``bench`` model (bf16, the comparisons' server flags and thread pinning; each engine's
@@ -11,8 +12,9 @@ round-robin over them. The emulated side is :mod:`benchmarks.emulator.server` wi
 profile measured on one such engine alone (:mod:`benchmarks.emulator.measure`), both
 engines on one processor shared as measured on two such engines (``measure --shared``:
 one engine at a time, the other's step waiting for its busy period and the handoff,
-:class:`benchmarks.emulator.processors.ExclusiveProcessor`). Workloads: ``hotprefix`` (one 3072-token prefix, 64-token
-questions at a Poisson rate: the engines' prefix caches and queueing) and
+:class:`benchmarks.emulator.processors.ExclusiveProcessor`). Workloads: ``hotprefix``
+(one 3072-token prefix, 64-token questions at a Poisson rate: the engines' prefix
+caches and queueing) and
 ``multiturn`` (users with a shared system prompt, private context, turns after think
 time, each user kept on one instance: prefill of growing histories while others decode).
 

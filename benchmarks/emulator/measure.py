@@ -3,10 +3,13 @@
 Measures one vLLM CPU instance (the ``bench`` model, bf16, the comparisons' server flags
 and thread pinning) and fits :class:`benchmarks.emulator.profile.EngineProfile`:
 
-    flock /tmp/kvc-vllm.lock python -m benchmarks.emulator.measure [--quick] [--repeats 3]
+    python -m benchmarks.emulator.measure [--quick] [--repeats 3]
         [--out benchmarks/results/emulator_profile_cpu.json]
         [--profile-out benchmarks/emulator/profiles/vllm_cpu_bench.json]
-    flock /tmp/kvc-vllm.lock python -m benchmarks.emulator.measure --shared
+    python -m benchmarks.emulator.measure --shared
+
+(on a machine shared with other vLLM users, inside ``flock /tmp/kvc-vllm.lock``, as the
+profile's ``source`` records)
 
 - lone prefills: streamed TTFT of an ``n``-token prompt whose first ``h`` tokens the engine
   computed just before (``h`` a whole number of pages; fresh random ids otherwise), median

@@ -1,4 +1,4 @@
-"""(tool) Run N emulated vLLM engines in one process, each on its own port.
+"""Run N emulated vLLM engines in one process, each on its own port.
 
     python -m benchmarks.emulator.server --instances 8 --profile vllm_cpu_bench
         --model bench --tokenizer .models/bench --pages 64 [--compute separate|shared|K]

@@ -30,7 +30,8 @@ from benchmarks.lib.paths import RESULTS, ROOT
 README = ROOT / "benchmarks" / "README.md"
 ORDER = ("micro", "serving", "sim", "reliability")  # then any other group, lib/ last
 # Runnable modules outside lib/ that answer no question of their own.
-TOOLS = frozenset({"benchmarks.serving.lmcache_peer", "benchmarks.reliability.router_probe"})
+TOOLS = frozenset({"benchmarks.serving.lmcache_peer", "benchmarks.reliability.router_probe",
+                   "benchmarks.emulator.server"})
 # Script paths before the benchmarks became a package -> their module (results recorded
 # then name the script).
 MOVED = {

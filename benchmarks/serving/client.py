@@ -28,6 +28,7 @@ class Api:
     endpoint: str = "completions"
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    request_ids: str | None = None  # send ``x-request-id: <this>/<sid>/<turn>`` (None: none)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -71,17 +72,25 @@ class _Stream:
 
 
 async def send(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
-               rec: RequestRecord, t_origin: float, retry_429: int = 0) -> str:
+               rec: RequestRecord, t_origin: float, retry_429: int = 0,
+               failover: tuple[str, ...] = ()) -> str:
     """Send one request, fill ``rec`` in place and return the generated text.
 
     A 429 is sent again up to ``retry_429`` times after its ``Retry-After`` (seconds,
     capped at ``MAX_RETRY_AFTER_S``; 1 s when absent), as the OpenAI SDK does; TTFT and
-    latency then count from the first attempt, waits included.
+    latency then count from the first attempt, waits included. ``failover``: URLs to try
+    in turn when a connection cannot be made (nothing was sent: what a load balancer in
+    front of several routers does), counted in ``rec.failovers``.
     """
     t0 = time.perf_counter()
     rec.start_s, rec.url = t0 - t_origin, base_url
+    others = [u for u in failover if u != base_url]
     while True:
-        wait, text = await _attempt(client, base_url, api, prompt, rec, t0)
+        wait, text = await _attempt(client, rec.url, api, prompt, rec, t0)
+        if rec.error.startswith(("ConnectError", "ConnectTimeout")) and others:
+            rec.url = others.pop(0)
+            rec.failovers += 1
+            continue
         if wait is None or rec.retries >= retry_429:
             return text
         rec.retries += 1
@@ -95,8 +104,10 @@ async def _attempt(client: httpx.AsyncClient, base_url: str, api: Api, prompt: A
     st = _Stream(t0)
     rec.error = ""
     try:
+        headers = ({"x-request-id": f"{api.request_ids}/{rec.sid}/{rec.turn}"}
+                   if api.request_ids is not None else None)
         async with client.stream("POST", base_url.rstrip("/") + ENDPOINTS[api.endpoint],
-                                 json=api.body(prompt, rec.max_tokens)) as r:
+                                 json=api.body(prompt, rec.max_tokens), headers=headers) as r:
             rec.status = r.status_code
             rec.predicted_ttft_s = _predicted(r)
             if r.status_code != 200:

@@ -24,6 +24,7 @@ has registered them, listing only those registered: the count must reach them al
 from __future__ import annotations
 
 import fcntl
+import os
 import subprocess
 import sys
 import time
@@ -56,6 +57,7 @@ class Gateway:
     ready_count: str | None = None  # a JSON list key whose entries must reach workers
     workers: int = 0
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    cpus: tuple[int, ...] | None = None  # CPUs the process may run on (None: any)
 
     @property
     def url(self) -> str:
@@ -63,8 +65,11 @@ class Gateway:
 
     def start(self) -> Gateway:
         out = open(self.log_path, "ab")  # the child keeps its own descriptor
+        cpus = self.cpus
         self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus))
+                                     if cpus else None)
         out.close()
         return self
 
@@ -177,29 +182,38 @@ def vllm_router(policy: str, worker_urls: Sequence[str], logs: Path) -> Gateway:
 
 
 def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
-                     store: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float,
+                     store: dict[str, Any] | None, slo_ttft_ms: float, slo_tpot_ms: float,
                      logs: Path, profile: str | None = None, dtype: str | None = None,
                      compute: str | None = None, reject: bool = True,
-                     replication: bool = False, health_s: float | None = None) -> Gateway:
+                     replication: bool = False, health_s: float | None = None,
+                     instances: Sequence[dict[str, Any]] | None = None,
+                     extra: dict[str, Any] | None = None, tag: str = "") -> Gateway:
     """Our router over ``worker_urls`` (role ``both``, on one ``compute`` when they share
     a processor) sharing ``store``; the router's SLO is the benchmark's, so what it
     refuses (``reject``) is what it predicts would miss it anyway; ``replication``: hot
     prefixes warmed on idle instances; ``health_s``: its health and metrics poll interval
-    (its defaults otherwise)."""
+    (its defaults otherwise). ``instances``: the config's instance entries instead
+    (roles, KV event endpoints); ``extra``: config sections merged over the rest;
+    ``tag``: tells several routers' files apart."""
     port = free_port()
-    cfg = {"model": model, "tokenizer": tokenizer, "listen": {"host": "127.0.0.1", "port": port},
-           "instances": [{"url": u, "role": "both", "compute": compute} for u in worker_urls],
+    cfg: dict[str, Any] = {
+           "model": model, "tokenizer": tokenizer, "listen": {"host": "127.0.0.1", "port": port},
+           "instances": [dict(i) for i in instances] if instances is not None else
+                        [{"url": u, "role": "both", "compute": compute} for u in worker_urls],
            "slo": {"ttft_ms": slo_ttft_ms, "tbt_ms": slo_tpot_ms, "reject": reject},
-           "store": dict(store),
+           "store": dict(store) if store is not None else None,
            "cost": {"profile": profile, "kv_dtype": dtype},
            "replication": {"enabled": replication}}
     if health_s is not None:
         cfg["health"] = {"interval_s": health_s}
+    for section, values in (extra or {}).items():
+        cfg[section] = ({**cfg[section], **values} if isinstance(values, dict)
+                        and isinstance(cfg.get(section), dict) else values)
     path = logs / f"kvcentric-router-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "kvcentric.router.cli", "serve", "--config", str(path)]
-    return Gateway("kvcentric-router", cmd, port, logs / "kvcentric-router.log",
-                   "/instances", "instances", len(worker_urls))
+    return Gateway("kvcentric-router", cmd, port, logs / f"kvcentric-router{tag}.log",
+                   "/instances", "instances", len(cfg["instances"]))
 
 
 def gateway_for(kind: str, worker_urls: Sequence[str], logs: Path,

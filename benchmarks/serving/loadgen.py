@@ -64,7 +64,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                  "num_groups", "prompts_per_group", "input_len", "num_prompts"):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("turns_mean", "turns_std", "turn_gap", "hit_ratio", "time_scale",
-                 "scale_tokens"):
+                 "scale_tokens", "group_skew"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     g.add_argument("--user-rate", type=_rate, default=None,
                    help="new users per second, Poisson (default: all start at once)")
@@ -162,7 +162,7 @@ def benchmark(src: TokenSource, workload: Workload, cfg: RunConfig,
                      "requests": workload.num_requests, **workload.info},
         "summary": summary, "server_metrics": server,
         "utilisation": utilisation.summarise(samples, sample_interval_s) if samples else None,
-        "warmup_errors": res.warmup_errors,
+        "warmup_errors": res.warmup_errors, "t_origin": res.t_origin,
         "requests": [asdict(r) for r in res.records], "utilisation_samples": samples,
     }
 

@@ -44,6 +44,7 @@ class RequestRecord:
     server_prompt_tokens: int | None = None
     cached_tokens: int | None = None
     retries: int = 0  # 429s answered by waiting Retry-After and sending again
+    failovers: int = 0  # connections refused, the request sent to the next URL instead
     predicted_ttft_s: float | None = None  # the kvcentric router's prediction (its header)
 
     @property
@@ -106,6 +107,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         "duration_s": duration_s, "num_requests": len(records), "completed": len(ok),
         "failed": len(bad), "rejected": sum(r.rejected for r in records),
         "retried_429": sum(r.retries for r in records),
+        "failovers": sum(r.failovers for r in records),
         "failure_reasons": dict(Counter(_reason(r) for r in bad)),
         "total_input_tokens": n_in, "total_output_tokens": n_out,
         "request_throughput": len(ok) / duration_s,

@@ -65,6 +65,7 @@ class RunConfig:
     max_concurrency: int | None = None
     timeout_s: float = 600.0
     retry_429: int = 0  # resend a 429 after its Retry-After, up to this many times
+    failover: bool = False  # a refused connection goes to the next base URL instead
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -173,7 +174,8 @@ class Runner:
             rec = RequestRecord(s.sid, k, "", 0.0, n, turn.output_len)
             async with sem:
                 answer = await send(client, self._url(s), self.cfg.api, prompt, rec,
-                                    self.t_origin, self.cfg.retry_429)
+                                    self.t_origin, self.cfg.retry_429,
+                                    self.cfg.base_urls if self.cfg.failover else ())
             self.records.append(rec)
             self._tick(1)
             if not rec.success:

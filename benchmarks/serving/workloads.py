@@ -71,6 +71,7 @@ class WorkloadSpec:
     # shared-prefix (system prompt: shared_system_prompt_len, question: turn_input_len)
     num_groups: int = 4
     prompts_per_group: int = 4
+    group_skew: float = 0.0  # Zipf exponent of the groups' popularity (0: all alike)
     # hit-ratio
     input_len: int = 1024
     hit_ratio: float = 0.5
@@ -97,6 +98,8 @@ class WorkloadSpec:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.turns_mean < 1:
             raise ValueError("--turns-mean must be >= 1")
+        if not self.group_skew >= 0:
+            raise ValueError("--group-skew must be >= 0")
         if not 0.0 <= self.hit_ratio <= 1.0:
             raise ValueError("--hit-ratio must be in [0, 1]")
         for name in ("user_rate", "request_rate"):
@@ -158,12 +161,19 @@ def multi_turn(spec: WorkloadSpec, src: TokenSource) -> Workload:
 
 
 def shared_prefix(spec: WorkloadSpec, src: TokenSource) -> Workload:
-    """G groups x P prompts; a group's prompts share its system prompt (sglang's gsp)."""
+    """G groups x P prompts; a group's prompts share its system prompt (sglang's gsp).
+    With ``group_skew`` s > 0 the G x P prompts are spread over the groups in proportion
+    to ``1 / (g + 1) ** s`` (Zipf: a few hot prefixes, a tail of cold ones)."""
     rnd = random.Random(f"shared-prefix/{spec.seed}")
+    total = spec.num_groups * spec.prompts_per_group
+    counts = [spec.prompts_per_group] * spec.num_groups
+    if spec.group_skew > 0:
+        w = [1 / (g + 1) ** spec.group_skew for g in range(spec.num_groups)]
+        counts = [max(1, round(total * x / sum(w))) for x in w]
     reqs = []
     for g in range(spec.num_groups):
         system = tuple(src.random_ids(rnd, spec.shared_system_prompt_len))
-        for p in range(spec.prompts_per_group):
+        for p in range(counts[g]):
             question = tuple(src.random_ids(rnd, max(1, spec.turn_input_len)))
             reqs.append((f"g{g}p{p}", system, question))
     rnd.shuffle(reqs)  # interleave groups, as a real mix would
