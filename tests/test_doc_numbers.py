@@ -284,3 +284,14 @@ def test_readme_glibc_soak_claim_is_soak_vllm_alone_json() -> None:
     slopes = s["rss_slope_mib_per_1k_requests"]
     assert f"{slopes['engine0']:.2f} and {slopes['engine1']:.2f} MiB per 1000" in text
     assert f"{s['failed']} of its {s['requests']:,} requests failed" in text
+
+
+def test_docs_streamed_vs_whole_loads_are_connectors_quick_json() -> None:
+    s = _result("connectors_quick.json")["summary"]
+    assert s["verdict_kvcentric_vs_kvcentric_whole_get"] == "parity"
+    later, runs = s["ttft_later_turns_mean_ms"], s["ttft_mean_ms_by_repeat"]
+    text = _paragraph(ROOT / "docs" / "architecture.md", "`kvcentric_whole_get`")
+    assert "parity" in text and "1128" not in text  # no number without a file
+    assert f"{later['kvcentric']:.0f} vs {later['kvcentric_whole_get']:.0f} ms" in text
+    for arm in ("kvcentric", "kvcentric_whole_get"):
+        assert f"{min(runs[arm]):.0f}-{max(runs[arm]):.0f}" in text, arm
