@@ -295,3 +295,16 @@ def test_docs_streamed_vs_whole_loads_are_connectors_quick_json() -> None:
     assert f"{later['kvcentric']:.0f} vs {later['kvcentric_whole_get']:.0f} ms" in text
     for arm in ("kvcentric", "kvcentric_whole_get"):
         assert f"{min(runs[arm]):.0f}-{max(runs[arm]):.0f}" in text, arm
+
+
+def test_readme_reports_a_writer_arm_only_if_its_own_counters_show_saves() -> None:
+    rows = _result("ttft_writer.json")["rows"]
+    text = _paragraph(ROOT / "README.md", "results/ttft_writer.json")
+    for arm in ("kvc", "lmcache"):
+        saved = [x for r in rows for x in r.get(f"{arm}_saved", r.get(f"{arm}_saved_blocks", []))]
+        valid = bool(saved) and all(x > 0 for x in saved) \
+            and not any(f"{arm}_invalid" in r for r in rows)
+        if arm == "lmcache" and not valid:
+            assert not re.search(r"LMCache [+-]\d", text), "LMCache's writer numbers, unproven"
+        if arm == "kvc":
+            assert valid, "our writer arm saved nothing by its own counters"
