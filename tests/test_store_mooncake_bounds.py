@@ -6,6 +6,7 @@ are in tests/test_store_mooncake_hung.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -70,6 +71,30 @@ def test_an_overrun_call_is_abandoned_with_its_memory_held_until_it_returns(rec:
     hung.set()
     assert wait_until(lambda: r.outstanding == 0, 5)
     assert rec.unheld == [(1, 2)] and r.abandoned == 1
+    r.close()
+
+
+def test_an_abandoned_call_yields_the_cpu_and_its_thread_retires(rec: Record) -> None:
+    """A call blocked on a stopped node polls (Mooncake's TCP transfer): its thread must
+    not compete with the forward pass, and, unable to climb back unprivileged, it ends
+    once the call returns."""
+    r = rec.runner(threads=1)
+    hung, tids = threading.Event(), []
+
+    def stuck() -> None:
+        tids.append(threading.get_native_id())
+        hung.wait(10)
+
+    with pytest.raises(CallTimeout):
+        r.run(stuck, 0.05)
+    (tid,) = tids
+    assert (os.sched_getscheduler(tid) == os.SCHED_IDLE
+            or os.getpriority(os.PRIO_PROCESS, tid) == 19)
+    fresh = r.run(threading.get_native_id, 1.0)  # served by a thread at full priority
+    assert fresh != tid and os.sched_getscheduler(fresh) == os.SCHED_OTHER
+    hung.set()
+    assert wait_until(lambda: not os.path.exists(f"/proc/self/task/{tid}"), 5)
+    assert r.run(lambda: "after", 1.0) == "after"
     r.close()
 
 

@@ -1,6 +1,8 @@
 """Does serving survive a process killed under load: failed requests, wrong tokens, recovery?
 
-Kill matrix under load: faults injected for real while a multi-turn workload runs.
+Kill matrix under load: faults injected for real while a multi-turn workload runs; the
+``-stop`` faults (a SIGSTOPped store process mid-load: the TTFT of requests in flight
+against a miss's) are :mod:`benchmarks.reliability.stops`.
 
     python -m benchmarks.reliability.faults [--backends local,mooncake] [--faults engine,...]
                                             [--quick] [--out FILE.json]
@@ -22,7 +24,8 @@ error or no answer), ``wrong_tokens`` (answers that differ from the reference),
 engine or store -- before and after the fault, from vLLM's
 ``usage.prompt_tokens_details.cached_tokens``) and ``recovery_s`` (from the fault to the
 first later-turn request served at least half from cache; ``null``: never). Targets: zero
-wrong tokens everywhere; zero failed requests except for the router's own death.
+wrong tokens everywhere; zero failed requests except for the router's own death; for the
+``-stop`` rows, in-flight TTFT at most a miss's + 0.5 s (``over_miss_s``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from tqdm import tqdm
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
 from benchmarks.reliability.stack import FAULTS, Stack
+from benchmarks.reliability.stops import STOPS, StopWorkload, run_stop
+from benchmarks.reliability.stops import table as stop_table
 from kvcentric.testing.models import build_model
 from kvcentric.testing.netns import NetNamespace
 
@@ -194,17 +199,24 @@ def plan_of(backends: list[str], faults: list[str] | None) -> list[tuple[str, st
     return [(b, f) for b in backends for f in FAULTS[b] if faults is None or f in faults]
 
 
-def matrix(plan: list[tuple[str, str]], w: Workload, logs: Path) -> list[dict[str, Any]]:
+def matrix(plan: list[tuple[str, str]], w: Workload, logs: Path,
+           stop_w: StopWorkload | None = None) -> list[dict[str, Any]]:
     """One row per (backend, fault); the reference comes from one fault-free run (float32:
-    the same answers on either backend)."""
+    the same answers on either backend). ``-stop`` faults run ``stop_w`` instead (each on
+    its own stack, its reference from the stack's writer engine)."""
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
     rows = []
     need_ns = any(b == "mooncake" for b, _ in plan)
     with (NetNamespace() if need_ns else contextlib.nullcontext()) as ns, \
-            tqdm(total=(len(plan) + 1) * w.users * w.turns, desc="requests") as bar:
+            tqdm(total=(sum(f not in STOPS for _, f in plan) + 1) * w.users * w.turns,
+                 desc="requests") as bar:
         ref_run: Run | None = None
         for backend, fault in plan:
             space = ns if backend == "mooncake" else None
+            if fault in STOPS:
+                with stack_for(backend, model, logs, space) as stack:
+                    rows.append(run_stop(stack, fault, stop_w or StopWorkload()))
+                continue
             if ref_run is None:
                 with stack_for(backend, model, logs, space) as stack:
                     ref_run = drive(stack, w, None, None, bar)
@@ -218,13 +230,14 @@ def matrix(plan: list[tuple[str, str]], w: Workload, logs: Path) -> list[dict[st
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    stops = [r for r in rows if r["fault"] in STOPS]
     lines = [f"{'backend':>9} {'fault':>12} {'requests':>8} {'failed':>6} {'wrong':>6} "
              f"{'recovery s':>10} {'hits before':>11} {'after':>6}"]
-    for r in rows:
+    for r in (r for r in rows if r["fault"] not in STOPS):
         lines.append(f"{r['backend']:>9} {r['fault']:>12} {r['requests']:>8} {r['failed']:>6} "
                      f"{r['wrong_tokens']:>6} {str(r['recovery_s']):>10} "
                      f"{str(r['hits_before']):>11} {str(r['hits_after']):>6}")
-    return "\n".join(lines)
+    return "\n".join(lines) + ("\n\n" + stop_table(stops) if stops else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -236,14 +249,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     w = Workload(users=3, turns=4) if args.quick else Workload()
+    stop_w = StopWorkload(requests=8, prompt_len=1500) if args.quick else StopWorkload()
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rows = matrix(plan_of(args.backends.split(","),
-                          args.faults.split(",") if args.faults else None), w, logs)
-    doc = {"benchmark": "faults", "workload": vars(w), "rows": rows,
+                          args.faults.split(",") if args.faults else None), w, logs, stop_w)
+    over = [r["over_miss_s"] for r in rows if r["fault"] in STOPS]
+    doc = {"benchmark": "faults", "workload": vars(w), "stop_workload": vars(stop_w),
+           "rows": rows,
            "summary": {"wrong_tokens": sum(r["wrong_tokens"] for r in rows),
                        "failed_except_router": sum(r["failed"] for r in rows
-                                                   if r["fault"] != "router")}}
+                                                   if r["fault"] != "router"),
+                       "stop_over_miss_max_s": max((o for o in over if o is not None),
+                                                   default=None),
+                       "stops_within_target": all(r.get("within_target", True)
+                                                  for r in rows)}}
     rw.write(args.out or RESULTS / ("faults_quick.json" if args.quick else "faults.json"),
              doc, table=table(rows), command=rw.command_line(__file__, argv))
 

@@ -1,5 +1,7 @@
 """The system a fault is injected into: a store, two vLLM CPU engines with the connector,
-the kvcentric router; and the faults themselves (real SIGKILLs, by PID).
+the kvcentric router; and the faults themselves (real SIGKILLs, by PID; and SIGSTOP /
+SIGCONT of a store process, :meth:`Stack.pause` / :meth:`Stack.resume`, for the ``-stop``
+faults of :mod:`benchmarks.reliability.stops`).
 
 ``local``: the embedded store (its coordinator is started by the first engine).
 ``mooncake``: ``mooncake_master`` + one storage node, everything inside a private network
@@ -36,8 +38,8 @@ from kvcentric.testing.servers import (
     wait_http,
 )
 
-FAULTS = {"local": ("coordinator", "engine", "router"),
-          "mooncake": ("master", "node", "engine")}
+FAULTS = {"local": ("coordinator", "engine", "router", "coordinator-stop"),
+          "mooncake": ("master", "node", "engine", "master-stop", "node-stop")}
 
 
 class Stack:
@@ -58,6 +60,7 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.router_port}"
         self.router: subprocess.Popen[bytes] | None = None
         self.cluster: list[subprocess.Popen[Any]] = []
+        self._paused: set[int] = set()  # process groups we SIGSTOPped (resumed at stop())
         if backend == "local":
             rt = tempfile.mkdtemp(prefix="kvc-faults-", dir="/dev/shm")
             self.store: dict[str, Any] = {"name": f"f{uuid.uuid4().hex[:6]}",
@@ -100,6 +103,8 @@ class Stack:
         wait_http(self.url + "/health", self.router, log, 60)
 
     def stop(self) -> None:
+        for pgid in list(self._paused):
+            self._signal(pgid, signal.SIGCONT)
         stop_group(self.router)
         for e in self.engines:
             e.stop()
@@ -132,6 +137,33 @@ class Stack:
             self._restart_mooncake(fault)
         else:
             raise ValueError(f"unknown fault {fault!r}")
+
+    # ---- SIGSTOP / SIGCONT of a store process ----
+    def victim(self, which: str) -> int:
+        """The process group of ``which``: ``coordinator`` (the local store's, started in a
+        session of its own), ``master`` or ``node`` (Mooncake's, each its own group)."""
+        if which == "coordinator":
+            with open_store(dict(self.store, prefault=False)) as s:
+                return int(s.stats()["pid"])
+        if which in ("master", "node"):
+            return os.getpgid(self.cluster[0 if which == "master" else 1].pid)
+        raise ValueError(f"no store process {which!r}")
+
+    def pause(self, pgid: int) -> None:
+        """SIGSTOP the process group ``pgid`` (from :meth:`victim`)."""
+        self._paused.add(pgid)
+        self._signal(pgid, signal.SIGSTOP)
+
+    def resume(self, pgid: int) -> None:
+        self._signal(pgid, signal.SIGCONT)
+        self._paused.discard(pgid)
+
+    @staticmethod
+    def _signal(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
 
     def _restart_mooncake(self, which: str) -> None:
         assert self.ns is not None

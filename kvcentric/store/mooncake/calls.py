@@ -19,6 +19,12 @@ Contract of :meth:`CallRunner.run`:
   (the staging arena) keeps it out of use until then. Such a call counts in
   :attr:`CallRunner.outstanding` while it runs and in :attr:`CallRunner.abandoned` for
   good.
+- **Abandoned calls yield the CPU.** Mooncake's TCP transfer polls while it waits for a
+  stopped node: measured, each call blocked on a SIGSTOPped storage node kept a core
+  busy, which on a small CPU host slows the very forward pass that gave up on it. So an
+  abandoned call's thread drops to ``SCHED_IDLE`` (else nice 19): it runs only on cores
+  nothing else wants. An unprivileged thread cannot climb back, so that thread ends when
+  its call returns, and a fresh one takes its place.
 - **Threads.** Calls run on daemon threads started on the opening thread's cores (the
   vLLM worker opens its store on its spare cores, §2.4); a thread stuck in an abandoned
   call is replaced, up to :data:`MAX_THREADS`, after which new calls wait in the queue
@@ -49,7 +55,7 @@ class CallTimeout(StoreUnavailable):
 class _Call:
     """One call and its fate; ``lock`` orders the caller's give-up against the return."""
 
-    __slots__ = ("fn", "lock", "done", "state", "result", "error", "held")
+    __slots__ = ("fn", "lock", "done", "state", "result", "error", "held", "tid")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
@@ -59,6 +65,7 @@ class _Call:
         self.result: Any = None
         self.error: BaseException | None = None
         self.held: Sequence[int] = ()
+        self.tid = 0  # the native id of the thread running it
 
 
 class CallRunner:
@@ -100,15 +107,20 @@ class CallRunner:
             call = self._queue.get()
             if call is None:
                 return
-            self._execute(call)
+            late = self._execute(call)
             with self._lock:
                 self._busy -= 1
+                if late:  # this thread was demoted: a fresh one serves the next calls
+                    self._threads -= 1
+                    return
 
-    def _execute(self, call: _Call) -> None:
+    def _execute(self, call: _Call) -> bool:
+        """Run ``call``; True when it had been abandoned (and so this thread demoted)."""
         with call.lock:
             if call.state == _CANCELLED:
-                return
+                return False
             call.state = _RUNNING
+            call.tid = threading.get_native_id()
         try:
             call.result = call.fn()
         except BaseException as exc:  # handed to the caller, or logged if it left
@@ -119,6 +131,7 @@ class CallRunner:
             call.done.set()
         if late:
             self._returned(call)
+        return late
 
     def _returned(self, call: _Call) -> None:
         """An abandoned call came back: its memory may be reused, the breaker may close."""
@@ -148,6 +161,7 @@ class CallRunner:
                     call.state = _CANCELLED  # never started: it touches nothing
                 elif call.state == _RUNNING:
                     call.state = _ABANDONED
+                    _demote(call.tid)
                     call.held = tuple(held)
                     if call.held and self._hold is not None:
                         self._hold(call.held)  # before the caller can free it
@@ -174,3 +188,16 @@ class CallRunner:
         self._closed = True
         for _ in range(self._threads):
             self._queue.put(None)
+
+
+def _demote(tid: int) -> None:
+    """Let thread ``tid`` run only on otherwise idle cores (best effort)."""
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):
+        pass
