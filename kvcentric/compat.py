@@ -1,9 +1,9 @@
 """Engine versions kvcentric is tested with, and the start-up check of the one installed.
 
-Called once when a connector starts (docs/architecture.md §7). A version below the
-supported minimum, or one that lacks an API the connector needs, is a ``RuntimeError``
-naming the range or the API, so an incompatible engine fails at start instead of silently
-never loading (e.g. a vLLM whose connector base class has no
+Called once when a connector starts (docs/connector.md §Packaging and engine versions). A
+version below the supported minimum, or one that lacks an API the connector needs, is a
+``RuntimeError`` naming the range or the API, so an incompatible engine fails at start
+instead of silently never loading (e.g. a vLLM whose connector base class has no
 ``get_block_ids_with_load_errors`` would serve wrong tokens after a failed load). A
 version whose connector API was checked against ours but never run logs an info line;
 any other version that has every API logs a warning.

@@ -195,7 +195,7 @@ DEFAULT_DIRTY_LIMIT = 0.5
 
 @dataclass(frozen=True)
 class DiskConfig:
-    """The local store's optional disk (SSD) tier (docs/architecture.md §4.5).
+    """The local store's optional disk (SSD) tier (docs/store.md §Disk tier).
 
     Fields:
         path: directory of the tier's files; the store keeps them in ``path/{name}/``.
@@ -318,7 +318,7 @@ class StoreConfig:
             scheduler waits on). On expiry the connection is closed (its leases lapse) and
             the circuit breaker opens (``reconnect_interval_s``). Also the bound on one
             Mooncake call (a lookup; a data call adds its bytes at ``min_transfer_rate``):
-            on expiry the call is abandoned and the breaker opens (docs/architecture.md §4.3).
+            on expiry the call is abandoned and the breaker opens (docs/store.md §Mooncake).
         min_transfer_rate: bytes per second below which a transfer counts as hung: a
             Mooncake data call moving ``n`` bytes is abandoned after ``hot_timeout_s + n /
             min_transfer_rate``, and the vLLM worker gives up a step's loads after its
@@ -332,7 +332,7 @@ class StoreConfig:
         prefault: map (and so allocate) the whole local arena when a client opens it, so no
             copy on the hot path pays page faults; costs ``capacity_bytes`` of RAM up front.
         shared_index: local clients answer ``batch_exists`` from the coordinator's
-            shared-memory index instead of a round trip (docs/architecture.md §4.4).
+            shared-memory index instead of a round trip (docs/store.md §Shared-memory lookups).
         lease_ttl_s: a read lease older than this is reclaimed by the local coordinator, so
             a hung but connected client cannot pin objects forever (0 = never).
         peer_group: a group (name or gid) whose members may use this local store too: its

@@ -1,6 +1,6 @@
 """Chained block hashes and store keys: the one spec every kvcentric process shares.
 
-docs/architecture.md §3:
+docs/architecture.md §The key spec:
 
 - Tokens are cut into blocks of ``block_size`` tokens; only full blocks are hashed.
 - ``h_0 = H(seed)``, ``h_i = H(h_{i-1} || tokens_i as little-endian u32)``, ``H`` = xxh3_128.

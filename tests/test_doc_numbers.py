@@ -43,20 +43,20 @@ CONSTANTS: dict[tuple[str, str], str] = {
                           "the dashboard's poll interval",
     ("README.md", "4 MiB"): "router: the default body limit",
     ("README.md", "256 MiB"): "Mooncake's default offload bucket",
-    ("docs/architecture.md", "64 MiB"): "ZMQ's and the coordinator's largest frame; a test "
-                                        "store's size",
-    ("docs/architecture.md", "5 s"): "router: metrics poll interval, replay time limit",
-    ("docs/architecture.md", "0.25 s"): "store view: wait_s and the absent-answer TTL",
-    ("docs/architecture.md", "2 s"): "store view: store_ttl_s",
-    ("docs/architecture.md", "30 s"): "coordinator: stats line interval",
-    ("docs/architecture.md", "300 s"): "lease_ttl_s default",
-    ("docs/architecture.md", "16 KiB"): "shared index: arena bytes per slot",
-    ("docs/architecture.md", "3 s"): "shared index: heartbeat age limit",
-    ("docs/architecture.md", "4 KiB"): "disk tier: file header and rounding",
-    ("docs/architecture.md", "1 s"): "disk tier: demotion pause after an error",
-    ("docs/architecture.md", "4 MiB"): "the O_DIRECT trial's object size",
-    ("docs/architecture.md", "128 KiB"): "the O_DIRECT trial's range size",
-    ("docs/architecture.md", "256 MiB"): "Mooncake's default offload bucket; staging_size",
+    ("docs/router.md", "64 MiB"): "ZMQ's largest KV-event message",
+    ("docs/router.md", "5 s"): "router: metrics poll interval, replay time limit",
+    ("docs/router.md", "0.25 s"): "store view: wait_s and the absent-answer TTL",
+    ("docs/router.md", "2 s"): "store view: store_ttl_s; the dashboard's poll interval",
+    ("docs/store.md", "64 MiB"): "the coordinator's largest frame and unsent-reply bound",
+    ("docs/store.md", "30 s"): "coordinator: stats line interval",
+    ("docs/store.md", "300 s"): "lease_ttl_s default",
+    ("docs/store.md", "16 KiB"): "shared index: arena bytes per slot",
+    ("docs/store.md", "3 s"): "shared index: heartbeat age limit",
+    ("docs/store.md", "4 KiB"): "disk tier: file header and rounding; O_DIRECT alignment",
+    ("docs/store.md", "1 s"): "disk tier: demotion pause after an error",
+    ("docs/store.md", "4 MiB"): "the O_DIRECT trial's object size",
+    ("docs/store.md", "128 KiB"): "the O_DIRECT trial's range size",
+    ("docs/store.md", "256 MiB"): "Mooncake's default offload bucket; staging_size",
 }
 
 
@@ -290,7 +290,7 @@ def test_docs_streamed_vs_whole_loads_are_connectors_quick_json() -> None:
     s = _result("connectors_quick.json")["summary"]
     assert s["verdict_kvcentric_vs_kvcentric_whole_get"] == "parity"
     later, runs = s["ttft_later_turns_mean_ms"], s["ttft_mean_ms_by_repeat"]
-    text = _paragraph(ROOT / "docs" / "architecture.md", "`kvcentric_whole_get`")
+    text = _paragraph(ROOT / "docs" / "store.md", "`kvcentric_whole_get`")
     assert "parity" in text and "1128" not in text  # no number without a file
     assert f"{later['kvcentric']:.0f} vs {later['kvcentric_whole_get']:.0f} ms" in text
     for arm in ("kvcentric", "kvcentric_whole_get"):

@@ -1,5 +1,5 @@
 """The SGLang HiCache backend on a local store with a disk (SSD) tier, configured through
-the same ``store`` section every connector takes (docs/architecture.md §4.5).
+the same ``store`` section every connector takes (docs/store.md §Disk tier).
 
 SGLang's own ``StorageBackendFactory`` builds the backend (in subprocesses, see
 ``tests/helpers/sglang_harness.py``) on a store of 1 MiB of DRAM and a disk tier in a

@@ -1,5 +1,5 @@
-"""Nothing committed is lost while the disk has room (issue 31 item 2; docs/architecture.md
-§4.5): writers wait for the demoter, bounded, or are refused (counted, never visible), and
+"""Nothing committed is lost while the disk has room (issue 31 item 2; docs/store.md
+§Disk tier): writers wait for the demoter, bounded, or are refused (counted, never visible), and
 only a disk with no room makes the tier drop what it could not write. Units of the index and
 the holdback first; then real processes flooding a real coordinator, and a coordinator whose
 disk writes wait for a file (the disk being behind, on cue)."""

@@ -1,4 +1,4 @@
-"""The local store's disk tier (docs/architecture.md §4.5): config, contract with a tiny DRAM,
+"""The local store's disk tier (docs/store.md §Disk tier): config, contract with a tiny DRAM,
 tier moves, multi-process stress, kill -9 during demotion, and real faults."""
 
 from __future__ import annotations

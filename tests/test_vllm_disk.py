@@ -1,5 +1,5 @@
 """The disk tier end to end: a prefix evicted from DRAM to disk is loaded, layer by layer
-from its files, by a fresh vLLM CPU instance (docs/architecture.md §4.5)."""
+from its files, by a fresh vLLM CPU instance (docs/store.md §Disk tier)."""
 
 from __future__ import annotations
 

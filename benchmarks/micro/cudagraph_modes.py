@@ -3,7 +3,7 @@
 A connector that declares ``requires_piecewise_for_cudagraph`` makes vLLM split every
 decode graph at each attention op, which then runs eagerly between graph pieces. We keep
 ``FULL_AND_PIECEWISE`` instead (a full-graph step loads before and saves after the
-forward, docs/architecture.md "CUDA graphs"). This measures the difference on a forward
+forward, docs/connector.md §CUDA graphs). This measures the difference on a forward
 stand-in with a Llama-3-8B-shaped decoder (32 layers, hidden 4096, 32 query / 8 KV heads,
 MLP 14336, bf16): per-forward time of one full graph, of PIECEWISE (a graph per segment
 between attention ops, attention eager with a call where the connector's hooks sit), and

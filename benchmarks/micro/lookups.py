@@ -13,7 +13,7 @@ store and run, one at a time:
 
 * ``rpc``: the coordinator answers each lookup over its socket (``shared_index: false``);
 * ``shared``: the client answers from the coordinator's shared-memory index itself
-  (``shared_index: true``, the default; docs/architecture.md §4.4).
+  (``shared_index: true``, the default; docs/store.md §Shared-memory lookups).
 
 Reports lookups/s summed over the processes and per-call latency p50/p99 over every call,
 and the ratios shared/rpc. Processes start together (a barrier file) and are timed only

@@ -1,4 +1,4 @@
-"""The CUDA side of the worker data path (docs/architecture.md §2.5).
+"""The CUDA side of the worker data path (docs/connector.md §CUDA path).
 
 * :mod:`kvcentric.cuda.pinning`: registers the store's host memory with CUDA, so copies
   between HBM and it are DMA at full PCIe speed and the Triton kernels can address it.

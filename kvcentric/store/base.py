@@ -1,4 +1,4 @@
-"""The ``KVStore`` interface every backend implements (docs/architecture.md §4).
+"""The ``KVStore`` interface every backend implements (docs/store.md §Contract).
 
 Contract, common to all backends:
 

@@ -27,7 +27,7 @@ _METRICS = {
                        "Read leases reclaimed after lease_ttl_s (a hung client)", True),
     "shared_index": ("shared_index_enabled",
                      "1 while clients answer lookups from the shared-memory index", False),
-    # the disk tier (docs/architecture.md §4.5); used_bytes/capacity_bytes above are DRAM's
+    # the disk tier (docs/store.md §Disk tier); used_bytes/capacity_bytes above are DRAM's
     "dram_objects": ("dram_objects", "Committed objects with a DRAM copy", False),
     "dirty_bytes": ("dram_dirty_bytes", "DRAM bytes with no disk copy yet", False),
     "demoting": ("demotions_in_flight", "Disk writes queued or running", False),
@@ -63,7 +63,7 @@ _METRICS = {
 
 
 def log_line(stats: Mapping[str, int]) -> str:
-    """``Storage: 26.96 / 30.00 GB | Keys: 219474 | ...`` (the format of ARCHITECTURE §4),
+    """``Storage: 26.96 / 30.00 GB | Keys: 219474 | ...`` (docs/store.md §Contract, "Stats"),
     then the disk tier's part when the store has one."""
     line = (
         f"Storage: {stats['used_bytes'] / GB:.2f} / {stats['capacity_bytes'] / GB:.2f} GB"

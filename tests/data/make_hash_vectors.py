@@ -1,4 +1,6 @@
-"""Regenerate tests/data/hash_vectors.json from an independent reading of ARCHITECTURE.md §3.
+"""Regenerate tests/data/hash_vectors.json from an independent reading of the key spec.
+
+The spec: docs/architecture.md §The key spec.
 
 Uses xxhash's streaming API and struct packing rather than kvcentric.hashing, so the
 vectors check the implementation instead of restating it. A block with extra keys (LoRA,
@@ -52,8 +54,8 @@ def main() -> None:
         vectors.append({**c, "seed_utf8": seed.decode(), "layout_sig": LAYOUT_SIG,
                         "tp_rank": 1, "tp_size": 2, "hashes": hashes, "keys": keys})
     out = Path(__file__).with_name("hash_vectors.json")
-    out.write_text(json.dumps({"spec": "ARCHITECTURE.md §3, xxh3_128 chained", "vectors": vectors},
-                              indent=1) + "\n")
+    spec = "docs/architecture.md §The key spec, xxh3_128 chained"
+    out.write_text(json.dumps({"spec": spec, "vectors": vectors}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""kvcentric as SGLang's HiCache L3 storage backend; see docs/architecture.md §5.
+"""kvcentric as SGLang's HiCache L3 storage backend; see docs/sglang.md.
 
 - ``storage``: ``KVCentricHiCacheStorage``, the ``HiCacheStorage`` SGLang constructs.
 - ``pages``: page geometry and keys of SGLang's host pool; ``page_io``: moving pages

@@ -1,4 +1,4 @@
-"""kvcentric as a vLLM KV connector (``KVConnectorBase_V1``); see docs/architecture.md §2.
+"""kvcentric as a vLLM KV connector (``KVConnectorBase_V1``); see docs/connector.md.
 
 Owns everything that runs inside a vLLM process:
 

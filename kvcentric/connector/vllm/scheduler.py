@@ -13,7 +13,7 @@ blocks are already saved).
 - Lookup (``get_num_new_matched_tokens``): one batched ``batch_exists`` per TP rank over
   the stored blocks beyond the engine's own prefix-cache hit, followed by the key of the
   prompt's *tail* (its partial last block), so an exact repeat hits up to
-  ``num_tokens - 1``: vLLM computes one token (docs/architecture.md §2.3). A block counts
+  ``num_tokens - 1``: vLLM computes one token (docs/connector.md §Scheduler side). A block counts
   only when every rank's shard of it is stored. Loads are synchronous and layer-wise
   inside the same step, so the answer is ``(tokens, False)``. It is side-effect free
   apart from an overwritable note of the last answer (vLLM may ask again).

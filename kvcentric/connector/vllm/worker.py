@@ -30,7 +30,7 @@ A step whose forward replays a *full* CUDA graph runs no layer hooks (vLLM captu
 attention ops, hooks and all, and replays them without Python): ``start_load(meta,
 hooks_run=False)`` then completes every layer's load before returning (before the
 replay), and ``finish_step`` saves every layer from the cache after the forward, so
-vLLM's ``FULL_AND_PIECEWISE`` stays on and stays exact (docs/architecture.md, CUDA graphs).
+vLLM's ``FULL_AND_PIECEWISE`` stays on and stays exact (docs/connector.md §CUDA graphs).
 
 On a CUDA worker (:mod:`kvcentric.connector.vllm.device_path`) the store's host memory is
 pinned, the kernels per direction are measured once, and the copies run on a copy stream

@@ -245,7 +245,7 @@ class LocalStore(KVStore):
 
     def batch_acquire_streamed(self, keys: Sequence[str], sizes: Sequence[int]) -> ReadLease:
         """DRAM objects are in place at once; disk-tier objects arrive range by range
-        through :meth:`fetch_range` (docs/architecture.md §4.5)."""
+        through :meth:`fetch_range` (docs/store.md §Disk tier)."""
         return self._acquire(keys, eager=False)
 
     def _acquire(self, keys: Sequence[str], eager: bool) -> ReadLease:

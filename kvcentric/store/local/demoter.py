@@ -1,7 +1,7 @@
 """The disk tier's I/O threads: every disk write, unlink and recovery scan runs here.
 
 The coordinator's loop only queues jobs and applies results, so no request waits on the
-disk (docs/architecture.md §4.5). A job reads the object's bytes straight from the
+disk (docs/store.md §Disk tier). A job reads the object's bytes straight from the
 coordinator's read-only mapping of the arena; the index pins those bytes until the job's
 result is applied (the loop, woken through a pipe, applies results in order).
 

@@ -1,7 +1,7 @@
 """The disk tier's files: one file per object, self-describing, written atomically.
 
-Layout of ``{dir}/{h[:2]}/{h}-{tag}.kvc`` (``h`` = xxh3_128 hex of the key; §4.5 of
-docs/architecture.md):
+Layout of ``{dir}/{h[:2]}/{h}-{tag}.kvc`` (``h`` = xxh3_128 hex of the key; docs/store.md
+§Disk tier):
 
 - bytes ``[0, DATA_OFFSET)``: the header: ``MAGIC``, the payload size, the payload's xxh3_64,
   the key and the parent key (UTF-8), then the xxh3_64 of all of that; zero padding. A tier
@@ -17,11 +17,11 @@ fsynced, so a final name only ever holds a complete object (a crash leaves at mo
 overwritten under us) is caught by the payload checksum: recovery checks every file before
 publishing it, and every reader checks the bytes it read before they count as data.
 
-Page cache, not ``O_DIRECT`` (measured in §4.5): readers fetch one layer's range at a time into
-arena slots that are 64-byte aligned, which ``O_DIRECT`` cannot address without a bounce
-copy, and the kernel's readahead makes buffered layer-sized reads faster. Writers and readers
-drop the pages they touched (``POSIX_FADV_DONTNEED``) so the tier does not shadow DRAM in
-the page cache and a later read goes to the device.
+Page cache, not ``O_DIRECT`` (docs/store.md §Disk tier): readers fetch one layer's range
+at a time into arena slots that are 64-byte aligned, which ``O_DIRECT`` cannot address
+without a bounce copy, and the kernel's readahead makes buffered layer-sized reads faster.
+Writers and readers drop the pages they touched (``POSIX_FADV_DONTNEED``) so the tier does
+not shadow DRAM in the page cache and a later read goes to the device.
 
 **Never outside the tier.** Every file operation resolves a path below the tier's root
 one level at a time through directory descriptors opened ``O_NOFOLLOW``, and opens files

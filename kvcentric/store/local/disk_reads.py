@@ -1,7 +1,7 @@
 """Client side of disk-tier reads: a lease's disk-resident objects, read from their files.
 
 The coordinator leases a disk-only object with its file and, when DRAM had room, an arena
-extent to read it into (docs/architecture.md §4.5). The client reads each requested byte
+extent to read it into (docs/store.md §Disk tier). The client reads each requested byte
 range with ``os.preadv`` straight into that extent (or into private memory), so a streamed
 lease moves one layer's bytes per ``fetch_range`` and nothing is copied twice. Bytes read
 from disk count as data only once the whole object is read and matches the checksum its
@@ -217,7 +217,7 @@ class DiskReads:
         self._jobs = []
         for obj in self.objects:
             try:
-                # the tier must not shadow DRAM in the page cache (§4.5)
+                # the tier must not shadow DRAM in the page cache (docs/store.md §Disk tier)
                 os.posix_fadvise(obj.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             except OSError:
                 pass

@@ -1,6 +1,6 @@
 """Who may use a local coordinator, and for what: its peers, its admin token and pin caps.
 
-Contract (docs/architecture.md §4.2):
+Contract (docs/store.md §Shared host):
 
 - **Peers.** Every connection is checked once, at accept, with ``SO_PEERCRED``: a process
   of the coordinator's own user, or of its ``peer_group`` (primary or supplementary group),

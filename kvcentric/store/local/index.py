@@ -3,7 +3,7 @@
 Runs inside the coordinator only; single-threaded. An object is PENDING from ``alloc`` until
 ``commit`` (invisible to every reader) and COMMITTED after. Committed objects are immutable.
 
-Eviction (docs/architecture.md §4.2): LRU over *leaves* of prefix chains. A child is linked to its
+Eviction (docs/store.md §Local store): LRU over *leaves* of prefix chains. A child is linked to its
 parent when committed; a parent with resident children is not evictable, because a child is
 useless without its ancestors, and a prefix lookup touches a parent before its children,
 so a parent is never younger than its children. When a parent's last child is evicted, the

@@ -93,7 +93,7 @@ def ensure_running(cfg: StoreConfig) -> None:
 
     Never starts a second coordinator: one that holds the store's lock but does not answer
     (stopped, swamped) is reported, not replaced (:mod:`kvcentric.store.local.ownership`).
-    Raises ``StoreUnavailable`` (the store error contract, docs/architecture.md §4) when
+    Raises ``StoreUnavailable`` (the store error contract, docs/store.md §Contract) when
     none answers and none can be started: the runtime dir cannot be created or locked, a
     silent coordinator holds the store, the process cannot be spawned, it refuses to start
     (the message says why, e.g. the arena does not fit its tmpfs), or it does not answer

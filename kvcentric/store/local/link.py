@@ -1,5 +1,5 @@
 """A local-store client's link to its coordinator: the live session, the circuit breaker
-and the background reconnector (docs/architecture.md §4.1).
+and the background reconnector (docs/store.md §Local store).
 
 Contract:
 

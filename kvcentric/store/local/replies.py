@@ -4,7 +4,7 @@ checked before anything is mapped, copied or opened.
 The coordinator is another process, reached through a file in a directory; one that lies
 (a bug, or a process speaking the protocol that is not our coordinator) must not make a
 client map a file outside its store, copy bytes outside its arena or read a file outside
-its disk tier. Contract (docs/architecture.md §4.2):
+its disk tier. Contract (docs/store.md §Shared host):
 
 - **hello** (:func:`check_hello`): the generation is 32 hex digits; the arena is exactly
   ``{runtime_dir}/{name}.arena.{generation}`` and the lookup index ``None`` or

@@ -1,4 +1,4 @@
-"""A local-store client's connections and arena mappings (docs/architecture.md §4.1).
+"""A local-store client's connections and arena mappings (docs/store.md §Local store).
 
 - :class:`Session`: one connection to one coordinator generation, and everything leased
   through it. It dies once (a failed or timed-out call, the coordinator closing its end,

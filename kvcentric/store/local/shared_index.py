@@ -3,7 +3,7 @@
 The coordinator publishes every committed object in a hash table in a file next to the
 arena (tmpfs); clients map it read-only and answer leading-run lookups themselves, so
 lookups from many engines, workers and the router scale with their processes instead of
-queueing on the coordinator's one thread (docs/architecture.md §4.4). Only lookups use
+queueing on the coordinator's one thread (docs/store.md §Shared-memory lookups). Only lookups use
 it: leases, reads and writes still go through the coordinator, which stays the one
 authority (a lookup's answer is a hint; ``acquire`` re-checks every key exactly).
 
@@ -29,7 +29,7 @@ a chain, so a binary search finds its first false ``i`` in log2(n) probes; a lin
 of plain presence continues from there, which makes the answer exact also for keys stored
 without parents or whose parents are missing. A list that is not a chain but links
 stored parent/child pairs may be overcounted; ``acquire`` is exact, so the connector
-then loads less than it was told and recomputes the rest (docs/architecture.md §4.4).
+then loads less than it was told and recomputes the rest (docs/store.md §Shared-memory lookups).
 """
 
 from __future__ import annotations

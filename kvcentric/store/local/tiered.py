@@ -1,4 +1,4 @@
-"""``TieredIndex``: the object index of a local store with a disk tier (docs/architecture.md §4.5).
+"""``TieredIndex``: the object index of a local store with a disk tier (docs/store.md §Disk tier).
 
 An object lives in DRAM (``offset >= 0``), on disk (``disk_path``), or both. In DRAM it is
 *dirty* (no disk copy yet), *demoting* (a disk write of its bytes is in flight; the bytes are

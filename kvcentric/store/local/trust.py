@@ -2,7 +2,7 @@
 
 ``/dev/shm`` is world-writable, so a directory named after a user can be created first by
 anyone, and a file in a directory someone else can write can be swapped under us. Contract
-(docs/architecture.md §4.2):
+(docs/store.md §Shared host):
 
 - **Directories** (the runtime dir, the disk tier's): created ``0700`` (``0710`` with a
   ``peer_group``, group-owned by it), and used only if :func:`check_dir` finds a real

@@ -1,5 +1,5 @@
 """Bounded calls into Mooncake's client: a call that overruns its deadline is abandoned,
-never waited for (docs/architecture.md §4.3, "Bounds").
+never waited for (docs/store.md §Mooncake, "Bounds").
 
 Mooncake's C++ client blocks while its master or a storage node does not answer (a
 SIGSTOPped process: its ports still accept, so nothing fails), and a blocked call cannot
@@ -26,9 +26,9 @@ Contract of :meth:`CallRunner.run`:
   nothing else wants. An unprivileged thread cannot climb back, so that thread ends when
   its call returns, and a fresh one takes its place.
 - **Threads.** Calls run on daemon threads started on the opening thread's cores (the
-  vLLM worker opens its store on its spare cores, §2.4); a thread stuck in an abandoned
-  call is replaced, up to :data:`MAX_THREADS`, after which new calls wait in the queue
-  (and time out there, cancelled).
+  vLLM worker opens its store on its spare cores, docs/connector.md §Worker side); a
+  thread stuck in an abandoned call is replaced, up to :data:`MAX_THREADS`, after which
+  new calls wait in the queue (and time out there, cancelled).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A lease reserves extents of the store's registered staging arena and either gets
 object whole into them (``batch_get_into``), or only opens a get session (the master
 resolves the replicas once) so that :meth:`LeaseReads.fetch_range` can later get one byte
 range of every object per call: the vLLM worker fetches layer ``l`` just before layer
-``l`` runs (docs/architecture.md §4.3). The staging extents and the session belong to the
+``l`` runs (docs/store.md §Mooncake). The staging extents and the session belong to the
 lease until :meth:`LeaseReads.release`. Every call is bounded (``MooncakeStore._call``): a
 get that overruns is abandoned with its extents held, so a lease released meanwhile
 gives them back only once that get has returned.

@@ -11,7 +11,7 @@ skipping stored keys), ``batch_get_into``; caller buffers are registered once
 ~5x slower). :meth:`batch_alloc`/:meth:`batch_commit` write through extents of one
 registered staging arena, so an object becomes visible whole; :meth:`batch_acquire` gets
 objects into it until :meth:`release`, or (``ranged_reads``) :meth:`batch_acquire_streamed`
-+ :meth:`fetch_range` stream them layer by layer (docs/architecture.md §4.3).
++ :meth:`fetch_range` stream them layer by layer (docs/store.md §Mooncake).
 :meth:`batch_put_from_multi`/:meth:`batch_get_into_multi` gather/scatter over several
 buffers. ``verify_checksums`` adds a checksum trailer to every object
 (:mod:`kvcentric.store.mooncake.checksums`).
@@ -108,7 +108,8 @@ class MooncakeStore(KVStore):
         self._staging: StagingArena | None = None
         self._pinner: HostPinner | None = None
         self._reads = LeaseReads(self)
-        # made on the opening thread: its threads run on that thread's cores (§2.4)
+        # made on the opening thread: its threads run on that thread's cores
+        # (docs/connector.md §Worker side)
         self._calls = CallRunner("mooncake", self._timed_out, self._hold, self._unhold)
         host, port = s.master_host_port
         self.monitor = MasterMonitor(host, port, self._probe, s.probe_interval_s,
