@@ -2,8 +2,11 @@
 
 Replay a Mooncake trace through a simulated P/D cluster under each routing policy.
 
-    python -m benchmarks.sim.routing --trace ../shared/traces/conversation_trace.jsonl \\
+    python -m benchmarks.sim.routing --trace TRACE.jsonl \\
         [--quick] [--out FILE.json] [--prefill 4 --decode 4 ...]
+
+``TRACE.jsonl``: one of Mooncake's FAST'25 traces (``FAST25-release/traces/`` of
+github.com/kvcache-ai/Mooncake: ``conversation_trace.jsonl``, ``synthetic_trace.jsonl``).
 
 Every policy replays the same requests on the same cluster model (``benchmarks.sim.cluster``):
 same instances, same per-instance cache capacity, same store capacity and bandwidth, same
