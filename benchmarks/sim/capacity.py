@@ -3,10 +3,13 @@
 Hit rate vs capacity: DRAM only vs DRAM + disk, replaying Mooncake's FAST'25 traces
 through the local store's own eviction logic (no engine, no I/O).
 
-    python -m benchmarks.sim.capacity [--quick] [--out benchmarks/results/capacity.json]
+    python -m benchmarks.sim.capacity --trace-dir DIR [--quick] [--out FILE.json]
+
+``DIR`` holds Mooncake's FAST'25 traces (``FAST25-release/traces/`` of
+github.com/kvcache-ai/Mooncake: ``conversation_trace.jsonl``, ``synthetic_trace.jsonl``).
 
 Each trace line is a request with ``hash_ids``: chained prefix-block ids, 512 tokens a
-block (../shared/traces/SOURCE.md; the traces are read from there, never copied). For every
+block (the traces are read where they are, never copied). For every
 request, in arrival order, the store is asked for the leading run of its blocks (the hit),
 the hit blocks are leased and released (refreshing them, and promoting disk objects to
 DRAM exactly as a reader's ``settle`` does), then the missing blocks are stored, each
@@ -34,20 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib import results_writer as rw
-from benchmarks.lib.paths import RESULTS, ROOT
+from benchmarks.lib.paths import RESULTS
 from kvcentric.store.local import disk
 from kvcentric.store.local.demoter import WriteDone, WriteJob
 from kvcentric.store.local.index import ObjectIndex
 from kvcentric.store.local.tiered import PROMOTE, TieredIndex
 
-TRACES = ROOT.parent / "shared" / "traces"
 OBJ = 64  # bytes per block object: the allocator's granule, so capacity = blocks * OBJ
 FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0)
 QUICK_FRACTIONS = (0.01, 0.05, 0.2, 0.5)
 
 
-def load(name: str, limit: int | None) -> list[list[int]]:
-    with open(TRACES / f"{name}_trace.jsonl") as fh:
+def load(trace_dir: Path, name: str, limit: int | None) -> list[list[int]]:
+    with open(trace_dir / f"{name}_trace.jsonl") as fh:
         reqs = [json.loads(line)["hash_ids"] for line in fh]
     return reqs[:limit] if limit else reqs
 
@@ -119,9 +121,9 @@ def replay(reqs: list[list[int]], dram_blocks: int, disk_blocks: int | None) -> 
     return out
 
 
-def run_trace(name: str, fractions: tuple[float, ...], disk_fraction: float,
+def run_trace(trace_dir: Path, name: str, fractions: tuple[float, ...], disk_fraction: float,
               limit: int | None) -> dict[str, Any]:
-    reqs = load(name, limit)
+    reqs = load(trace_dir, name, limit)
     distinct = len({h for ids in reqs for h in ids})
     total = sum(len(ids) for ids in reqs)
     max_rate = infinite_hits(reqs) / total
@@ -188,6 +190,8 @@ def table(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="first 2000 requests, 4 DRAM sizes")
+    ap.add_argument("--trace-dir", type=Path, required=True,
+                    help="the folder of Mooncake's {name}_trace.jsonl files")
     ap.add_argument("--traces", default="conversation,synthetic")
     ap.add_argument("--disk-fraction", type=float, default=1.0,
                     help="disk capacity as a fraction of the trace's distinct blocks")
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     limit = 2000 if args.quick else None
     res: dict[str, Any] = {
         "block_tokens": 512, "disk_fraction": args.disk_fraction,
-        "traces": {n: run_trace(n, fractions, args.disk_fraction, limit)
+        "traces": {n: run_trace(args.trace_dir, n, fractions, args.disk_fraction, limit)
                    for n in args.traces.split(",")}}
     res["summary"] = {n: t["summary"] for n, t in res["traces"].items()}
     out = args.out or RESULTS / ("capacity_quick.json" if args.quick else "capacity.json")
