@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.reliability.faults import Workload, matrix
 from benchmarks.reliability.stops import StopWorkload
+from benchmarks.reliability.stops import table as stop_table
 from kvcentric.testing.netns import unavailable_reason
 
 pytestmark = pytest.mark.vllm
@@ -51,6 +52,7 @@ def test_a_stopped_store_never_holds_a_forward_pass(tmp_path: Path) -> None:
             ("mooncake", "node-stop")]
     rows = matrix(plan, Workload(), tmp_path, StopWorkload(requests=8, prompt_len=1500))
     assert [(r["backend"], r["fault"]) for r in rows] == plan
+    print(stop_table(rows))  # every round's TTFTs, shown when an assertion fails
     for r in rows:
         assert r["wrong_tokens"] == 0 and r["failed"] == 0, r
         # some round stopped the store with the whole batch in flight (before a token)
