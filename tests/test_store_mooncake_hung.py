@@ -112,12 +112,12 @@ def test_a_stopped_master_bounds_every_call_then_the_breaker_answers(
             with stopped(mc.master):
                 out, dt = timed(lambda: s.batch_exists(keys))  # a lookup: the hot bound
                 assert out == 0 and dt < HOT_S + SLACK_S, (out, dt)
-                assert s._calls.outstanding == 1 and not s.health_check()
+                assert s.ops.outstanding == 1 and not s.health_check()
                 fail_fast(s, keys)
                 out, dt = timed(lambda: s.batch_commit([slot]))
                 assert out == [ERR_UNAVAILABLE] and dt < AT_ONCE_S, (out, dt)
                 time.sleep(1.0)  # the monitor keeps the breaker open: the call has not returned
-                assert not s.health_check() and s._calls.outstanding == 1
+                assert not s.health_check() and s.ops.outstanding == 1
             # SIGCONT: the abandoned lookup returns, a probe succeeds, hits return
             assert wait_until(lambda: s.batch_exists(keys) == len(keys), 20)
             assert right_bytes(s, keys)
@@ -155,12 +155,12 @@ def test_a_stopped_node_bounds_loads_and_holds_their_staging(mc: MooncakeCluster
                     s.release(streamed)  # the worker's release: after its copy gave up
                 assert dt < bound + SLACK_S, (dt, bound)
                 # the abandoned get may still write into its staging: held, not reused
-                assert s._calls.outstanding == 1 and s._staging is not None
-                assert s._staging.held > 0
-                assert s._staging.used >= max(used, 1)
+                assert s.ops.outstanding == 1 and s.ops.made_staging is not None
+                assert s.ops.made_staging.held > 0
+                assert s.ops.made_staging.used >= max(used, 1)
                 fail_fast(s, keys)
-            assert wait_until(lambda: s._calls.outstanding == 0, 30)
-            assert s._staging.held == 0 and s._staging.used == 0
+            assert wait_until(lambda: s.ops.outstanding == 0, 30)
+            assert s.ops.made_staging.held == 0 and s.ops.made_staging.used == 0
             assert wait_until(lambda: s.batch_exists(keys) == len(keys), 20)
             assert right_bytes(s, keys)
             lease = s.batch_acquire_streamed(keys, sizes)  # loads work again
@@ -192,14 +192,14 @@ def test_a_commit_to_a_stopped_node_is_bounded_and_never_torn(mc: MooncakeCluste
                 out, dt = timed(lambda: s.batch_commit([x for x in slots if x is not None]))
                 assert out == [ERR_UNAVAILABLE] * len(keys), out
                 assert dt < s.bound_s(sum(size_of(k) for k in keys)) + SLACK_S, dt
-                staging = s._staging
+                staging = s.ops.made_staging
                 assert staging is not None and staging.held > 0
                 # later slots and leases never get the held bytes
                 spans = [(x.ptr, x.ptr + x.size) for x in slots if x is not None]
                 fresh = staging.alloc_run([64 << 10] * 64)
                 assert not any(a <= p < b for p in fresh for a, b in spans)
                 staging.free(fresh)
-            assert wait_until(lambda: s._calls.outstanding == 0, 30)
+            assert wait_until(lambda: s.ops.outstanding == 0, 30)
             assert wait_until(lambda: s.health_check(), 20)
             got = get(s, keys)  # landed late (whole, right) or not at all: never torn
             for k, b in zip(keys, got):

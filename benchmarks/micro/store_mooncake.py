@@ -214,7 +214,7 @@ def placement(size: int, batch: int, rounds: int, cross: bool, bar: tqdm) -> dic
     b_ours, b_raw = Batch(n, size), Batch(n, size)
     b_ours.register(store.register_buffer)
     b_raw.register(client.register_buffer)
-    _ = store.staging  # registered once, as an engine does at its first save
+    _ = store.ops.staging  # registered once, as an engine does at its first save
     times: dict[str, list[float | None]] = {}
     try:
         for r in range(rounds + 1):

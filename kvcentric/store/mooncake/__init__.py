@@ -2,6 +2,8 @@
 
 - ``store``: ``MooncakeStore``, the :class:`~kvcentric.store.KVStore` over Mooncake's client.
 - ``config``: the ``mooncake`` section of the store config (and ``MOONCAKE_*`` env).
+- ``ops``: ``ClientOps``, the one client with its breaker, bounded calls (``calls``),
+  counters and staging, through which ``store``, ``reads`` and ``checksums`` reach it.
 - ``client``: opening Mooncake's client; ``staging``: registered staging memory;
   ``health``: reachability and reconnects; ``codes``: Mooncake's error codes mapped to ours;
   ``rdma``: NIC discovery; ``http``: the metadata server; ``service``: the

@@ -24,7 +24,7 @@ from kvcentric.store.base import ERR_CORRUPT, ERR_NO_SPACE, ERR_UNAVAILABLE, Sto
 from kvcentric.store.mooncake.staging import StagingArena
 
 if TYPE_CHECKING:
-    from kvcentric.store.mooncake.store import MooncakeStore
+    from kvcentric.store.mooncake.ops import ClientOps
 
 TRAILER = 8
 _U64 = struct.Struct("<Q")
@@ -84,43 +84,43 @@ class Trailers:
         self._staging.free(self.ptrs)
 
 
-def put_sealed(store: MooncakeStore, keys: list[str], ptrs: list[list[int]],
+def put_sealed(ops: ClientOps, keys: list[str], ptrs: list[list[int]],
                sizes: list[list[int]], pin_s: float = 0.0,
                held: Sequence[int] | None = None) -> list[int]:
     """Put objects (given as buffer lists) each with its checksum trailer; ``held``: as
-    ``MooncakeStore._put`` (the trailers are held with the objects)."""
+    :meth:`ClientOps.put_raw` (the trailers are held with the objects)."""
     try:
-        trailers = Trailers(store.staging, len(keys))
+        trailers = Trailers(ops.staging, len(keys))
     except (MemoryError, StoreUnavailable):
         return [ERR_NO_SPACE] * len(keys)
     try:
-        return store._put_raw(keys, *trailers.seal(ptrs, sizes), pin_s,
-                              None if held is None else [*held, *trailers.ptrs])
+        return ops.put_raw(keys, *trailers.seal(ptrs, sizes), pin_s,
+                           None if held is None else [*held, *trailers.ptrs])
     finally:
         trailers.free()  # held trailers return once an abandoned put has returned
 
 
-def get_checked(store: MooncakeStore, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+def get_checked(ops: ClientOps, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                 size_lists: Sequence[Sequence[int]], held: Sequence[int] | None = None
                 ) -> tuple[list[int], list[int | None]]:
     """Get each object over its buffers plus its trailer; per key the bytes read or a
     negative code (``ERR_CORRUPT`` on a mismatch, counted), and the verified checksums.
-    ``held``: as ``MooncakeStore._get`` (the trailers are held with the objects)."""
+    ``held``: as :meth:`ClientOps.get` (the trailers are held with the objects)."""
     if not keys:
         return [], []
     try:
-        trailers = Trailers(store.staging, len(keys))
+        trailers = Trailers(ops.staging, len(keys))
     except (MemoryError, StoreUnavailable):
         return [ERR_UNAVAILABLE] * len(keys), [None] * len(keys)
     try:
         k = list(keys)
         p = [[*ps, t] for ps, t in zip(ptr_lists, trailers.ptrs)]
         n = [[*ns, TRAILER] for ns in size_lists]
-        got = store._get(k, lambda c: c.batch_get_into_multi_buffers(k, p, n),
+        got = ops.get(k, lambda c: c.batch_get_into_multi_buffers(k, p, n),
                          sum(map(sum, n)), None if held is None else [*held, *trailers.ptrs])
         out = [trailers.check(i, ptr_lists[i], size_lists[i], g) for i, g in enumerate(got)]
         sums = [read_trailer(t) if o >= 0 else None for o, t in zip(out, trailers.ptrs)]
     finally:
         trailers.free()
-    store._count(corrupt=out.count(ERR_CORRUPT))
+    ops.count(corrupt=out.count(ERR_CORRUPT))
     return out, sums

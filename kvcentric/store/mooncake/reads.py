@@ -1,11 +1,12 @@
-"""In-place reads of a :class:`~kvcentric.store.mooncake.store.MooncakeStore`.
+"""In-place reads of a :class:`~kvcentric.store.mooncake.store.MooncakeStore`, through its
+:class:`~kvcentric.store.mooncake.ops.ClientOps`.
 
 A lease reserves extents of the store's registered staging arena and either gets every
 object whole into them (``batch_get_into``), or only opens a get session (the master
 resolves the replicas once) so that :meth:`LeaseReads.fetch_range` can later get one byte
 range of every object per call: the vLLM worker fetches layer ``l`` just before layer
 ``l`` runs (docs/store.md §Mooncake). The staging extents and the session belong to the
-lease until :meth:`LeaseReads.release`. Every call is bounded (``MooncakeStore._call``): a
+lease until :meth:`LeaseReads.release`. Every call is bounded (:meth:`ClientOps.call`): a
 get that overruns is abandoned with its extents held, so a lease released meanwhile
 gives them back only once that get has returned.
 """
@@ -22,7 +23,7 @@ from kvcentric.store.mooncake.checksums import get_checked
 from kvcentric.store.mooncake.client import chunks
 
 if TYPE_CHECKING:
-    from kvcentric.store.mooncake.store import MooncakeStore
+    from kvcentric.store.mooncake.ops import ClientOps
 
 log = logging.getLogger("kvcentric.store")
 
@@ -37,33 +38,34 @@ class _Held:
 
 
 class LeaseReads:
-    """The read leases of one store (its staging arena, client and counters)."""
+    """The read leases of one store (its staging arena, client and counters, all through
+    ``ops``)."""
 
-    def __init__(self, store: MooncakeStore) -> None:
-        self.store = store
+    def __init__(self, ops: ClientOps) -> None:
+        self.ops = ops
 
     def lease(self, keys: Sequence[str], sizes: Sequence[int], session: bool) -> ReadLease:
         """Reserve staging for ``keys`` (a leading prefix when it fills up), then get them
         whole, or (``session``) only open a get session; lease the leading run present."""
         if not keys:
             return ReadLease([], [], [], [], None)
-        ptrs = self.store.staging.alloc_run(list(sizes))
+        ptrs = self.ops.staging.alloc_run(list(sizes))
         keys, sizes = list(keys[:len(ptrs)]), list(sizes[:len(ptrs)])
         sums: list[int | None] = [None] * len(keys)
-        if session and not self.store.cfg.verify_checksums:  # a checksum needs the whole
-            codes = self.store._get(keys, lambda c: c.batch_get_session_start(keys), 0, ())
+        if session and not self.ops.cfg.verify_checksums:  # a checksum needs the whole
+            codes = self.ops.get(keys, lambda c: c.batch_get_session_start(keys), 0, ())
             n = next((i for i, c in enumerate(codes) if c != OK), len(codes))
             self.end_session(keys[n:])
         else:
             session = False
-            if self.store.cfg.verify_checksums:
-                codes, sums = get_checked(self.store, keys, [[p] for p in ptrs],
+            if self.ops.cfg.verify_checksums:
+                codes, sums = get_checked(self.ops, keys, [[p] for p in ptrs],
                                           [[s] for s in sizes], ptrs)
             else:
-                codes = self.store._get(keys, lambda c: c.batch_get_into(keys, ptrs, sizes),
+                codes = self.ops.get(keys, lambda c: c.batch_get_into(keys, ptrs, sizes),
                                         sum(sizes), ptrs)
             n = next((i for i, c in enumerate(codes) if c <= 0), len(codes))
-        self.store.staging.free(ptrs[n:])
+        self.ops.staging.free(ptrs[n:])
         if n == 0 and ERR_UNAVAILABLE in codes:
             raise StoreUnavailable("mooncake master unreachable")
         got = sizes[:n] if session else codes[:n]  # a session has moved no bytes yet
@@ -76,22 +78,21 @@ class LeaseReads:
             return
         for c in chunks([[p] for p in held.ptrs]):
             keys, ptrs = lease.keys[c], held.ptrs[c]
-            got = self.store._call(
+            got = self.ops.call(
                 lambda m, keys=keys, ptrs=ptrs: m.batch_get_into_multi_buffer_ranges(
                     keys, [[p + offset] for p in ptrs], [[size]] * len(ptrs),
                     [[offset]] * len(ptrs)), "ranged get", size * len(ptrs), ptrs)
             bad = [int(g) for g in got if int(g) != size]
             if bad:
-                self.store._mapped([g for g in bad if g < 0])
+                self.ops.mapped([g for g in bad if g < 0])
                 raise StoreUnavailable(f"ranged get of {len(bad)} objects failed: {bad[:3]}")
-            self.store._count(get_bytes=size * len(got))
+            self.ops.count(get_bytes=size * len(got))
 
     def release(self, lease: ReadLease) -> None:
         held, lease.handle = lease.handle, None
         if not isinstance(held, _Held) or held.owner is not self:
             return
-        if self.store._staging is not None:
-            self.store._staging.free(held.ptrs)
+        self.ops.free(held.ptrs)
         if held.session:
             self.end_session(lease.keys)
 
@@ -102,6 +103,6 @@ class LeaseReads:
         if not keys:
             return
         try:
-            self.store._call(lambda c: c.batch_get_session_end(keys), "get session end")
+            self.ops.call(lambda c: c.batch_get_session_end(keys), "get session end")
         except Exception as exc:  # never let cleanup fail a request
             log.debug("batch_get_session_end failed: %s", exc)
