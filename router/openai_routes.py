@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,7 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
     cfg, bounds = state.cfg, state.bounds
 
     async def openai(request: Request, chat: bool) -> Response:
+        received = time.perf_counter()
         endpoint = "chat" if chat else "completions"
         try:
             caller = state.auth.caller(request.headers)
@@ -85,7 +87,8 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
 
             try:
                 body, tokens = await _admit(request, chat)
-                resp = _released(await _forward(request, chat, caller, body, tokens), release)
+                resp = _released(await _forward(request, chat, caller, body, tokens,
+                                                received), release)
             except Refused as refused:
                 release()
                 resp = refused.response()
@@ -131,7 +134,7 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         return tokens
 
     async def _forward(request: Request, chat: bool, caller: Caller, body: dict[str, Any],
-                       tokens: np.ndarray) -> Response:
+                       tokens: np.ndarray, received: float) -> Response:
         salt = state.auth.salt(caller, body.get("cache_salt"))
         if salt is not None:
             body["cache_salt"] = salt  # the engines hash it into every block of the prompt
@@ -148,7 +151,8 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
             headers["authorization"] = f"Bearer {cfg.upstream.api_key}"
         assert state.proxy is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail)
+        return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail,
+                                        received)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -86,10 +86,13 @@ class Proxy:
 
     async def handle(self, path: str, body: dict[str, Any], hashes: Sequence[bytes],
                      n_tokens: int, headers: dict[str, str],
-                     tail: TailRef | None = None) -> Response:
-        """Decide, dispatch, retry on failure; returns the client's response."""
+                     tail: TailRef | None = None, received: float | None = None) -> Response:
+        """Decide, dispatch, retry on failure; returns the client's response. ``received``:
+        when the router got the request (``perf_counter``; default now): the response's
+        ``x-kvc-router-ms`` is the time from then to the dispatch that answered."""
         rid = uuid.uuid4().hex
         t_arrival = time.perf_counter()
+        received_at = t_arrival if received is None else received
         stream = bool(body.get("stream"))
         exclude: set[str] = set()
         last = "no attempt"
@@ -104,6 +107,7 @@ class Proxy:
                 return self._reject(decision)
             self._count(decision, n_tokens)
             self.c.dispatched(decision, rid, hashes)
+            added_ms = (time.perf_counter() - received_at) * 1e3
             try:
                 if decision.disaggregated:
                     early = await self._prefill(decision, rid, path, body, headers)
@@ -111,8 +115,9 @@ class Proxy:
                         self.c.finished(decision, rid)
                         return early
                 if stream:
-                    return await self._stream(decision, rid, path, body, headers, t_arrival)
-                return await self._whole(decision, rid, path, body, headers)
+                    return await self._stream(decision, rid, path, body, headers, t_arrival,
+                                              added_ms)
+                return await self._whole(decision, rid, path, body, headers, added_ms)
             except UpstreamTimeout as exc:
                 self.c.finished(decision, rid)
                 return error_response(504, f"upstream timed out: {exc}", "upstream_timeout")
@@ -158,10 +163,14 @@ class Proxy:
         self.c.registry.mark_failed(exc.inst, 1 if "connect" in exc.reason.lower()
                                     else self.fail_after, exc.reason)
 
-    def _headers(self, d: Decision, headers: dict[str, str]) -> dict[str, str]:
-        return {**headers, "x-kvc-prefill": d.prefill.name, "x-kvc-decode": d.decode.name,
-                "x-kvc-predicted-ttft-ms": f"{d.ttft_s * 1000:.1f}",
-                "x-kvc-hit-tokens": str(d.hit_tokens)}
+    def _headers(self, d: Decision, headers: dict[str, str],
+                 added_ms: float | None = None) -> dict[str, str]:
+        out = {**headers, "x-kvc-prefill": d.prefill.name, "x-kvc-decode": d.decode.name,
+               "x-kvc-predicted-ttft-ms": f"{d.ttft_s * 1000:.1f}",
+               "x-kvc-hit-tokens": str(d.hit_tokens)}
+        if added_ms is not None:
+            out["x-kvc-router-ms"] = f"{added_ms:.1f}"
+        return out
 
     async def _post(self, inst: Instance, path: str, content: bytes,
                     headers: dict[str, str]) -> httpx.Response:
@@ -187,14 +196,15 @@ class Proxy:
         return None
 
     async def _whole(self, d: Decision, rid: str, path: str, body: dict[str, Any],
-                     headers: dict[str, str]) -> Response:
+                     headers: dict[str, str], added_ms: float | None = None) -> Response:
         r = await self._post(d.decode, path, json.dumps(body).encode(), headers)
         self.c.finished(d, rid)
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"),
-                        headers=self._headers(d, {}))
+                        headers=self._headers(d, {}, added_ms))
 
     async def _stream(self, d: Decision, rid: str, path: str, body: dict[str, Any],
-                      headers: dict[str, str], t_arrival: float) -> Response:
+                      headers: dict[str, str], t_arrival: float,
+                      added_ms: float | None = None) -> Response:
         """Relay d's SSE stream; the first chunk is awaited here so a failure before any
         byte reached the client can still be retried elsewhere."""
         inst = d.decode
@@ -226,7 +236,7 @@ class Proxy:
         if not d.disaggregated:
             self.c.prefill_finished(d, rid, ttft)
         return StreamingResponse(self._relay(d, rid, up, first, chunks),
-                                 status_code=200, headers=self._headers(d, {}),
+                                 status_code=200, headers=self._headers(d, {}, added_ms),
                                  media_type=up.headers.get("content-type", "text/event-stream"))
 
     async def _relay(self, d: Decision, rid: str, up: httpx.Response, first: bytes,

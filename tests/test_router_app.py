@@ -436,6 +436,7 @@ def test_block_size_and_cache_size_come_from_the_engines(tiny_dir: str,
         r = await c.post("/v1/completions", json={"model": "tiny", "prompt": list(range(
             10, 500))})
         assert r.headers["x-kvc-hit-tokens"] == "384"  # 3 blocks of 128
+        assert 0 <= float(r.headers["x-kvc-router-ms"]) < 10_000  # its own time, as a number
         return dict(info)
 
     info = run(cfg, tokenizer, ups, fn)

@@ -110,6 +110,7 @@ async def _attempt(client: httpx.AsyncClient, base_url: str, api: Api, prompt: A
                                  json=api.body(prompt, rec.max_tokens), headers=headers) as r:
             rec.status = r.status_code
             rec.predicted_ttft_s = _predicted(r)
+            rec.router_s = _header_ms(r, "x-kvc-router-ms")
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_message(body)}"
@@ -135,8 +136,13 @@ async def _attempt(client: httpx.AsyncClient, base_url: str, api: Api, prompt: A
 
 def _predicted(r: httpx.Response) -> float | None:
     """The TTFT the kvcentric router predicted for this request (its response header)."""
+    return _header_ms(r, "x-kvc-predicted-ttft-ms")
+
+
+def _header_ms(r: httpx.Response, name: str) -> float | None:
+    """A milliseconds header as seconds, None when absent or not a number."""
     try:
-        return float(r.headers["x-kvc-predicted-ttft-ms"]) / 1e3
+        return float(r.headers[name]) / 1e3
     except (KeyError, ValueError):
         return None
 

@@ -46,6 +46,7 @@ class RequestRecord:
     retries: int = 0  # 429s answered by waiting Retry-After and sending again
     failovers: int = 0  # connections refused, the request sent to the next URL instead
     predicted_ttft_s: float | None = None  # the kvcentric router's prediction (its header)
+    router_s: float | None = None  # what the kvcentric router took before dispatching it
 
     @property
     def rejected(self) -> bool:
