@@ -296,6 +296,11 @@ def test_http_streams_counts_hits_and_reports_as_vllm(emulator: EmulatedFleet) -
     assert 'num_gpu_blocks="32"' in page and "vllm:num_requests_running" in page
     recs = httpx.get(url + "/emulator/requests").json()
     assert recs[-1]["request_id"] == "req-1" and recs[-1]["local_hit"] == 256
+    since = time.monotonic()
+    time.sleep(0.1)  # the loop's watcher wakes every 10 ms
+    lag = emulator.stats(since=since)[0]
+    assert 0 <= lag["loop_lag_p99_s"] <= lag["loop_lag_max_s"] < 5
+    assert emulator.stats(since=time.monotonic() + 60)[0]["loop_lag_max_s"] is None
     r = httpx.post(url + "/v1/chat/completions", json={
         "model": "bench", "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 2}, timeout=30).json()

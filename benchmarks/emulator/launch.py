@@ -114,9 +114,10 @@ class EmulatedFleet:
         with httpx.Client(timeout=30) as c:
             return [c.get(u + path).json() for u in self.urls]
 
-    def stats(self) -> list[dict[str, Any]]:
-        """Every engine's ``/emulator/stats``."""
-        return self._get("/emulator/stats")
+    def stats(self, since: float = 0.0) -> list[dict[str, Any]]:
+        """Every engine's ``/emulator/stats`` (the event loop's lateness since ``since``,
+        a :func:`time.monotonic` time)."""
+        return self._get(f"/emulator/stats?since={since}")
 
     def records(self) -> list[dict[str, Any]]:
         """Every finished request of every engine (``/emulator/requests``)."""

@@ -149,6 +149,18 @@ class Fleet:
         self.by_port: dict[int, EmulatedEngine] = {}
         self.words, self.texts = _output_words(tokenizer)
         self.word_ids, self.bos = _word_index(tokenizer)
+        self.loop_lag: list[tuple[float, float]] = []  # (when, how late a 10 ms sleep woke)
+
+    async def watch_loop(self) -> None:
+        """Record the event loop's lateness (a late loop delays every engine and the
+        arrival of every request)."""
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            if len(self.loop_lag) >= 100_000:
+                del self.loop_lag[:50_000]
+            now = time.monotonic()
+            self.loop_lag.append((now, max(0.0, now - t - 0.01)))
 
     def fast_ids(self, body: dict[str, Any]) -> np.ndarray | None:
         """A completions prompt's ids by word lookup, or None (use the tokenizer)."""
@@ -232,7 +244,12 @@ def build_app(fleet: Fleet) -> Starlette:
         return Response(status_code=200 if ok else 400)
 
     async def stats(request: HttpRequest) -> Response:
-        return JSONResponse(engine(request).stats())
+        """``?since=T`` (``time.monotonic()``, system-wide): the loop's lateness since T."""
+        since = float(request.query_params.get("since", "0") or 0)
+        lag = sorted(x for t, x in fleet.loop_lag if t >= since)
+        return JSONResponse({**engine(request).stats(),
+                             "loop_lag_p99_s": lag[int(0.99 * len(lag))] if lag else None,
+                             "loop_lag_max_s": lag[-1] if lag else None})
 
     async def records(request: HttpRequest) -> Response:
         return JSONResponse(engine(request).records())
@@ -385,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         socks.append(s)
     app = build_app(fleet)
     ctx = zmq.asyncio.Context()
+    tasks: set[asyncio.Task[None]] = set()
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -400,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.by_port[port] = eng
                 eng.start()
                 specs.append(spec)
+            watcher = asyncio.get_running_loop().create_task(fleet.watch_loop())
+            tasks.add(watcher)
             await super().startup(sockets)
             if args.fleet_file is not None:
                 tmp = args.fleet_file.with_suffix(".tmp")
