@@ -1,0 +1,372 @@
+"""Do several router replicas route as well as one, and does a restarted one recover?
+
+    python -m benchmarks.serving.fleet_replicas replicas [--instances 16] [--reps 3]
+        [--store] [--quick]
+    python -m benchmarks.serving.fleet_replicas soak [--instances 64] [--minutes 30]
+
+``replicas``: 1, 2, 4 and 8 of our routers (``kvcentric-router``, each its own process,
+every one subscribed to every engine's KV events with replay) behind a round-robin client
+(a refused connection goes to the next router, as a load balancer fails over), in front
+of one emulated fleet (:mod:`benchmarks.emulator`); next to them the SGLang Model Gateway
+(``smg`` cache-aware) as 1 and 8 gateways, which learn residency only from the requests
+each routes. Engines keep only their own prefix caches (``--store`` adds the shared
+store): the hit rate is then routing's alone. Workload: the hot-prefix one (Zipf-popular
+long prefixes, each request its own question). Reported per arm (medians of ``--reps``):
+hit rate, TTFT mean/p90/p99, goodput; ``replicas_hit_rate_ratio_min`` (the lowest hit
+rate of 2/4/8 replicas over one router's) and ``replicas_ttft_ratio_max``.
+
+Then the restart: with 4 replicas, one is killed (SIGKILL) at 40% of the run and started
+again 1 s later on the same port. From its start, probes (a hot prefix and a new
+question, ``max_tokens`` 1) are sent to it every 50 ms until its answer says it routed
+by prefix (``x-kvc-hit-tokens`` covering the prefix): ``restart_prefix_routing_s``. The
+client's failed requests are split into those in flight to the killed replica at the
+kill and the rest (which must be 0).
+
+``soak``: ``--instances`` engines with small caches (constant eviction), 2 replicas,
+``--minutes`` of new prefixes; every 15 s each router's RSS (its process group, from
+/proc) and its bookkeeping (``/instances``: resident blocks, event translator pages).
+Reported: RSS slope per router (MiB per 10 minutes, after the first fifth) and the
+largest page map against its bound (twice the engine's pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.emulator.launch import EmulatorSpec
+from benchmarks.lib import results_writer as rw
+from benchmarks.lib.paths import LOGS, RESULTS
+from benchmarks.lib.procfs import group_pids, usage
+from benchmarks.serving.compare import OUR_ROUTER
+from benchmarks.serving.fleet import Arm
+from benchmarks.serving.fleet_report import aggregate, figure, table
+from benchmarks.serving.fleet_runs import FleetRun, FleetSetup, split_cpus, summary_row
+from benchmarks.serving.gateways import Gateway, gateway_for
+from benchmarks.serving.tokens import TokenSource
+from benchmarks.serving.workloads import Workload, WorkloadSpec, build
+from kvcentric.testing.models import build_model
+
+SMG = Arm("smg-cache_aware", gateway="smg:cache_aware")
+
+
+def replicas_of(fr: FleetRun, arm: Arm, k: int) -> list[Gateway]:
+    """``k`` independent routers of ``arm``'s kind over the fleet."""
+    if arm.gateway == "kvcentric":
+        gws = [fr.gateway(arm, tag=f"-{i}") for i in range(k)]
+    else:
+        gws = [gateway_for(arm.gateway, fr.fleet.urls, fr.logs,
+                           tokenizer=fr.setup.emulator.tokenizer) for _ in range(k)]
+        for i, g in enumerate(gws):
+            if g is not None:
+                g.log_path = g.log_path.with_name(f"{g.log_path.stem}-{i}.log")
+    out = [g for g in gws if g is not None]
+    for g in out:
+        g.cpus = fr.setup.router_cpus
+    return out
+
+
+def kill_and_restart(victim: int, at_s: float, down_s: float, probes: list[str],
+                     prefix_tokens: int, model: str) -> Any:
+    """A ``during`` hook: SIGKILL router ``victim`` at ``at_s`` after the start, start
+    it again ``down_s`` later, probe it until it routes by prefix."""
+    def run(gws: list[Gateway], done: threading.Event) -> dict[str, Any]:
+        g = gws[victim]
+        time.sleep(at_s)
+        assert g.proc is not None
+        t_kill = time.perf_counter()
+        os.killpg(os.getpgid(g.proc.pid), signal.SIGKILL)
+        g.proc.wait()
+        time.sleep(down_s)
+        t_start = time.perf_counter()
+        g.start()
+        g.wait_ready(60)
+        t_ready = time.perf_counter()
+        t_prefix = None
+        hits: list[int] = []
+        with httpx.Client(timeout=60) as c:
+            i = 0
+            while time.perf_counter() - t_start < 60:
+                body = {"model": model, "prompt": probes[i % len(probes)], "max_tokens": 1}
+                i += 1
+                try:
+                    r = c.post(g.url + "/v1/completions", json=body)
+                    hit = int(r.headers.get("x-kvc-hit-tokens", "0"))
+                except (httpx.HTTPError, ValueError):
+                    hit = -1
+                hits.append(hit)
+                if hit >= prefix_tokens:
+                    t_prefix = time.perf_counter()
+                    break
+                time.sleep(0.05)
+        return {"victim": victim, "url": g.url, "t_kill": t_kill, "t_start": t_start,
+                "t_ready": t_ready, "t_prefix": t_prefix, "probes": len(hits),
+                "probe_hits": hits[:50],
+                "ready_s": t_ready - t_start,
+                "prefix_routing_s": t_prefix - t_start if t_prefix else None}
+    return run
+
+
+def restart_account(res: dict[str, Any]) -> dict[str, Any]:
+    """The restart's numbers from a run: recovery times and failed requests, split into
+    those in flight to the killed router at the kill and the rest."""
+    d = res["during"]
+    t_kill = d["t_kill"] - res["t_origin"]
+    failed = [r for r in res["requests"] if not r["success"]]
+    inflight = [r for r in res["requests"] if r["url"] == d["url"]
+                and r["start_s"] <= t_kill <= r["start_s"] + max(r["latency_s"], 0.0)
+                or (not r["success"] and r["url"] == d["url"] and r["start_s"] <= t_kill)]
+    in_flight_failed = [r for r in failed if r in inflight]
+    return {"prefix_routing_s": d["prefix_routing_s"], "ready_s": d["ready_s"],
+            "probes": d["probes"], "in_flight_at_kill": len(inflight),
+            "failed_in_flight": len(in_flight_failed),
+            "failed_other": len(failed) - len(in_flight_failed),
+            "failovers": sum(r.get("failovers", 0) for r in res["requests"]),
+            "failure_reasons": sorted({r["error"][:120] for r in failed})}
+
+
+def hot_workload(args: argparse.Namespace, n: int, seed: int, d: float) -> WorkloadSpec:
+    return WorkloadSpec(workload="shared-prefix", seed=seed, num_groups=args.groups or n,
+                        prompts_per_group=max(2, round(args.requests_per_instance)),
+                        shared_system_prompt_len=args.prefix_len, turn_input_len=256,
+                        output_len=16, request_rate=args.rate_per_instance * n / d,
+                        group_skew=args.skew)
+
+
+def replicas(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.instances
+    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    d = args.dilation or max(1.0, n / 16)
+    name = f"fleet_replicas_{n}{'_store' if args.store else ''}{'_quick' if args.quick else ''}"
+    logs = LOGS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    emu_cpus, rest = split_cpus()
+    if rest:
+        os.sched_setaffinity(0, rest)
+    setup = FleetSetup(EmulatorSpec(n, model, pages=args.pages, max_model_len=8192,
+                                    cpus=emu_cpus, dilation=d),
+                       args.slo_ttft_ms, args.slo_tpot_ms, use_store=args.store,
+                       router_cpus=rest)
+    counts = [1, 2, 4] if args.quick else [1, 2, 4, 8]
+    arms = [(f"kvcentric-router x{k}", OUR_ROUTER, k) for k in counts]
+    arms += [(f"smg-cache_aware x{k}", SMG, k) for k in (1, counts[-1])]
+    src = TokenSource(model)
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms}
+    restarts = []
+    t0 = time.monotonic()
+    with FleetRun(setup, logs) as fr:
+        for rep in range(args.reps):
+            spec = hot_workload(args, n, args.seed + rep, d)
+            w = build(spec, src)
+            order = arms[rep % len(arms):] + arms[:rep % len(arms)]
+            for label, arm, k in order:
+                def make(a: Arm, k: int = k, arm: Arm = arm) -> list[Gateway]:
+                    return replicas_of(fr, arm, k)
+
+                res = fr.run_arm(replace(arm, name=label.replace(" ", "")), w, src, rep,
+                                 gateways=make)
+                runs[label].append(summary_row(res))
+                s = res["summary"]
+                print(f"  {label}: hit rate {s['hit_rate'] or 0:.3f}, TTFT mean "
+                      f"{s['ttft_mean_ms'] / d:.0f} ms, failed {s['failed']}", flush=True)
+            # the restart, once per repetition, 4 replicas
+            res = restart_run(fr, w, src, rep, spec, d)
+            restarts.append(restart_account(res) | {"summary": summary_row(res)})
+            print(f"  restart: {restarts[-1]}", flush=True)
+    arms_out = aggregate(runs)
+    by = {a["label"]: a["summary"] for a in arms_out}
+    one = by["kvcentric-router x1"]
+    ratios = {k: by[f"kvcentric-router x{k}"]["hit_rate"] / one["hit_rate"]
+              for k in counts[1:]}
+    ttft = {k: by[f"kvcentric-router x{k}"]["ttft_mean_ms"] / one["ttft_mean_ms"]
+            for k in counts[1:]}
+    smg_ratio = (by[f"smg-cache_aware x{counts[-1]}"]["hit_rate"]
+                 / by["smg-cache_aware x1"]["hit_rate"])
+    rs = [r["prefix_routing_s"] for r in restarts if r["prefix_routing_s"] is not None]
+    summary = {"instances": n, "dilation": d, "reps": args.reps, "store": args.store,
+               "replicas_hit_rate_ratio_min": min(ratios.values()),
+               "replicas_hit_rate_ratio": ratios,
+               "replicas_ttft_ratio_max": max(ttft.values()), "replicas_ttft_ratio": ttft,
+               "smg_hit_rate_ratio_8_over_1": smg_ratio,
+               "restart_prefix_routing_s_max": max(rs) if rs else None,
+               "restart_prefix_routing_s": rs,
+               "restart_failed_other_max": max(r["failed_other"] for r in restarts),
+               "restart_failed_in_flight": [r["failed_in_flight"] for r in restarts],
+               "wall_s": time.monotonic() - t0}
+    doc: dict[str, Any] = {
+           "title": f"Router replicas over {n} emulated engines (hot prefixes)",
+           "summary": summary, "arms": arms_out, "restarts": restarts,
+           "workload": hot_workload(args, n, args.seed, d).__dict__,
+           "notes": ["Replicas: independent router processes, every one fed by every "
+                     "engine's KV events (vLLM's wire format, with replay); the client "
+                     "round-robins over them and fails a refused connection over to the "
+                     "next, as a load balancer does.",
+                     f"Engines: benchmarks.emulator, profile vllm_cpu_bench, dilation {d}, "
+                     + ("one shared store." if args.store else
+                        "no store: hits come only from routing to the engine that holds "
+                        "the prefix.")]}
+    rw.write(RESULTS / f"{name}.json", doc, table(doc),
+             [rw.Figure("ttft", doc["title"], lambda p: figure(doc, p))],
+             command=rw.command_line(__file__, args.argv))
+    return doc
+
+
+def restart_run(fr: FleetRun, w: Workload, src: TokenSource, rep: int, spec: WorkloadSpec,
+                d: float) -> dict[str, Any]:
+    """4 replicas; replica 1 killed at 40% of the run, back 1 s later, probed."""
+    first = [s for s in w.sessions if s.system]
+    hot = max({s.system for s in first}, key=lambda sys_: sum(s.system == sys_ for s in first))
+    probes = [src.text(hot) + src.text(src.random_ids(random.Random(i), 64)) for i in range(8)]
+    duration = w.sessions[-1].start_s
+    arm = replace(OUR_ROUTER, name="kvcentric-router-restart")
+    block = 128
+    return fr.run_arm(arm, w, src, rep, gateways=lambda a: replicas_of(fr, OUR_ROUTER, 4),
+                      during=kill_and_restart(1, 0.4 * duration, 1.0, probes,
+                                              (len(hot) // block - 1) * block,
+                                              fr.setup.emulator.model))
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.instances
+    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    d = args.dilation or max(1.0, n / 16)
+    logs = LOGS / f"fleet_soak_{n}-{time.strftime('%Y%m%d-%H%M%S')}"
+    emu_cpus, rest = split_cpus()
+    if rest:
+        os.sched_setaffinity(0, rest)
+    setup = FleetSetup(EmulatorSpec(n, model, pages=args.pages, max_model_len=8192,
+                                    cpus=emu_cpus, dilation=d),
+                       args.slo_ttft_ms, args.slo_tpot_ms, use_store=args.store,
+                       router_cpus=rest)
+    rate = args.rate_per_instance * n  # emulated requests/s
+    total = int(rate * args.minutes * 60 / d)
+    spec = WorkloadSpec(workload="shared-prefix", seed=args.seed, num_groups=max(1, total // 4),
+                        prompts_per_group=4, shared_system_prompt_len=1024,
+                        turn_input_len=128, output_len=8, request_rate=rate / d)
+    src = TokenSource(model)
+    w = build(spec, src)
+    samples: list[dict[str, Any]] = []
+
+    def sampler(gws: list[Gateway], done: threading.Event) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        while not done.is_set():
+            row: dict[str, Any] = {"t_s": time.perf_counter() - t0, "routers": []}
+            for g in gws:
+                assert g.proc is not None
+                rss, fds = usage(group_pids(os.getpgid(g.proc.pid)))
+                try:
+                    inst = httpx.get(g.url + "/instances", timeout=30).json()["instances"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    inst = []
+                row["routers"].append({
+                    "rss_mib": rss, "fds": fds,
+                    "resident_blocks": sum(i.get("resident_blocks", 0) for i in inst),
+                    "kv_event_pages": sum(i.get("kv_event_pages", 0) for i in inst),
+                    "kv_event_pages_max": max((i.get("kv_event_pages", 0) for i in inst),
+                                              default=0)})
+            samples.append(row)
+            done.wait(args.sample_s)
+        return {}
+
+    t0 = time.monotonic()
+    with FleetRun(setup, logs) as fr:
+        arm = replace(OUR_ROUTER, name="kvcentric-router-soak")
+        res = fr.run_arm(arm, w, src, 0, during=sampler,
+                         gateways=lambda a: replicas_of(fr, OUR_ROUTER, args.replicas))
+    since = 0.2 * samples[-1]["t_s"] if samples else 0.0
+    slopes = []
+    for k in range(args.replicas):
+        pts = [(s["t_s"], s["routers"][k]["rss_mib"]) for s in samples if s["t_s"] >= since]
+        slopes.append(_slope(pts) * 600 if len(pts) >= 3 else None)
+    pages_max = max((r["kv_event_pages_max"] for s in samples for r in s["routers"]), default=0)
+    summary = {"instances": n, "dilation": d, "minutes": args.minutes, "requests": len(w.sessions),
+               "replicas": args.replicas, "rss_slope_mib_per_10min": slopes,
+               "rss_first_mib": [r["rss_mib"] for r in samples[0]["routers"]] if samples else None,
+               "rss_last_mib": [r["rss_mib"] for r in samples[-1]["routers"]] if samples else None,
+               "kv_event_pages_max": pages_max, "kv_event_pages_bound": 2 * args.pages,
+               "completed": res.get("summary", {}).get("completed"),
+               "failed": res.get("summary", {}).get("failed"),
+               "wall_s": time.monotonic() - t0}
+    doc: dict[str, Any] = {
+           "title": f"Router memory over a {args.minutes}-minute run at {n} engines",
+           "summary": summary, "samples": samples, "workload": spec.__dict__}
+    text = "\n".join(f"{k}: {v}" for k, v in summary.items())
+    rw.write(RESULTS / f"fleet_soak_{n}.json", doc, text,
+             [rw.Figure("rss", doc["title"], lambda p: rss_figure(samples, p))],
+             command=rw.command_line(__file__, args.argv))
+    return doc
+
+
+def _slope(pts: list[tuple[float, float]]) -> float:
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / var if var else 0.0
+
+
+def rss_figure(samples: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k in range(len(samples[0]["routers"]) if samples else 0):
+        ax.plot([s["t_s"] / 60 for s in samples], [s["routers"][k]["rss_mib"] for s in samples],
+                label=f"router {k} RSS")
+    ax.set(xlabel="minutes", ylabel="MiB")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=("replicas", "soak"))
+    ap.add_argument("--instances", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--store", action="store_true", help="engines share a store")
+    ap.add_argument("--pages", type=int, default=None)
+    ap.add_argument("--dilation", type=float, default=None)
+    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    ap.add_argument("--rate-per-instance", type=float, default=0.3)
+    ap.add_argument("--requests-per-instance", type=float, default=24.0)
+    ap.add_argument("--groups", type=int, default=None)
+    ap.add_argument("--skew", type=float, default=0.8)
+    ap.add_argument("--prefix-len", type=int, default=3072)
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--sample-s", type=float, default=15.0)
+    args = ap.parse_args(argv)
+    args.argv = argv
+    if args.command == "replicas":
+        args.instances = args.instances or 16
+        args.pages = args.pages or 96
+        if args.quick:
+            args.reps = 1
+            args.requests_per_instance = min(args.requests_per_instance, 8)
+        replicas(args)
+    else:
+        args.instances = args.instances or 64
+        args.pages = args.pages or 48
+        soak(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
