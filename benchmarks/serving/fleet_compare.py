@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     arms = arms_for(args)
     setup = FleetSetup(emu, args.slo_ttft_ms, args.slo_tpot_ms,
                        endpoint=workload_spec(args, n, args.seed)[1],
-                       use_store=not args.no_store, router_cpus=rest)
+                       use_store=not args.no_store, router_cpus=rest,
+                       router_extra={"log_level": "debug"} if args.router_debug else {})
     src = TokenSource(model)
     runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
     details: dict[str, Any] = {}
@@ -226,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.1)
     ap.add_argument("--no-store", action="store_true",
                     help="engines keep only their own prefix caches (no connector, no store)")
+    ap.add_argument("--router-debug", action="store_true",
+                    help="our routers log every decision's candidates (in the run's logs)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if args.quick:  # fewer requests a run (minutes, not an hour); still --reps runs
