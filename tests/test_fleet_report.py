@@ -59,3 +59,16 @@ def test_per_request_joins_client_and_engine_records_on_the_request_id() -> None
     assert cols["instance"] == [1] and cols["engine_ttft_ms"] == [400.0]
     assert cols["queue_ms"] == [100.0] and cols["ttft_ms"] == [500.0]
     assert out["served_per_instance"] == [0, 1]  # the unmatched request is left out
+
+
+def test_a_warmed_hot_prefix_workload_serves_each_prefix_once_first() -> None:
+    from benchmarks.serving.fleet_compare import warmed
+    from benchmarks.serving.workloads import Session, Turn, Workload
+
+    a, b = (1, 2, 3), (4, 5, 6)
+    w = Workload("shared-prefix", [Session(f"s{i}", float(i), (Turn((9, 8, i), 16),), sy)
+                                   for i, sy in enumerate((a, b, a, a, b))])
+    out = warmed(w)
+    assert out.sessions == w.sessions and out.info["warmup_prefixes"] == 2
+    assert [(s.system, s.turns[0].user, s.turns[0].output_len) for s in out.warmup] == [
+        (a, (9,), 1), (b, (9,), 1)]

@@ -16,11 +16,12 @@ workload ``--reps`` times (3 by default; arms' order rotated each repetition, se
 repetition's numbers and their median and range.
 
 Workloads (request rates scale with the fleet): ``hotprefix``: a few long shared
-prefixes, Zipf-popular, each request a prefix and its own question; ``multiturn``: users
-with a shared system prompt and a private context, turns after think time (chat);
+prefixes, Zipf-popular, each request a prefix and its own question (each prefix served
+once through the arm before the timed run, untimed, unless ``--cold``); ``multiturn``:
+users with a shared system prompt and a private context, turns after think time (chat);
 ``trace``: Mooncake's conversation trace, whole conversations sampled, tokens and time
-scaled; ``pd``: the hot-prefix workload on half prefill, half decode instances
-(our router's P/D arms next to the same arms on ``both`` instances).
+scaled; ``pd``: the hot-prefix workload on half prefill, half decode instances (our
+router's P/D arms next to the same arms on ``both`` instances).
 
 Writes ``benchmarks/results/fleet_<workload>_<N>[_quick].json`` (``arms``: label,
 median ``summary``, every repetition) and a PNG of TTFT mean/p90/p99 and goodput.
@@ -51,7 +52,7 @@ from benchmarks.serving.fleet_runs import (
     workload_dict,
 )
 from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import WorkloadSpec, build
+from benchmarks.serving.workloads import Session, Turn, Workload, WorkloadSpec, build
 from kvcentric.testing.models import build_model
 
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -83,6 +84,18 @@ def workload_spec(args: argparse.Namespace, n: int, seed: int) -> tuple[Workload
         workload="trace", seed=seed, trace=args.trace, max_requests=args.max_requests,
         sample_sessions=min(1.0, args.sample_per_instance * n), scale_tokens=1 / 8,
         time_scale=args.time_scale / scale, max_input_len=6000), "completions"
+
+
+def warmed(w: Workload) -> Workload:
+    """``w`` with each shared prefix served once first (through the arm, untimed; one
+    token of answer, the question a token of its own): a hot prefix is hot because it was
+    asked before, so the timed run measures steady state, not every arm's identical cold
+    prefills (the first seconds' requests find nothing anywhere)."""
+    systems = dict.fromkeys(s.system for s in w.sessions)
+    warm = [Session(f"warm{i}", 0.0, (Turn(s.turns[0].user[:1], 1),), system)
+            for i, (system, s) in enumerate(
+                (sy, next(x for x in w.sessions if x.system == sy)) for sy in systems)]
+    return replace(w, warmup=[*w.warmup, *warm], info={**w.info, "warmup_prefixes": len(warm)})
 
 
 def arms_for(args: argparse.Namespace) -> list[Arm]:
@@ -130,6 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(args.reps):
             spec, _ = workload_spec(args, n, args.seed + rep)
             workload = build(spec, src)
+            if args.workload in ("hotprefix", "pd") and not args.cold:
+                workload = warmed(workload)
             workloads.append(workload_dict(workload, spec))
             print(f"rep {rep}: {workload.num_requests} requests; logs in {logs}", flush=True)
             order = arms[rep % len(arms):] + arms[:rep % len(arms)]
@@ -227,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.1)
     ap.add_argument("--no-store", action="store_true",
                     help="engines keep only their own prefix caches (no connector, no store)")
+    ap.add_argument("--cold", action="store_true",
+                    help="hot-prefix: no warm-up (the timed run starts with every prefix "
+                         "uncached)")
     ap.add_argument("--router-debug", action="store_true",
                     help="our routers log every decision's candidates (in the run's logs)")
     ap.add_argument("--tag", default="")
