@@ -1,5 +1,7 @@
-"""A fleet result's arms: medians over repetitions with their range, the table, the figure,
-and the per-request account of where our router sent each request and what it found.
+"""A fleet result's arms: medians and ranges, table, figure, per-request account.
+
+Medians over repetitions with their range, the table, the figure, and the per-request
+account of where our router sent each request and what it found.
 
 Parity rule (as everywhere in the benchmarks): an arm whose range of repetitions overlaps
 the best arm's range is reported as at parity with it, not behind.

@@ -1,6 +1,8 @@
-"""Arms over one emulated fleet: start it with a store, fit our router's profile on it,
-run every arm (a router in front, or the client round-robin) with caches emptied before
-each, repeat with the arms' order rotated, and keep what each run measured.
+"""Arms over one emulated fleet, each run from empty caches, with what each run measured.
+
+Start the fleet with a store, fit our router's profile on it, run every arm (a router in
+front, or the client round-robin) with caches emptied before each, repeat with the arms'
+order rotated, and keep what each run measured.
 
 On a small machine the emulated engines and everything in front of them share the CPUs:
 :func:`split_cpus` gives the emulator a CPU of its own and the routers, the client and
