@@ -215,6 +215,11 @@ class KeySpace:
         block key (32 hex chars)."""
         return f"{self.prefix}t{tail.count}-{tail.digest.hex()}"
 
+    def state_key(self, block_hash: bytes) -> str:
+        """The key of the recurrent state at the end of block ``block_hash`` (hybrid
+        models): ``{prefix}s-{hex}``, never equal to a block or a tail key."""
+        return f"{self.prefix}s-{block_hash.hex()}"
+
     def key_of(self, item: bytes | TailRef) -> str:
         """The key of a block hash or of a tail."""
         return self.tail_key(item) if isinstance(item, TailRef) else self.key(item)

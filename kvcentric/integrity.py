@@ -5,7 +5,7 @@ A stored object is ``[header region][payload]``. The header region is
 :data:`HEADER.size` bytes say, little-endian::
 
     magic "KVCH" | version u16 | header region bytes u16 | tp_rank u16 | tp_size u16 |
-    kind u8 (0 block, 1 tail) | 3 pad | block index u32 | token count u32 |
+    kind u8 (0 block, 1 tail, 2 state) | 3 pad | block index u32 | token count u32 |
     payload bytes u64 | key-space digest 8 B | chain digest 16 B | 8 reserved (zero)
 
 The writer fills it from the :class:`ObjectRef` it saves (the block's chain hash, its
@@ -43,18 +43,27 @@ class ObjectRef:
     ``digest``: the chain hash of a full block (:func:`kvcentric.hashing.block_hashes`) or
     a tail's :func:`~kvcentric.hashing.tail_hash`; ``index``: the stored block's position
     in the prompt (a tail: the index of the partial block); ``count``: tokens it holds
-    (``block_size``, or the tail's count); ``tail``: a partial last block.
+    (``block_size``, or the tail's count); ``tail``: a partial last block; ``state``: the
+    recurrent state (hybrid models) after block ``index``, whose chain hash ``digest`` is.
     """
 
     digest: bytes
     index: int
     count: int
     tail: bool = False
+    state: bool = False
+
+    @property
+    def kind(self) -> int:
+        """The header's kind byte: 0 block, 1 tail, 2 state."""
+        return 2 if self.state else int(self.tail)
 
     def key(self, keyspace: KeySpace) -> str:
         """Its store key in ``keyspace`` (each TP rank has its own)."""
         if self.tail:
             return keyspace.tail_key(TailRef(self.digest, self.count))
+        if self.state:
+            return keyspace.state_key(self.digest)
         return keyspace.key(self.digest)
 
 
@@ -77,7 +86,7 @@ class ObjectHeaders:
         """The exact header bytes an object written for ``ref`` starts with."""
         ks = self.keyspace
         return HEADER.pack(MAGIC, VERSION, HEADER_BYTES, ks.tp_rank, ks.tp_size,
-                           int(ref.tail), ref.index, ref.count, self.payload_bytes,
+                           ref.kind, ref.index, ref.count, self.payload_bytes,
                            self._space, ref.digest)
 
     def write(self, ptr: int, ref: ObjectRef) -> None:
@@ -100,5 +109,5 @@ def describe(raw: bytes) -> str:
     magic, ver, _, rank, size, kind, index, count, payload, _, digest = HEADER.unpack(raw)
     if magic != MAGIC:
         return f"no kvcentric header (starts {raw[:8].hex()})"
-    return (f"v{ver} rank {rank}of{size} {'tail' if kind else 'block'} {index} "
+    return (f"v{ver} rank {rank}of{size} {('block', 'tail', 'state')[min(kind, 2)]} {index} "
             f"({count} tokens, {payload} B) chain {digest.hex()[:16]}")

@@ -5,6 +5,8 @@ rank. Its bytes depend on the number of layers, the block size, the number of KV
 the head size, the dtype, how the engine lays a block out in memory, and whether K and V
 are split (MHA) or fused into one latent (MLA). All of that goes into :meth:`signature`,
 which is part of every key, so two engines share KV only when the bytes mean the same.
+A hybrid model's KV cache groups (which layers are full attention, sliding window of
+which size, or recurrent state) are part of it too (``groups``).
 So does the model's ``revision`` (:mod:`kvcentric.model_revision`): new weights served
 under an old name never load the old weights' KV.
 """
@@ -38,6 +40,7 @@ class KVLayout:
     layout: str
     mla: bool = False
     revision: str = ""  # the model's revision digest ("" = not known)
+    groups: str = ""  # a hybrid model's KV cache groups (connector/vllm/groups.py), "" = one
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -63,10 +66,12 @@ class KVLayout:
 
     def signature(self) -> str:
         """16 hex chars of xxh3_64 over the canonical JSON of every field (an unknown
-        revision is left out, so such signatures stay what they were before revisions)."""
+        revision and the groups of a single-group model are left out, so such signatures
+        stay what they were before revisions and groups)."""
         fields = asdict(self)
-        if not self.revision:
-            del fields["revision"]
+        for name in ("revision", "groups"):
+            if not fields[name]:
+                del fields[name]
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_64_hexdigest(canon.encode())
 

@@ -13,6 +13,10 @@ so ``kv_connector_module_path`` may be left out). Roles: ``kv_producer`` only sa
 The scheduler-side logic lives in :mod:`kvcentric.connector.vllm.scheduler`, the worker
 side in :mod:`kvcentric.connector.vllm.worker`; this class only routes vLLM's calls.
 
+Hybrid models: the connector implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid
+KV cache manager on (sliding-window and recurrent-state groups of their own); what each
+group stores and loads is in :mod:`kvcentric.connector.vllm.groups`.
+
 CUDA graphs: vLLM's default ``FULL_AND_PIECEWISE`` stays on. A step that replays a full
 graph runs none of the layer hooks, so the worker then loads before and saves after the
 forward (:func:`layer_hooks_run`); ``full_cudagraphs: false`` asks vLLM for PIECEWISE
@@ -31,6 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvcentric.compat import API_CHECKED_VLLM, MIN_VLLM, TESTED_VLLM, check_engine, missing_attrs
@@ -77,6 +83,15 @@ def _call(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+def _describe_groups(layout: Any) -> str:
+    groups = layout.groups
+    if groups is None:
+        return ""
+    kinds = ", ".join(f"{g.kind}{'/' + str(g.window) if g.window else ''}: {len(g.layers)}"
+                      for g in (*groups.attention, *groups.states))
+    return f", KV cache groups ({kinds}), {'async' if layout.async_loads else 'sync'} loads"
+
+
 def layer_hooks_run(forward_context: Any) -> bool:
     """True only when this step's attention layers will call ``wait_for_layer_load`` and
     ``save_kv_layer``: ``start_load_kv`` runs inside the forward's own context (attention
@@ -88,7 +103,7 @@ def layer_hooks_run(forward_context: Any) -> bool:
     return bool(forward_context.cudagraph_runtime_mode != CUDAGraphMode.FULL)
 
 
-class KVCentricConnector(KVConnectorBase_V1):
+class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
     """Layer-wise streaming save and load of prefix KV through a kvcentric store."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
@@ -121,15 +136,27 @@ class KVCentricConnector(KVConnectorBase_V1):
                                                  loads=tcfg.is_kv_consumer,
                                                  saves=tcfg.is_kv_producer)
         else:
-            names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+            groups = self.layout.groups
+            names = list(groups.layers if groups is not None
+                         else kv_cache_config.kv_cache_groups[0].layer_names)
             # a P/D prefill's blocks are soft-pinned until the decode reads them
             pin_s = self.settings.handoff_pin_s if tcfg.kv_role == "kv_producer" else 0.0
             self._worker = KVCentricWorker(self.settings, self.layout, store, names, pin_s)
         log.info("kvcentric %s: role %s, store %s/%s, stored block %d tokens (%d pages), "
-                 "object %d B, keys %s", role.name.lower(), tcfg.kv_role,
+                 "object %d B, keys %s%s", role.name.lower(), tcfg.kv_role,
                  self.settings.store.backend, self.settings.store.name,
                  self.layout.stored_block_size, self.layout.pages_per_object,
-                 self.layout.geometry.object_bytes, self.layout.keyspace.prefix)
+                 self.layout.geometry.object_bytes, self.layout.keyspace.prefix,
+                 _describe_groups(self.layout))
+        if self.layout.async_loads and "get_transfer_results" not in vars(KVConnectorBase_V1):
+            # without it a failed load of a multi-group model could not be reported
+            raise ValueError("kvcentric serves hybrid models (several KV cache groups) on "
+                             "vLLM versions with KVConnectorBase_V1.get_transfer_results")
+        if not self.layout.servable:
+            assert self.layout.groups is not None
+            log.warning("kvcentric cannot serve this model's KV cache (%s): it answers no "
+                        "hits and saves nothing; vLLM computes every token",
+                        self.layout.groups.unservable)
 
     @property
     def sched(self) -> KVCentricScheduler:
@@ -166,10 +193,18 @@ class KVCentricConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Any) -> None:
         self.sched.register_request(request)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.sched.loads_failed(getattr(connector_output, "failed_recving", None))
+
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.sched.request_finished(request)
         return False, None  # saves finish within the step: blocks can be freed now
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the same as :meth:`request_finished`, for every group."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -197,6 +232,16 @@ class KVCentricConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, _ = self.worker.take_transfer_results()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Hybrid models' asynchronous loads, finished in this step (failed ones too: vLLM
+        recomputes them; block ids cannot name a request with several KV cache groups)."""
+        done, failed = self.worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     # vLLM >= 0.33 sleep mode (``supports_sleep_mode`` keeps its default, True): vLLM
     # drains transfers, calls this, remaps the KV cache memory, then ``restore_kv_caches``

@@ -31,6 +31,10 @@ FIELDS = {
                         "(neither loaded nor saved)",
     "graph_steps": "Steps whose forward replayed a full CUDA graph (no layer hooks: loads "
                    "finished before it, saves ran after it)",
+    "loaded_states": "Recurrent states (hybrid models) loaded into the engine",
+    "saved_states": "Recurrent states (hybrid models) written to the store",
+    "failed_requests": "Asynchronous loads (hybrid models) that failed: vLLM recomputed "
+                       "those requests",
 }
 
 

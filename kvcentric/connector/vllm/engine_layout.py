@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kvcentric.connector.vllm.groups import GroupPlan, group_plan
 from kvcentric.connector.vllm.mover import ObjectGeometry
 from kvcentric.hashing import KeySpace
 from kvcentric.integrity import ObjectHeaders
@@ -30,6 +31,11 @@ class EngineLayout:
     rank already stores: MLA's latent KV is the same on every TP rank, so its key space
     is ``{dcp_rank}of{dcp_size}`` (``0of1`` without decode context parallelism) and only
     the ranks of the first DCP group write; every rank reads the one copy.
+
+    ``groups``: the engine's KV cache groups (:mod:`kvcentric.connector.vllm.groups`;
+    None: one full-attention group, the layers given to the worker).
+    ``state_geometry``: the shape of a hybrid model's state objects (None: no recurrent
+    group, or one that cannot be served).
     """
 
     layout: KVLayout
@@ -37,6 +43,8 @@ class EngineLayout:
     keyspace: KeySpace
     page_size: int  # engine tokens per page
     writer: bool = True
+    groups: GroupPlan | None = None
+    state_geometry: ObjectGeometry | None = None
 
     @property
     def stored_block_size(self) -> int:
@@ -56,6 +64,29 @@ class EngineLayout:
     def headers(self) -> ObjectHeaders:
         """Header writer/checker for this rank's objects (:mod:`kvcentric.integrity`)."""
         return ObjectHeaders(self.keyspace, self.geometry.payload_bytes)
+
+    def state_headers(self) -> ObjectHeaders | None:
+        """Header writer/checker for this rank's state objects (None: none stored)."""
+        g = self.state_geometry
+        return None if g is None else ObjectHeaders(self.keyspace, g.payload_bytes)
+
+    @property
+    def async_loads(self) -> bool:
+        """Loads of this engine complete between steps (vLLM's asynchronous load): with
+        several KV cache groups vLLM takes a failed load only as a failed request, which
+        it then recomputes from scratch (block ids are not unique across groups)."""
+        return self.groups is not None and self.groups.hybrid
+
+    @property
+    def servable(self) -> bool:
+        """False when a KV cache group cannot be served: no hits, no saves."""
+        return self.groups is None or not self.groups.unservable
+
+    @property
+    def tails(self) -> bool:
+        """Tails (partial last blocks) are stored and loaded: not with a recurrent group,
+        whose state exists at block boundaries only."""
+        return self.groups is None or not self.groups.states
 
 
 def model_revision(vllm_config: object, configured: str | None) -> str:
@@ -91,32 +122,36 @@ def engine_layout(vllm_config: object, kv_cache_config: object, stored_block_siz
                   model_id: str, tp_rank: int = 0, revision: str = "") -> EngineLayout:
     """Layout, geometry and key space for ``vllm_config`` / ``kv_cache_config``.
 
-    Raises ``ValueError`` for models the connector cannot serve (several KV cache groups,
-    e.g. sliding-window hybrids) or a stored block size that is not a page multiple.
+    Raises ``ValueError`` for models the connector cannot serve (a KV cache group of a
+    kind it does not know, attention groups of different page sizes) or a stored block
+    size that is not a page multiple (:func:`kvcentric.connector.vllm.groups.group_plan`).
     """
-    groups = kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
-    if len(groups) != 1:
-        raise ValueError(f"kvcentric supports one KV cache group, this model has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    page = int(spec.block_size)
-    if stored_block_size % page:
-        raise ValueError(f"stored block size {stored_block_size} is not a multiple of the "
-                         f"engine page size {page}")
-    mla = type(spec).__name__.startswith("MLA")
+    plan = group_plan(kv_cache_config, stored_block_size)
+    specs = [kv_cache_config.kv_cache_groups[g.index].kv_cache_spec  # type: ignore[attr-defined]
+             for g in plan.attention]
+    spec, page = specs[0], plan.page_size
+    mla = all(type(s).__name__.endswith("MLAAttentionSpec") or
+              type(s).__name__ == "SlidingWindowMLASpec" for s in specs)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)  # type: ignore[attr-defined]
     device = str(vllm_config.device_config.device_type)  # type: ignore[attr-defined]
     kv_layout = str(kv_cache_config.kv_cache_layout or "default")  # type: ignore[attr-defined]
     name = f"{device}:{kv_layout}"
     if device == "cpu":
         name += ":" + _cpu_isa(spec.dtype, page, int(spec.head_size), cache_dtype)
-    layout = KVLayout(num_layers=len(groups[0].layer_names), block_size=stored_block_size,
+    layout = KVLayout(num_layers=len(plan.layers), block_size=stored_block_size,
                       num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
-                      dtype=dtype_name(spec.dtype), layout=name, mla=mla, revision=revision)
-    page_bytes = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
-    geometry = ObjectGeometry(layout.num_layers, stored_block_size // page, page_bytes)
+                      dtype=dtype_name(spec.dtype), layout=name, mla=mla, revision=revision,
+                      groups=plan.signature())
+    geometry = ObjectGeometry(layout.num_layers, stored_block_size // page,
+                              plan.attention[0].page_bytes)
+    state_geometry = None
+    if plan.states and not plan.unservable:
+        state_geometry = ObjectGeometry(len(plan.state_layers), 1, plan.states[0].page_bytes)
     rank, size, writer = key_rank(vllm_config.parallel_config, mla, tp_rank)  # type: ignore[attr-defined]
     keyspace = KeySpace(model_id, layout.signature(), rank, size)
-    return EngineLayout(layout, geometry, keyspace, page, writer)
+    return EngineLayout(layout, geometry, keyspace, page, writer,
+                        plan if plan.hybrid or plan.attention[0].kind != "full" else None,
+                        state_geometry)
 
 
 def key_rank(parallel: object, mla: bool, tp_rank: int) -> tuple[int, int, bool]:

@@ -166,20 +166,29 @@ class PagePlan:
     Args:
         geometry: object shape.
         ptrs: host address of each object (its header's first byte).
-        page_ids: per object, ``k`` engine block ids (``SKIP`` = leave that page alone).
+        page_ids: per object, ``k`` engine block ids (``SKIP`` = leave that page alone);
+            with ``layer_groups``, ``k`` per group, concatenated in group order.
         kernel: the layers' block dim and the implementations to copy with.
+        layer_groups: per layer of the object, the group whose page ids it uses (a
+            hybrid model's KV cache groups each have their own block table); None: one
+            group, every layer uses the same ids.
     """
 
     def __init__(self, geometry: ObjectGeometry, ptrs: Sequence[int],
-                 page_ids: Sequence[Sequence[int]], kernel: PageKernel = PageKernel()) -> None:
+                 page_ids: Sequence[Sequence[int]], kernel: PageKernel = PageKernel(),
+                 layer_groups: Sequence[int] | None = None) -> None:
         if len(ptrs) != len(page_ids):
             raise ValueError("one page-id list per object is required")
         k = geometry.pages_per_object
-        if any(len(p) != k for p in page_ids):
-            raise ValueError(f"every object has exactly {k} pages")
+        groups = 1 if layer_groups is None else max(layer_groups, default=0) + 1
+        if layer_groups is not None and len(layer_groups) != geometry.num_layers:
+            raise ValueError(f"one group per layer is required ({geometry.num_layers})")
+        if any(len(p) != k * groups for p in page_ids):
+            raise ValueError(f"every object has exactly {k} pages per group ({groups})")
         self.geometry = geometry
         self.kernel = kernel
-        self._runs: list[_Run] = []
+        self._layer_groups = layer_groups
+        self._groups: list[list[_Run]] = [[] for _ in range(groups)]  # runs per group
         size = geometry.object_bytes
         head = geometry.header_bytes
         for start, end, stride in find_runs(ptrs, size):
@@ -187,12 +196,16 @@ class PagePlan:
             mem = host_bytes(ptrs[start] + head, (n - 1) * stride + size - head)
             view = mem.as_strided((n, geometry.num_layers, k, geometry.page_bytes),
                                   (stride, k * geometry.page_bytes, geometry.page_bytes, 1))
-            ids = torch.tensor([list(p) for p in page_ids[start:end]], dtype=torch.int64)
-            self._runs.append(_Run.of(view, ids, kernel))
+            for g, runs in enumerate(self._groups):
+                ids = torch.tensor([list(p[g * k:(g + 1) * k]) for p in page_ids[start:end]],
+                                   dtype=torch.int64)
+                runs.append(_Run.of(view, ids, kernel))
+        self._runs = self._groups[0]
 
     def page_ids(self) -> list[int]:
         """Every engine block id this plan writes or reads (SKIP excluded)."""
-        return [int(p) for run in self._runs for p in run.by_page.flatten() if int(p) != SKIP]
+        return [int(p) for runs in self._groups for run in runs
+                for p in run.by_page.flatten() if int(p) != SKIP]
 
     @property
     def num_objects(self) -> int:
@@ -204,21 +217,42 @@ class PagePlan:
         k = self.kernel
         return k.staged and k.pack_impl == k.unpack_impl == "auto"
 
+    def _layer_runs(self, layer: int) -> list[_Run]:
+        return self._runs if self._layer_groups is None else \
+            self._groups[self._layer_groups[layer]]
+
+    def _spans(self, first: int, count: int) -> list[tuple[int, int]]:
+        """``(start, end)`` ranges of consecutive layers in ``first .. first + count - 1``
+        that share their page ids (one range without ``layer_groups``): a grouped transfer
+        moves one range, as each KV cache group has its own block table."""
+        if self._layer_groups is None:
+            return [(first, first + count)]
+        spans: list[tuple[int, int]] = []
+        for layer in range(first, first + count):
+            if spans and self._layer_groups[layer] == self._layer_groups[spans[-1][0]]:
+                spans[-1] = (spans[-1][0], layer + 1)
+            else:
+                spans.append((layer, layer + 1))
+        return spans
+
     def pack_layers(self, first: int, kv_layers: Sequence[torch.Tensor]) -> None:
         """Layers ``first .. first + len(kv_layers) - 1`` at once: per run one 2-D DMA of
         all their spans (an object holds consecutive layers back to back), one HBM gather
-        per layer (:func:`kvcentric.kernels.staged.staged_pack_layers`)."""
+        per layer (:func:`kvcentric.kernels.staged.staged_pack_layers`); with
+        ``layer_groups``, one such transfer per range of layers of one group."""
         if not self.grouped() or len(kv_layers) == 1:
             for j, kv in enumerate(kv_layers):
                 self.pack_layer(first + j, kv)
             return
-        for run in self._runs:
-            host = run.view[:, first:first + len(kv_layers)].flatten(1)
-            if run.masked:
-                for j, kv in enumerate(kv_layers):
-                    self._pack_run(run, first + j, kv)
-            else:
-                staged_pack_layers(kv_layers, run.flat_ids, host, block_dim=self.kernel.block_dim)
+        for start, end in self._spans(first, len(kv_layers)):
+            kvs = kv_layers[start - first:end - first]
+            for run in self._layer_runs(start):
+                host = run.view[:, start:end].flatten(1)
+                if run.masked:
+                    for j, kv in enumerate(kvs):
+                        self._pack_run(run, start + j, kv)
+                else:
+                    staged_pack_layers(kvs, run.flat_ids, host, block_dim=self.kernel.block_dim)
 
     def unpack_layers(self, first: int, kv_layers: Sequence[torch.Tensor]) -> None:
         """:meth:`pack_layers`'s inverse (SKIP pages left alone)."""
@@ -226,16 +260,18 @@ class PagePlan:
             for j, kv in enumerate(kv_layers):
                 self.unpack_layer(first + j, kv)
             return
-        for run in self._runs:
-            if not len(run.flat_ids):
-                continue  # every page of the run is the engine's own
-            host = run.view[:, first:first + len(kv_layers)].flatten(1)
-            staged_unpack_layers(host, run.flat_ids, kv_layers, block_dim=self.kernel.block_dim,
-                                 positions=run.positions)
+        for start, end in self._spans(first, len(kv_layers)):
+            kvs = kv_layers[start - first:end - first]
+            for run in self._layer_runs(start):
+                if not len(run.flat_ids):
+                    continue  # every page of the run is the engine's own
+                host = run.view[:, start:end].flatten(1)
+                staged_unpack_layers(host, run.flat_ids, kvs, block_dim=self.kernel.block_dim,
+                                     positions=run.positions)
 
     def pack_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Copy this layer's pages from ``kv_layer`` into the objects."""
-        for run in self._runs:
+        for run in self._layer_runs(layer):
             self._pack_run(run, layer, kv_layer)
 
     def _pack_run(self, run: _Run, layer: int, kv_layer: torch.Tensor) -> None:
@@ -251,7 +287,7 @@ class PagePlan:
         """Copy this layer's pages from the objects into ``kv_layer`` (SKIP pages are
         left alone)."""
         k = self.kernel
-        for run in self._runs:
+        for run in self._layer_runs(layer):
             if k.staged and not len(run.flat_ids):
                 continue  # every page of the run is the engine's own
             if k.staged:

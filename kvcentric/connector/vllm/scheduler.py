@@ -19,17 +19,24 @@ blocks are already saved).
   apart from an overwritable note of the last answer (vLLM may ask again).
 - Loads (``update_state_after_alloc``): the engine pages of the matched blocks and tail,
   up to the page holding the hit's last token (a last block may be loaded in part).
-- Saves (``build_connector_meta``): every stored block that becomes full in this step,
-  including blocks completed over several chunked-prefill steps, and (``save_decode``)
-  blocks of generated tokens; a tail at the end of the prefill and (``save_decode``) at
-  the step that produces the request's last token (``max_tokens``).
+- Saves (``build_connector_meta``, :mod:`kvcentric.connector.vllm.save_plan`): every
+  stored block that becomes full in this step, including blocks completed over several
+  chunked-prefill steps, and (``save_decode``) blocks of generated tokens; a tail at the
+  end of the prefill and (``save_decode``) at the step that produces the request's last
+  token (``max_tokens``).
+- Hybrid models (several KV cache groups, :mod:`kvcentric.connector.vllm.groups`): each
+  layer's pages come from its own group's block table; a sliding-window group loads only
+  the pages of the window before the hit's end. A recurrent group's state is saved at
+  every step that ends on a stored-block boundary and a hit must end on a stored state
+  (no tails). Their loads are asynchronous (``(tokens, True)``): vLLM takes a failed load
+  of a multi-group model only as a failed request, which it recomputes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvcentric.connector.vllm.counters import Counters
@@ -37,6 +44,7 @@ from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.extra_keys import ExtraKeys, Unkeyable, has_extras
 from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
 from kvcentric.connector.vllm.mover import SKIP
+from kvcentric.connector.vllm.save_plan import ReqState, SavePlanner, SaveTracker
 from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.hashing import block_hashes, hash_seed, prompt_tail
 from kvcentric.integrity import ObjectRef
@@ -51,26 +59,10 @@ class _Lookup:
     first_block: int  # first stored block to load
     num_blocks: int  # full stored blocks present from first_block on
     tail: ObjectRef | None = None  # a tail object present after them
+    state: ObjectRef | None = None  # the recurrent state at the hit's end (hybrids)
 
 
-@dataclass
-class _Tracker:
-    block_ids: list[int]
-    saved_blocks: int = 0
-    tail_end: int = 0  # tokens covered by the last tail saved (0: none yet)
-
-
-@dataclass
-class _ReqState:
-    request: Any
-    hashes: list[bytes] = field(default_factory=list)
-    tracker: _Tracker | None = None
-    loaded: _Tracker | None = None  # what this step loads from the store (not re-saved)
-    extras: bool = False  # its KV depends on LoRA/multimodal/embeddings (extra keys)
-    unkeyable: bool = False  # ... in a way keys cannot name: neither loaded nor saved
-
-
-class KVCentricScheduler:
+class KVCentricScheduler(SavePlanner):
     """Decides loads and saves; talks to the store only through ``batch_exists``."""
 
     def __init__(self, settings: ConnectorSettings, layout: EngineLayout, store: KVStore,
@@ -81,20 +73,21 @@ class KVCentricScheduler:
         self.loads_enabled = loads
         self.saves_enabled = saves
         self.stats = Counters()
-        self._reqs: dict[str, _ReqState] = {}
+        self._reqs: dict[str, ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._pending_loads: list[TransferSpec] = []
+        self._pending_states: list[TransferSpec] = []
         self._extra_keys = ExtraKeys()
         self._warned_unkeyable = False
 
     # ---- hashes ----
-    def _state(self, request: Any) -> _ReqState:
+    def _state(self, request: Any) -> ReqState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = self._reqs[request.request_id] = _ReqState(request, extras=has_extras(request))
+            st = self._reqs[request.request_id] = ReqState(request, extras=has_extras(request))
         return st
 
-    def _unkeyable(self, st: _ReqState, exc: Unkeyable) -> None:
+    def _unkeyable(self, st: ReqState, exc: Unkeyable) -> None:
         st.unkeyable = True
         self.stats.add(unkeyed_requests=1)
         if not self._warned_unkeyable:
@@ -103,10 +96,10 @@ class KVCentricScheduler:
                         "such requests are neither loaded nor saved (counted as "
                         "kvcentric_unkeyed_requests)", st.request.request_id, exc)
 
-    def _extra(self, st: _ReqState, start: int, end: int) -> bytes | None:
+    def _extra(self, st: ReqState, start: int, end: int) -> bytes | None:
         return self._extra_keys.digest(st.request, start, end) if st.extras else None
 
-    def _hashes(self, st: _ReqState, num_blocks: int) -> list[bytes]:
+    def _hashes(self, st: ReqState, num_blocks: int) -> list[bytes]:
         """Chained hashes of the first ``num_blocks`` stored blocks of the request's tokens
         (``Unkeyable`` when its extra keys cannot be computed)."""
         have = len(st.hashes)
@@ -120,14 +113,23 @@ class KVCentricScheduler:
                                           parent=st.hashes[-1] if st.hashes else None))
         return st.hashes[:num_blocks]
 
-    def _refs(self, st: _ReqState, first: int, end: int) -> list[ObjectRef]:
+    def _state_ref(self, st: ReqState, end: int) -> ObjectRef:
+        """The recurrent state after the request's first ``end`` tokens (a stored-block
+        boundary), keyed by the chain hash of the block that ends there."""
+        s = self.layout.stored_block_size
+        return ObjectRef(self._hashes(st, end // s)[-1], end // s - 1, s, state=True)
+
+    def _refs(self, st: ReqState, first: int, end: int) -> list[ObjectRef]:
         """Objects of stored blocks ``[first, end)``."""
         s = self.layout.stored_block_size
         return [ObjectRef(h, first + i, s) for i, h in enumerate(self._hashes(st, end)[first:])]
 
-    def _tail(self, st: _ReqState, end: int) -> ObjectRef | None:
+    def _tail(self, st: ReqState, end: int) -> ObjectRef | None:
         """The tail object of the request's first ``end`` tokens
-        (:func:`kvcentric.hashing.prompt_tail`), None under 2 tokens."""
+        (:func:`kvcentric.hashing.prompt_tail`), None under 2 tokens or when the engine
+        stores no tails (a recurrent group's state exists at block boundaries only)."""
+        if not self.layout.tails:
+            return None
         s = self.layout.stored_block_size
         seed = hash_seed(self.layout.keyspace.model_id, st.request.cache_salt)
         full = end // s
@@ -159,14 +161,15 @@ class KVCentricScheduler:
     # ---- lookup and loads ----
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` loadable from the store (sync load)."""
+        """Tokens beyond ``num_computed_tokens`` loadable from the store (a sync load; an
+        async one for hybrid models)."""
         self._lookups.pop(request.request_id, None)
-        if not self.loads_enabled:
+        if not self.loads_enabled or not self.layout.servable:
             return 0, False
         s, n = self.layout.stored_block_size, request.num_tokens
         full, first = n // s, num_computed_tokens // s
         st = self._state(request)
-        if st.unkeyable:
+        if st.unkeyable or st.load_failed:
             return 0, False
         try:
             tail = self._tail(st, n)
@@ -185,11 +188,18 @@ class KVCentricScheduler:
         tail_hit = tail if tail is not None and run == len(refs) else None
         # never the whole prompt: vLLM must compute at least the last token
         end = min((first + blocks) * s + (tail_hit.count if tail_hit else 0), n - 1)
+        state = None
+        if self.layout.state_geometry is not None:  # the hit ends where a state is stored
+            end = end // s * s
+            state = self._state_ref(st, end) if end > num_computed_tokens else None
+            if state is None or self._present([state]) == 0:
+                return 0, False
+            blocks = end // s - first
         if end <= num_computed_tokens:
             return 0, False
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, first, blocks,
-                                                    tail_hit)
-        return end - num_computed_tokens, False
+                                                    tail_hit, state)
+        return end - num_computed_tokens, self.layout.async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the last lookup's objects into the just-allocated pages: every
@@ -206,14 +216,34 @@ class KVCentricScheduler:
         if num_objects > lk.num_blocks:
             assert lk.tail is not None and num_objects == lk.num_blocks + 1
             refs.append(lk.tail)
-        pages = self._pages(blocks.get_block_ids()[0], lk.first_block, len(refs),
-                            lk.num_computed // page, -(-end // page))
+        tables = blocks.get_block_ids()
+        pages = self._load_pages(tables, lk.first_block, len(refs), lk.num_computed // page,
+                                 -(-end // page), end)
         self._pending_loads.append(TransferSpec(request.request_id, refs, pages))
+        if lk.state is not None:
+            groups = self.layout.groups
+            assert groups is not None and end % self.layout.stored_block_size == 0
+            # a page the state cannot go to (SKIP) fails the load: vLLM recomputes
+            state_pages = groups.state_page(tables, end) or [SKIP] * len(groups.states)
+            self._pending_states.append(TransferSpec(request.request_id, [lk.state],
+                                                     [state_pages]))
         tail_loaded = num_objects > lk.num_blocks
         if lk.first_block == 0:  # the store holds these: saving them again costs a reserve
-            st.loaded = _Tracker([], saved_blocks=min(num_objects, lk.num_blocks),
-                                 tail_end=request.num_tokens if tail_loaded else 0)
+            st.loaded = SaveTracker([], saved_blocks=min(num_objects, lk.num_blocks),
+                                 tail_end=request.num_tokens if tail_loaded else 0,
+                                 state_end=end if lk.state is not None else 0)
         self.stats.add(hit_tokens=num_external_tokens, tail_hits=int(tail_loaded))
+
+    def _load_pages(self, tables: Any, first_object: int, num_objects: int,
+                    first_page: int, end_page: int, end: int) -> list[list[int]]:
+        """The pages a load of ``num_objects`` objects from ``first_object`` on writes
+        (:meth:`_pages`; per KV cache group for a hybrid model: ``GroupPlan.load_pages``,
+        ``end`` the hit's tokens)."""
+        groups = self.layout.groups
+        if groups is None:
+            return self._pages(tables[0], first_object, num_objects, first_page, end_page)
+        return groups.load_pages(tables, first_object, num_objects,
+                                 self.layout.pages_per_object, first_page, end_page, end)
 
     def _pages(self, page_table: list[int], first_object: int, num_objects: int,
                first_page: int, end_page: int) -> list[list[int]]:
@@ -225,98 +255,21 @@ class KVCentricScheduler:
                  for i in range(b * k, (b + 1) * k)]
                 for b in range(first_object, first_object + num_objects)]
 
-    # ---- saves ----
+    # ---- saves (save_plan.SavePlanner plans them) ----
     def build_connector_meta(self, so: Any) -> KVCentricMetadata:
         """This step's loads and the saves of every stored block it completes."""
-        meta = KVCentricMetadata(loads=self._pending_loads)
-        self._pending_loads = []
-        for req_id in so.preempted_req_ids or ():
-            if req_id in self._reqs:
-                self._reqs[req_id].tracker = None  # its pages are freed; resumes re-create it
-        if not self.saves_enabled:
-            return meta
-        for new in so.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
-            if st is None:
-                continue
-            done = st.loaded or _Tracker([])
-            st.tracker = _Tracker(list(new.block_ids[0]), done.saved_blocks, done.tail_end)
-            st.loaded = None
-            self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
-                            meta)
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            st = self._reqs.get(req_id)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids or st.tracker is None:
-                st.tracker = _Tracker(list(new_ids[0]) if new_ids else [])
-            elif new_ids:
-                st.tracker.block_ids.extend(new_ids[0])
-            self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id],
-                            meta)
+        meta = KVCentricMetadata(loads=self._pending_loads, state_loads=self._pending_states)
+        self._pending_loads, self._pending_states = [], []
+        self.plan_saves(so, meta)
         return meta
 
-    def _plan_save(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
-        tr = st.tracker
-        assert tr is not None
-        if st.unkeyable:
-            return
-        planned = len(meta.saves)
-        try:
-            self._plan_blocks(st, computed_after, meta)
-            self._plan_tail(st, computed_after, meta)
-        except Unkeyable as exc:
-            del meta.saves[planned:]
-            self._unkeyable(st, exc)
-            return
-        req = st.request
-        if (len(meta.saves) > planned and computed_after >= req.num_prompt_tokens
-                and req.num_output_tokens + 1 >= req.max_tokens):
-            meta.commit_now = True  # its response may complete with this step
-
-    def _plan_blocks(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
-        tr = st.tracker
-        assert tr is not None
-        limit = computed_after if self.settings.save_decode else min(
-            computed_after, st.request.num_prompt_tokens)
-        s, k = self.layout.stored_block_size, self.layout.pages_per_object
-        full = min(limit // s, len(tr.block_ids) // k)
-        if full > tr.saved_blocks:
-            first = tr.saved_blocks
-            refs = self._refs(st, max(first - 1, 0), full)
-            parents: list[ObjectRef | None] = [None, *refs[:-1]] if first == 0 else [*refs[:-1]]
-            meta.saves.append(TransferSpec(
-                st.request.request_id, refs[-(full - first):],
-                [tr.block_ids[b * k:(b + 1) * k] for b in range(first, full)], parents))
-            tr.saved_blocks = full
-
-    def _plan_tail(self, st: _ReqState, computed_after: int, meta: KVCentricMetadata) -> None:
-        """Save the tail when this step ends the prefill, and (``save_decode``) when it
-        produces the request's last token; one tail per request end."""
-        req, tr = st.request, st.tracker
-        assert tr is not None
-        end = 0
-        if (self.settings.save_decode and computed_after >= req.num_prompt_tokens
-                and req.num_output_tokens + 1 >= req.max_tokens):
-            end = computed_after
-        elif computed_after >= req.num_prompt_tokens:
-            end = req.num_prompt_tokens
-        tail = self._tail(st, end) if end > tr.tail_end else None
-        if tail is None:
-            return
-        s, page = self.layout.stored_block_size, self.layout.page_size
-        block = end // s
-        if -(-end // page) > len(tr.block_ids):
-            return  # its pages are not all allocated (cannot happen after a real step)
-        parent = self._refs(st, block - 1, block)[0] if block else None
-        meta.saves.append(TransferSpec(
-            req.request_id, [tail],
-            self._pages(tr.block_ids, block, 1, block * s // page, -(-end // page)),
-            [parent]))
-        tr.tail_end = end
-        self.stats.add(saved_tails=1)
+    def loads_failed(self, req_ids: Any) -> None:
+        """Workers reported these requests' asynchronous loads failed (hybrid models):
+        vLLM recomputes them from scratch; never look them up again (a corrupt object
+        would fail every retry)."""
+        for req_id in req_ids or ():
+            if req_id in self._reqs:
+                self._reqs[req_id].load_failed = True
 
     def register_request(self, request: Any) -> None:
         """Remember a new request (its tokens are needed to key its saves)."""

@@ -30,10 +30,15 @@ class TransferSpec:
 class StepPlan:
     """One step's loads (before/while layers run) and saves (as layers finish).
 
-    ``commit_now``: a request with saves in this step may finish with it, so the worker
-    commits before the step returns instead of in the background.
+    ``state_loads`` / ``state_saves``: a hybrid model's recurrent-state objects (one ref
+    each, one page per state group; :mod:`kvcentric.connector.vllm.states`): loaded
+    before the forward, saved after it. ``commit_now``: a request with saves in this step
+    may finish with it, so the worker commits before the step returns instead of in the
+    background.
     """
 
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
     commit_now: bool = False
+    state_loads: list[TransferSpec] = field(default_factory=list)
+    state_saves: list[TransferSpec] = field(default_factory=list)

@@ -48,6 +48,14 @@ at the store's ``min_transfer_rate`` in all (the store bounds each of its own ca
 step that gives up reports its loads as load errors and aborts its saves, but never frees
 what a late job may still use: its jobs stop touching the KV cache (:class:`_Gate`), its
 leases are released and its slots aborted only once its jobs are done (a done-callback).
+
+Hybrid models (several KV cache groups, :mod:`kvcentric.connector.vllm.groups`): each
+layer moves its own group's pages; recurrent states move as objects of their own
+(:mod:`kvcentric.connector.vllm.states`), loaded before and saved after the forward.
+Their loads are asynchronous in vLLM's sense: a load completes within ``start_load`` of a
+step in which its request does not compute, and is reported per request
+(:meth:`take_transfer_results`: finished, failed), never as block ids, which vLLM cannot
+map back to a request when there are several groups.
 """
 
 from __future__ import annotations
@@ -62,17 +70,18 @@ from typing import Any
 import torch
 
 from kvcentric.connector.vllm.affinity import pin_to, spare_cpus
+from kvcentric.connector.vllm.commits import Committer
 from kvcentric.connector.vllm.counters import Counters
 from kvcentric.connector.vllm.device_path import DevicePath
 from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.mover import SKIP, PageKernel, PagePlan
 from kvcentric.connector.vllm.settings import ConnectorSettings
+from kvcentric.connector.vllm.states import StateObjects
 from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
 from kvcentric.integrity import ObjectRef, describe
 from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
 
 log = logging.getLogger("kvcentric.connector")
-MAX_PENDING_COMMITS = 4  # steps whose commits may be in flight before a step waits
 
 
 class IntegrityError(RuntimeError):
@@ -128,6 +137,13 @@ class KVCentricWorker:
         self._headers = layout.headers()
         self.stats = Counters()
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
+        groups = layout.groups
+        self._layer_groups = groups.layer_group if groups is not None else None
+        self._states = StateObjects(layout, store, self.stats) \
+            if layout.state_geometry is not None else None
+        self._state_saves: list[TransferSpec] = []
+        self._recving: set[str] = set()  # async loads finished in this step (hybrids)
+        self._failed: set[str] = set()  # ... of which these failed
         self._kv: list[torch.Tensor] = []
         spare = spare_cpus() if settings.spare_cpu_threads else None  # affinity.py
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-copy", initializer=pin_to,
@@ -137,6 +153,7 @@ class KVCentricWorker:
         self._gate = _Gate()  # this step's load jobs may unpack (closed: bad header, gave up)
         self._wait_left = 0.0  # seconds this step may still wait for its copy jobs
         self._load_plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]] = []
+        self._load_reqs: list[str] = []  # the request of each load plan
         self._fetch_group = 1  # layers per ranged fetch, set per step
         self._leases: list[ReadLease] = []
         self._load_errors: set[int] = set()
@@ -148,10 +165,7 @@ class KVCentricWorker:
         self._save_batch: list[torch.Tensor] = []  # CUDA: layers waiting for their group
         self._save_group = 1  # CUDA: layers per pack transfer, set per step
         self._commit_now = False
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvc-commit",
-                                             initializer=pin_to, initargs=(spare,)) \
-            if settings.async_commit else None
-        self._commits: list[Future[None]] = []
+        self._committer = Committer(store, self.stats, pin_s, settings.async_commit, spare)
         self._path = DevicePath(PageKernel())
         self._asleep: list[torch.Tensor] | None = None  # the caches while vLLM sleeps
 
@@ -162,6 +176,8 @@ class KVCentricWorker:
         if missing:
             raise ValueError(f"no KV cache registered for layers {sorted(missing)[:3]}")
         self._kv = [kv_caches[name] for name in self._layer_index]
+        if self._states is not None:
+            self._states.register(kv_caches)  # type: ignore[arg-type]
         self.store.warm_up()  # before serving: the first request must not pay for it
         self._path = DevicePath.open(self._kv[0], self.layout.geometry.page_bytes, self.store,
                                      self.settings.copy_impl, self.settings.pin_host_memory)
@@ -202,10 +218,15 @@ class KVCentricWorker:
         """Lease and queue this step's loads. ``hooks_run=False``: the forward replays a
         full CUDA graph, so no ``wait_for_layer`` will come: every layer is loaded (and,
         on CUDA, ordered before the compute stream's next work) before this returns."""
+        if self.layout.async_loads:  # its requests do not compute in this step: load all
+            hooks_run = False
+            self._recving |= {spec.req_id for spec in (*meta.loads, *meta.state_loads)}
         if self._asleep is not None:  # cannot happen in vLLM's order; never touch the cache
-            for spec in meta.loads:
-                self._fail_pages(spec.page_ids)
+            for spec in (*meta.loads, *meta.state_loads):
+                self._fail(spec.req_id, spec.page_ids)
             return
+        if meta.state_loads and self._states is not None:
+            self._failed |= self._states.load(meta.state_loads)
         for spec in meta.loads:
             self._timed("fetch_seconds", self._lease_and_plan, spec)
         if self._load_plans:
@@ -238,7 +259,7 @@ class KVCentricWorker:
             lease = acquire(keys, [size] * len(keys))
         except StoreUnavailable as exc:
             log.warning("store unavailable, recomputing %d blocks: %s", len(keys), exc)
-            self._fail_pages(spec.page_ids)
+            self._fail(spec.req_id, spec.page_ids)
             return
         self._leases.append(lease)
         good = self._verified_prefix(lease)
@@ -246,11 +267,13 @@ class KVCentricWorker:
         if good < len(keys):
             log.info("request %s: %d of %d stored blocks unavailable, recomputing them",
                      spec.req_id, len(keys) - good, len(keys))
-            self._fail_pages(spec.page_ids[good:])
+            self._fail(spec.req_id, spec.page_ids[good:])
         if good:
             self._load_plans.append((lease, PagePlan(self.layout.geometry, lease.ptrs[:good],
-                                                     spec.page_ids[:good], self._path.kernel),
+                                                     spec.page_ids[:good], self._path.kernel,
+                                                     self._layer_groups),
                                      spec.refs[:good]))
+            self._load_reqs.append(spec.req_id)
             self.stats.add(loaded_blocks=good, loaded_bytes=good * size)
 
     def _verified_prefix(self, lease: ReadLease) -> int:
@@ -262,8 +285,13 @@ class KVCentricWorker:
                 return i
         return len(lease.keys)
 
-    def _fail_pages(self, page_ids: list[list[int]]) -> None:
-        self._load_errors.update(p for pages in page_ids for p in pages if p != SKIP)
+    def _fail(self, req_id: str, page_ids: list[list[int]]) -> None:
+        """Report a failed load: its pages (vLLM recomputes them), or with async loads
+        its request (vLLM recomputes it)."""
+        if self.layout.async_loads:
+            self._failed.add(req_id)
+        else:
+            self._load_errors.update(p for pages in page_ids for p in pages if p != SKIP)
         self.stats.add(load_errors=len(page_ids))
 
     def _bound_s(self, nbytes: int) -> float:
@@ -343,13 +371,21 @@ class KVCentricWorker:
         self._gate.close()
         for fut in self._load_futs:
             fut.cancel()
-        for _, plan, _ in self._load_plans:
-            self._load_errors.update(plan.page_ids())
-        self.stats.add(load_errors=sum(plan.num_objects for _, plan, _ in self._load_plans))
+        for (_, plan, _), req_id in zip(self._load_plans, self._load_reqs, strict=True):
+            self._fail(req_id, [plan.page_ids()])
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous loads completed since the last call, and those
+        of them that failed (hybrid models; empty otherwise)."""
+        done, failed = self._recving, self._failed & self._recving
+        self._recving, self._failed = set(), set()
+        if failed:
+            self.stats.add(failed_requests=len(failed))
+        return done, failed
 
     # ---- saves ----
     def plan_saves(self, meta: StepPlan) -> None:
@@ -358,6 +394,7 @@ class KVCentricWorker:
         sleeping worker save nothing."""
         writes = self.layout.writer and self._asleep is None
         self._save_specs = list(meta.saves) if writes else []
+        self._state_saves = list(meta.state_saves) if writes and self._states else []
         self._commit_now = meta.commit_now
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -416,7 +453,8 @@ class KVCentricWorker:
             self._headers.write(slot.ptr, ref)
         self._slots = [s for s, _, _ in live]
         self._save_plan = PagePlan(self.layout.geometry, [s.ptr for s in self._slots],
-                                   [p for _, p, _ in live], self._path.kernel)
+                                   [p for _, p, _ in live], self._path.kernel,
+                                   self._layer_groups)
         g = self.layout.geometry
         per_layer = g.pages_per_object * g.page_bytes * len(live)
         self._save_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
@@ -430,6 +468,11 @@ class KVCentricWorker:
                 self.save_layer(name, self._kv[layer])
         self._finish_loads()
         self._finish_saves()
+        if self._state_saves and self._states is not None:  # the forward wrote them by now
+            specs, self._state_saves = self._state_saves, []
+            slots = self._states.save(specs)
+            if slots:
+                self._committer.commit(slots, now=self._commit_now, stat="saved_states")
 
     def _finish_loads(self) -> None:
         for fut in self._load_futs:  # within the step's bound: leases outlive copies
@@ -437,15 +480,14 @@ class KVCentricWorker:
                 break
         if self._path.ordering is not None:
             self._path.ordering.loads_done()  # the GPU may still read the leased bytes
-        for lease, plan, _ in self._load_plans:
+        for (lease, plan, _), req_id in zip(self._load_plans, self._load_reqs, strict=True):
             if not self._load_failed and not self.store.lease_valid(lease):
                 # the store reclaimed the lease (its connection dropped) while we copied:
                 # the bytes may be torn, so vLLM recomputes these pages and drops this
                 # step's tokens for them
                 log.warning("a read lease lapsed during the load; recomputing %d blocks",
                             plan.num_objects)
-                self._load_errors.update(plan.page_ids())
-                self.stats.add(load_errors=plan.num_objects)
+                self._fail(req_id, [plan.page_ids()])
         leases, store = self._leases, self.store
 
         def release() -> None:
@@ -454,6 +496,7 @@ class KVCentricWorker:
         # a job that overran its step may still fetch into, or read, its leases
         when_done(self._load_futs, release)
         self._leases, self._load_plans, self._load_futs = [], [], []
+        self._load_reqs = []
         self._load_failed = False
         self._gate = _Gate()
 
@@ -498,28 +541,7 @@ class KVCentricWorker:
             self.store.batch_abort(slots)
             return
         packed = self._path.ordering.saves_enqueued() if self._path.ordering else None
-        self._commits = [f for f in self._commits if not f.done()]
-        if self._committer is None or self._commit_now:
-            self._commit(slots, packed)
-            return
-        if len(self._commits) >= MAX_PENDING_COMMITS:  # the store is slower than the steps
-            self._commits.pop(0).result()
-        self._commits.append(self._committer.submit(self._commit, slots, packed))
-
-    def _commit(self, slots: list[WriteSlot], packed: Any = None) -> None:
-        """Publish written objects once ``packed`` (a CUDA event after their packs, or
-        None) has passed (the caller's thread or the commit thread; never raises: a
-        failed commit only means those blocks are not stored)."""
-        try:
-            if packed is not None:
-                packed.synchronize()
-            codes = self._timed("commit_seconds", self.store.batch_commit, slots, self._pin_s)
-        except Exception as exc:
-            log.error("committing %d blocks failed: %s", len(slots), exc)
-            self.store.batch_abort(slots)
-            return
-        ok = sum(1 for c in codes if c == 0)
-        self.stats.add(saved_blocks=ok, saved_bytes=ok * self.layout.geometry.object_bytes)
+        self._committer.commit(slots, packed, now=self._commit_now)
 
     # ---- sleep mode (vLLM >= 0.33: unregister_kv_caches / restore_kv_caches) ----
     def suspend(self) -> None:
@@ -530,9 +552,7 @@ class KVCentricWorker:
         if self._asleep is not None:
             return
         self.finish_step()  # vLLM drains transfers first: then this is a no-op
-        commits, self._commits = self._commits, []
-        for fut in commits:
-            fut.result()  # _commit never raises; each store call is bounded
+        self._committer.drain()
         self._asleep, self._kv = self._kv, []
 
     def resume(self) -> None:
@@ -544,7 +564,6 @@ class KVCentricWorker:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self._committer is not None:
-            self._committer.shutdown(wait=True)  # pending commits land before the store closes
+        self._committer.close()  # pending commits land before the store closes
         self._path.close()  # unpins the store's memory before the store unmaps it
         self.store.close()
