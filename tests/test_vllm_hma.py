@@ -93,10 +93,9 @@ def test_sliding_window_hybrid_reuse_is_exact(tmp_path: Path, store: dict[str, A
     p = prompt(1, 1100)
     with engines("gemma3-sliding", tmp_path, store) as made:
         reuse(made, p, len(p) - 1)  # blocks and tail: the window's pages of each
-        for name in ("writer", "reader"):
+        for name in ("writer", "reader"):  # hybrid manager on: two sliding groups, one full
             text = log_of(made[name])
-            assert HMA_OFF not in text
-            assert "KV cache groups (full: 2, sliding/256: 4), async loads" in text
+            assert HMA_OFF not in text and "kv cache group sizes (128, 128, 128)" in text
 
 
 def test_recurrent_state_hybrid_reuse_is_exact(tmp_path: Path, store: dict[str, Any]) -> None:
@@ -104,9 +103,9 @@ def test_recurrent_state_hybrid_reuse_is_exact(tmp_path: Path, store: dict[str, 
     with engines("lfm2", tmp_path, store) as made:
         reuse(made, p, 1024)  # the state stored at the last block boundary before 1099
         assert made["reader"].metrics()["vllm:kvcentric_loaded_states_total"] >= 1
-        for name in ("writer", "reader"):
+        for name in ("writer", "reader"):  # hybrid manager on: state and full groups
             text = log_of(made[name])
-            assert HMA_OFF not in text and "state: 2" in text
+            assert HMA_OFF not in text and "kv cache group sizes (128, 128)" in text
 
 
 def test_a_state_that_cannot_be_served_is_recomputed(tmp_path: Path,
@@ -123,6 +122,8 @@ def test_mla_reuse_is_exact_and_stored_once(tmp_path: Path, store: dict[str, Any
     p = prompt(4, 1100)
     with engines("deepseek-mla", tmp_path, store) as made:
         reuse(made, p, len(p) - 1)
+        # 4 blocks of 256 tokens (16 pages of 16) and the tail
+        assert made["reader"].metrics()["vllm:kvcentric_loaded_blocks_total"] == 5
     with open_store(store) as st:
         ranks = {k.split("/")[4] for k in st.list_keys("kvc/v2/deepseek-mla/", 100000)}
     assert ranks == {"0of1"}
@@ -133,7 +134,11 @@ def test_mla_tp2_stores_one_copy_both_ranks_load_it(tmp_path: Path,
     p = prompt(5, 1100)
     with engines("deepseek-mla", tmp_path, store, args=TP, env=TP_ENV) as made:
         reuse(made, p, len(p) - 1)
+        m = made["reader"].metrics()  # both ranks loaded the one copy of each object
+        assert m["vllm:kvcentric_loaded_blocks_total"] == 2 * 5
+        saved = made["writer"].metrics()["vllm:kvcentric_saved_blocks_total"]
     with open_store(store) as st:
         keys = st.list_keys("kvc/v2/deepseek-mla/", 100000)
     assert {k.split("/")[4] for k in keys} == {"0of1"}
-    assert len(keys) == len(p) // 256 + 1  # each block and the tail, once
+    # each object once, written by one rank: 4 blocks, the prompt's tail, the last tail
+    assert saved == len(keys) == len(p) // 256 + 2

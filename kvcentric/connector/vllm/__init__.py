@@ -3,10 +3,13 @@
 Owns everything that runs inside a vLLM process:
 
 - ``connector``: the facade vLLM instantiates; routes each call to one side.
-- ``scheduler``: scheduler side (store lookups, what to load and save per step).
-- ``worker``: worker side (leases, layer-wise loads and saves, commits).
+- ``scheduler``: scheduler side (store lookups, what to load per step); ``save_plan``:
+  what to save per step.
+- ``worker``: worker side (leases, layer-wise loads and saves); ``commits``: publishing
+  saves; ``states``: hybrid models' recurrent-state objects.
 - ``mover``: page plans between vLLM's paged cache and store objects.
-- ``engine_layout``: keys and object geometry derived from vLLM's configs.
+- ``engine_layout``: keys and object geometry derived from vLLM's configs; ``groups``: a
+  hybrid model's KV cache groups (``SupportsHMA``).
 - ``settings``: ``kv_connector_extra_config`` parsed once; ``metadata``: the per-step
   scheduler → worker message; ``stats``: counters and Prometheus metrics;
   ``plugin``: the ``vllm.general_plugins`` entry point (version checks: ``kvcentric.compat``).

@@ -125,16 +125,16 @@ class GroupPlan:
 
     def save_pages(self, tables: Sequence[Sequence[int]], block: int, k: int,
                    first_page: int = 0, end_page: int | None = None) -> list[int] | None:
-        """The pages of stored block ``block`` in every attention group (``k`` each), pages
-        outside ``[first_page, end_page)`` ``SKIP`` (a tail's page ends at its last token);
-        None when a group does not hold one of them (its page is null: saving it would
-        store another page's bytes)."""
+        """The pages of stored block ``block`` in every attention group (``k`` each); with
+        ``end_page`` (a tail), pages outside ``[first_page, end_page)`` are ``SKIP``. None
+        when a group does not hold one of the others (null or not allocated: saving it
+        would store another page's bytes)."""
         ids: list[int] = []
         for g in self.attention:
             table = tables[g.index]
             for i in range(block * k, (block + 1) * k):
-                if not first_page <= i < (len(table) if end_page is None else end_page):
-                    ids.append(SKIP)
+                if end_page is not None and not first_page <= i < end_page:
+                    ids.append(SKIP)  # a tail's page past its last token
                 elif i >= len(table) or table[i] == NULL_BLOCK:
                     return None
                 else:

@@ -19,25 +19,15 @@ written with the slot, checked before any byte of the object is unpacked. Per st
    overlapping the next layers.
 4. ``finish_step()`` at the step's end: waits for the copies, reports the pages of any
    lease that lapsed meanwhile (bytes possibly torn) as load errors, releases the read
-   leases, and commits the written objects (they become visible all at once, never torn).
-   Once the copies are done the objects' bytes are out of the KV cache, so with
-   ``async_commit`` the commit (Mooncake: the transfer to the storage node) runs on a
-   commit thread and the step returns at once -- unless a request saving in this step
-   may finish with it (``commit_now``): its response must not complete before its KV is
-   in the store.
+   leases, and hands the written objects to the :class:`~kvcentric.connector.vllm.commits.
+   Committer` (visible all at once, never torn; on the commit thread unless a request
+   saving in this step may finish with it).
 
-A step whose forward replays a *full* CUDA graph runs no layer hooks (vLLM captures the
-attention ops, hooks and all, and replays them without Python): ``start_load(meta,
-hooks_run=False)`` then completes every layer's load before returning (before the
-replay), and ``finish_step`` saves every layer from the cache after the forward, so
-vLLM's ``FULL_AND_PIECEWISE`` stays on and stays exact (docs/connector.md §CUDA graphs).
-
-On a CUDA worker (:mod:`kvcentric.connector.vllm.device_path`) the store's host memory is
-pinned, the kernels per direction are measured once, and the copies run on a copy stream
-ordered by events (:class:`kvcentric.cuda.CopyOrdering`): a layer's unpack is enqueued on
-the copy thread once its bytes are in host memory and the forward waits for it on the GPU,
-not on the host; a layer's pack is enqueued at ``save_layer`` behind that layer's
-attention; the host waits for the copy stream only before releasing leases and committing.
+A step whose forward replays a *full* CUDA graph runs no layer hooks: ``start_load(meta,
+hooks_run=False)`` completes every layer's load before returning, and ``finish_step``
+saves every layer from the cache after the forward (docs/connector.md §CUDA graphs). On a
+CUDA worker (:mod:`kvcentric.connector.vllm.device_path`) the copies run on copy streams
+ordered by events; the host waits for them only before releasing leases and committing.
 
 Failures never produce wrong tokens: an object that is missing, corrupt (checksums on),
 or whose copy failed is reported through :meth:`take_load_errors` with every page after
@@ -49,13 +39,12 @@ step that gives up reports its loads as load errors and aborts its saves, but ne
 what a late job may still use: its jobs stop touching the KV cache (:class:`_Gate`), its
 leases are released and its slots aborted only once its jobs are done (a done-callback).
 
-Hybrid models (several KV cache groups, :mod:`kvcentric.connector.vllm.groups`): each
-layer moves its own group's pages; recurrent states move as objects of their own
-(:mod:`kvcentric.connector.vllm.states`), loaded before and saved after the forward.
-Their loads are asynchronous in vLLM's sense: a load completes within ``start_load`` of a
-step in which its request does not compute, and is reported per request
-(:meth:`take_transfer_results`: finished, failed), never as block ids, which vLLM cannot
-map back to a request when there are several groups.
+Hybrid models (:mod:`kvcentric.connector.vllm.groups`): each layer moves its own group's
+pages; recurrent states are objects of their own (:mod:`kvcentric.connector.vllm.states`),
+loaded before and saved after the forward. Their loads complete within ``start_load`` of
+a step in which the request does not compute (vLLM's asynchronous load) and are reported
+per request (:meth:`take_transfer_results`), never as block ids: vLLM cannot map those
+back to a request when there are several groups.
 """
 
 from __future__ import annotations
@@ -285,14 +274,15 @@ class KVCentricWorker:
                 return i
         return len(lease.keys)
 
-    def _fail(self, req_id: str, page_ids: list[list[int]]) -> None:
-        """Report a failed load: its pages (vLLM recomputes them), or with async loads
-        its request (vLLM recomputes it)."""
+    def _fail(self, req_id: str, page_ids: list[list[int]], objects: int | None = None) -> None:
+        """Report a failed load of ``objects`` objects (default: one per page list): its
+        pages (vLLM recomputes them), or with async loads its request (vLLM recomputes
+        it)."""
         if self.layout.async_loads:
             self._failed.add(req_id)
         else:
             self._load_errors.update(p for pages in page_ids for p in pages if p != SKIP)
-        self.stats.add(load_errors=len(page_ids))
+        self.stats.add(load_errors=len(page_ids) if objects is None else objects)
 
     def _bound_s(self, nbytes: int) -> float:
         """How long a step may wait for copy jobs moving ``nbytes``."""
@@ -372,7 +362,7 @@ class KVCentricWorker:
         for fut in self._load_futs:
             fut.cancel()
         for (_, plan, _), req_id in zip(self._load_plans, self._load_reqs, strict=True):
-            self._fail(req_id, [plan.page_ids()])
+            self._fail(req_id, [plan.page_ids()], plan.num_objects)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -487,7 +477,7 @@ class KVCentricWorker:
                 # step's tokens for them
                 log.warning("a read lease lapsed during the load; recomputing %d blocks",
                             plan.num_objects)
-                self._fail(req_id, [plan.page_ids()])
+                self._fail(req_id, [plan.page_ids()], plan.num_objects)
         leases, store = self._leases, self.store
 
         def release() -> None:
