@@ -123,3 +123,58 @@ def test_flash_layout_round_trip_with_block_dim_1(impl: str) -> None:
         for s, d in ((4, 0), (1, 1), (0, 2)):
             assert torch.equal(got[:, d], src[:, s])
         assert not got[:, 3:].any()  # SKIP and unlisted blocks untouched
+
+
+
+def test_grouped_copies_split_at_each_change_of_kv_cache_group() -> None:
+    """A multi-layer transfer moves layers with one set of page ids: with a hybrid
+    model's interleaved groups it splits where the group changes (one range per run of a
+    group's consecutive layers); one group keeps the whole range."""
+    geo = ObjectGeometry(5, PAGES, PAGE_BYTES)
+    hybrid = PagePlan(geo, [0], [[0] * 4], PageKernel(), [1, 0, 0, 1, 1])
+    assert hybrid._spans(0, 5) == [(0, 1), (1, 3), (3, 5)]
+    assert hybrid._spans(2, 3) == [(2, 3), (3, 5)]
+    assert PagePlan(geo, [0], [[0] * 2])._spans(1, 4) == [(1, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_copies_use_each_layers_own_page_ids() -> None:
+    """A hybrid model's layers take their pages from their own group's block table
+    (``layer_groups``); the staged multi-layer copies (``pack_layers`` / ``unpack_layers``)
+    give the same bytes as the per-layer path, SKIP pages left alone."""
+    layers, groups = 5, [1, 0, 0, 1, 1]  # interleaved, as model order makes them
+    n = BLOCKS * 2 * 4 * 16
+    src = [torch.arange(i * n, (i + 1) * n, dtype=torch.float32).view(BLOCKS, *PAGE_SHAPE)
+           for i in range(layers)]
+    geo = ObjectGeometry(layers, PAGES, PAGE_BYTES)
+    pages = [[3, 7, 1, 2], [9, 0, 4, 5]]  # per object: group 0's two pages, then group 1's
+    staged = PageKernel(staged=True)
+    assert PagePlan(geo, [0], [[0] * 4], staged, groups).grouped()
+    arenas = [ctypes.create_string_buffer(2 * geo.object_bytes) for _ in range(2)]
+    ptrs = [[ctypes.addressof(a), ctypes.addressof(a) + geo.object_bytes] for a in arenas]
+    PagePlan(geo, ptrs[0], pages, staged, groups).pack_layers(0, [t.cuda() for t in src])
+    torch.cuda.synchronize()
+    ref = PagePlan(geo, ptrs[1], pages, PageKernel(), groups)
+    for layer, kv in enumerate(src):
+        ref.pack_layer(layer, kv)
+    assert arenas[0].raw == arenas[1].raw
+    mem = torch.frombuffer(arenas[0], dtype=torch.uint8)
+    o = mem[geo.header_bytes:geo.object_bytes].view(torch.float32).view(
+        layers, PAGES, *PAGE_SHAPE)
+    for layer in range(layers):  # object 0: each layer's pages from its own group's ids
+        g = groups[layer]
+        for j in range(PAGES):
+            assert torch.equal(o[layer, j], src[layer][pages[0][g * PAGES + j]])
+    load = [[SKIP, 7, 1, SKIP], [9, 0, 4, 5]]  # a hit's own pages and a window's edge
+    dst = [torch.full_like(t, -1.0).cuda() for t in src]
+    PagePlan(geo, ptrs[0], load, staged, groups).unpack_layers(0, dst)
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        g, got = groups[layer], dst[layer].cpu()
+        want = {b for p in load for b in p[g * PAGES:(g + 1) * PAGES] if b != SKIP}
+        for b in range(BLOCKS):
+            if b in want:
+                assert torch.equal(got[b], src[layer][b])
+            else:
+                assert (got[b] == -1).all()

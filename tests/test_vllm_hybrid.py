@@ -16,6 +16,7 @@ An engine of three KV cache groups as vLLM's hybrid manager makes them: full att
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
@@ -45,6 +46,8 @@ from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
 from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.integrity import ObjectRef
 from kvcentric.store import KVStore, open_store
+from tests.helpers.waiting import wait_until
+from tests.test_worker_bounds import BOUND_S, SLACK_S, HungFetches
 
 BS, H, D, NB, WINDOW = 16, 2, 32, 40, 32  # page tokens, KV heads, head dim, blocks, window
 PAGE = H * BS * 2 * D * 4  # float32 vLLM CPU page: [H, BS, 2 * D]
@@ -129,8 +132,9 @@ def test_groups_become_block_and_state_objects_and_sign_the_keys() -> None:
     assert eng.state_geometry is not None and eng.state_geometry.page_bytes == 3 * 64 * 4
     # another window, or no state group: another key space
     other = kv_cache_config()
-    other.kv_cache_groups[SLIDING].kv_cache_spec = replace(
-        other.kv_cache_groups[SLIDING].kv_cache_spec, sliding_window=2 * WINDOW)
+    window = other.kv_cache_groups[SLIDING].kv_cache_spec
+    assert isinstance(window, SlidingWindowSpec)
+    other.kv_cache_groups[SLIDING].kv_cache_spec = replace(window, sliding_window=2 * WINDOW)
     no_state = kv_cache_config()
     del no_state.kv_cache_groups[STATE]
     sigs = {engine_layout(vllm_config(), c, BS, "hybrid").keyspace.prefix
@@ -307,3 +311,48 @@ def test_state_pages_refuse_a_layout_the_configs_did_not_describe() -> None:
     assert state_pages([conv], 3 * 64 * 4).shape == (NB, 3 * 64 * 4)
     with pytest.raises(ValueError, match="spans"):
         state_pages([conv], 3 * 64 * 4 + 4)
+
+
+def test_a_hung_hybrid_load_fails_its_request_in_time_and_keeps_its_lease(
+        store: StoreConfig) -> None:
+    """The worker's bounded waits hold for a hybrid model's asynchronous loads: a fetch
+    that hangs fails the request (reported per request, never as block ids) within
+    ``load_timeout_s``; the lease is released only once the fetch returns, and the late
+    job writes nothing into any group's pages."""
+    eng = hybrid()
+    g = eng.groups
+    assert g is not None
+    src = caches(seed=2)
+    wt = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    objs = refs(2)
+    w = worker(store, eng, src)
+    try:
+        w.plan_saves(StepPlan(saves=[TransferSpec(
+            "w", objs, [g.save_pages(wt, b, 1) or [] for b in range(2)], [None, objs[0]])],
+            commit_now=True))
+        for name in g.layers:
+            w.save_layer(name, src[name])
+        w.finish_step()
+        assert w.stats.data["saved_blocks"] == 2
+    finally:
+        w.close()
+    dst = caches(seed=None)
+    hung = HungFetches(open_store(store))
+    r = KVCentricWorker(ConnectorSettings(store=store, load_timeout_s=BOUND_S), eng, hung,  # type: ignore[arg-type]
+                        list(g.layers))
+    r.register(dst)
+    try:
+        t0 = time.monotonic()
+        r.start_load(StepPlan(loads=[TransferSpec(
+            "r", objs, g.load_pages([[21, 22], [23, 24], [0, 29]], 0, 2, 1, 0, 2, 32))]))
+        r.finish_step()
+        assert time.monotonic() - t0 < BOUND_S + SLACK_S
+        assert r.take_transfer_results() == ({"r"}, {"r"}) and r.take_load_errors() == set()
+        assert hung.fetching.is_set() and hung.released == []  # the job still runs
+        hung.go.set()
+        assert wait_until(lambda: len(hung.released) == 1, 10)
+        time.sleep(0.1)
+        assert all(not (t[0] if isinstance(t, list) else t).any() for t in dst.values())
+    finally:
+        hung.go.set()
+        r.close()
