@@ -196,6 +196,7 @@ def test_hybrid_objects_load_bit_exact_into_the_pages_each_group_holds(
                               state_loads=[TransferSpec("r", [state], [state_page])]))
         r.finish_step()
         assert r.take_transfer_results() == ({"r"}, set()) and r.take_load_errors() == set()
+        assert r.stats.data["graph_steps"] == 0  # a hooked step, loaded before its forward
     finally:
         r.close()
     for b in range(4):

@@ -207,6 +207,8 @@ class KVCentricWorker:
         """Lease and queue this step's loads. ``hooks_run=False``: the forward replays a
         full CUDA graph, so no ``wait_for_layer`` will come: every layer is loaded (and,
         on CUDA, ordered before the compute stream's next work) before this returns."""
+        if not hooks_run:
+            self.stats.add(graph_steps=1)
         if self.layout.async_loads:  # its requests do not compute in this step: load all
             hooks_run = False
             self._recving |= {spec.req_id for spec in (*meta.loads, *meta.state_loads)}
@@ -235,8 +237,6 @@ class KVCentricWorker:
             if not hooks_run:
                 for layer in range(len(self._kv)):
                     self._wait_layer(layer)
-        if not hooks_run:
-            self.stats.add(graph_steps=1)
 
     def _lease_and_plan(self, spec: TransferSpec) -> None:
         size = self.layout.geometry.object_bytes
