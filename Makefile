@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	@touch $@
 
-# The peer routers the comparisons run and tests/test_bench_gateways.py starts: sglang-router
+# The peer routers the comparisons run and tests/bench/test_bench_gateways.py starts: sglang-router
 # in the venv, smg and vllm-router each in its own venv under .peers/ (their pins, as in
 # benchmarks/serving/gateways.py PEERS; their dependencies never touch $(VENV)).
 PEERS_STAMP := .peers/.kvcentric-peers

@@ -40,7 +40,7 @@ def store_cfg(runtime_dir: Path) -> Iterator[StoreConfig]:
     Its hot-path timeout is 1 s, not the default 0.1 s: on a shared 2-core box the
     coordinator is now and then descheduled for more than 100 ms (measured at load 5.6:
     6 of 188k calls), which trips the client's breaker, and tests that check what a call
-    returns are not about that. tests/test_store_hung.py tests the bound itself."""
+    returns are not about that. tests/store/test_store_hung.py tests the bound itself."""
     cfg = StoreConfig(name=f"t{uuid.uuid4().hex[:10]}", capacity_bytes=64 << 20,
                       runtime_dir=runtime_dir, op_timeout_s=10.0, hot_timeout_s=1.0)
     yield cfg

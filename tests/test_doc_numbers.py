@@ -8,7 +8,7 @@ there: in a cited result as one of its values, in one of the usual unit conversi
 the precision shown (a range's both ends); in a cited test as a literal of its source;
 or as the ratio, or percent difference, of two other numbers of the same block that are
 found. README's results block is generated from the results (``make report``) and is left
-out here (tests/test_report.py holds it). Numbers that are not measurements (defaults,
+out here (tests/bench/test_report.py holds it). Numbers that are not measurements (defaults,
 limits, sizes of things) are listed in :data:`CONSTANTS` with what they are.
 """
 

@@ -116,15 +116,24 @@ def test_every_section_reference_names_a_heading() -> None:
     assert not problems, "\n".join(problems)
 
 
+def cited_test_file(cited: str) -> Path | None:
+    """The test file a doc cites: a path under the repository (``tests/store/x.py``), or
+    a bare name (``test_x.py``, ``gpu/test_x.py``) found in exactly one place under tests/."""
+    if cited.startswith("tests/"):
+        return ROOT / cited if (ROOT / cited).is_file() else None
+    found = [p for p in (ROOT / "tests").rglob(Path(cited).name)
+             if p.as_posix().endswith("/" + cited)]
+    return found[0] if len(found) == 1 else None
+
+
 def test_every_test_the_docs_cite_exists() -> None:
     problems = []
     for doc in MARKDOWN:
         rel = doc.relative_to(ROOT).as_posix()
-        for m in re.finditer(r"(?<![\w/])((?:tests/)?(?:gpu/)?test_\w+\.py)(?:::(\w+))?",
+        for m in re.finditer(r"(?<![\w/])((?:tests/)?(?:\w+/)?test_\w+\.py)(?:::(\w+))?",
                              doc.read_text()):
-            path = ROOT / (m.group(1) if m.group(1).startswith("tests/")
-                           else f"tests/{m.group(1)}")
-            if not path.is_file():
+            path = cited_test_file(m.group(1))
+            if path is None:
                 problems.append(f"{rel}: {m.group(0)}: no such test file")
             elif m.group(2) and not re.search(rf"^(async )?def {m.group(2)}\(",
                                               path.read_text(), re.M):

@@ -9,7 +9,7 @@ One section per JSON (sorted by path; ``logs/``, the benchmarks' gitignored scra
 left out): what made it (``meta.command``), where (``meta.machine``) and from which code
 (``meta.git``: commit, and whether the tree differed), all written by
 :mod:`benchmarks.lib.results_writer`, else "not recorded" (no committed result may show
-that: tests/test_report.py); its tables (load generator results and comparisons as arm
+that: tests/bench/test_report.py); its tables (load generator results and comparisons as arm
 tables, anything else from its ``summary``, its lists of rows and its per-arm/per-policy
 mappings); and its PNGs
 (listed in ``figures``, else the PNGs named after it). README's block between
@@ -37,7 +37,7 @@ from benchmarks.lib.results_writer import describe_git, describe_machine
 
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-NOT_RECORDED = "not recorded"  # tests/test_report.py: no committed result may show it
+NOT_RECORDED = "not recorded"  # tests/bench/test_report.py: no committed result may show it
 SCRATCH = "logs"  # benchmarks/results/logs/: servers' logs and configs, gitignored
 
 Docs = list[tuple[str, dict[str, Any]]]

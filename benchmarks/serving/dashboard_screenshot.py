@@ -7,7 +7,7 @@ Screenshot of a running router's ``/dashboard`` with headless Chromium.
 
 Refreshes the committed ``benchmarks/results/dashboard.json`` (the command and machine)
 and its figure ``dashboard_page.png`` (take it after sending some traffic through the
-router, or the page shows zeros). ``tests/test_router_e2e.py`` writes the same pair from
+router, or the page shows zeros). ``tests/e2e/test_router_e2e.py`` writes the same pair from
 its populated cluster when ``KVC_DASHBOARD_SCREENSHOT`` names the JSON path. The Chromium
 helpers here are shared with the dashboard tests.
 """

@@ -253,7 +253,7 @@ def test_sleep_mode_drains_then_resumes_on_the_same_caches(store: StoreConfig,
 def test_mla_kv_is_stored_once_for_every_tp_rank(store: StoreConfig, device: str) -> None:
     """MLA's latent KV is the same on every TP rank: both ranks key it ``0of1``, only the
     first rank writes, and both load the one copy (what ``engine_layout`` derives for
-    ``tensor_parallel_size=2``: tests/test_vllm_keys.py)."""
+    ``tensor_parallel_size=2``: tests/connector/test_vllm_keys.py)."""
     layout, objs, pages = "mla", refs("mla", 2), [[0, 1], [2, 3]]
     kv = caches(layout, device, seed=9)
     w0, w1 = worker(store, layout, kv), worker(store, layout, caches(layout, device, seed=10))

@@ -1,6 +1,6 @@
 """Reading the router's ``/dashboard`` as Chromium rendered it, and checking it against
-the router's ``/metrics``: shared by tests/test_router_dashboard.py (mocked engines) and
-tests/test_router_e2e.py (real vLLM).
+the router's ``/metrics``: shared by tests/router/test_router_dashboard.py (mocked engines) and
+tests/e2e/test_router_e2e.py (real vLLM).
 
 The page's contract (router/dashboard.py): every number carries ``data-metric`` (the
 sample, ``name{label=value,...}``) or an ``id``. Checks compare what the page shows with

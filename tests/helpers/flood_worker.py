@@ -1,4 +1,4 @@
-"""Subprocess helpers for the disk tier's writer-flood tests (tests/test_store_demotion.py).
+"""Subprocess helpers for the disk tier's writer-flood tests (tests/store/test_store_demotion.py).
 
     python tests/helpers/flood_worker.py flood CONFIG_JSON PREFIX N SIZE BATCH
         Build N payloads of SIZE bytes (keys PREFIX/0..N-1, one prefix chain), print

@@ -99,7 +99,7 @@ class MooncakeCluster:
 
         Its hot bound is 1 s, not the default 0.1 s: on a shared 2-core box a call now and
         then waits over 100 ms for a core, which opens the breaker (a recompute), and tests
-        that check what a call returns are not about that; tests/test_store_mooncake_hung.py
+        that check what a call returns are not about that; tests/store/test_store_mooncake_hung.py
         tests the bound itself."""
         return {"backend": "mooncake", "op_timeout_s": 5.0, "hot_timeout_s": 1.0,
                 "mooncake": self.mooncake(**over)}

@@ -1,10 +1,10 @@
 """Checks of the SGLang backend, run by ``sglang_harness`` in a subprocess.
 
 Each ``check_*`` takes the ``store`` section of the extra config first, drives the
-backend the way SGLang's cache controller does, and asserts; ``tests/test_sglang_backend.py``
-runs them. They live out of the pytest process because importing SGLang changes
-process-wide state (environment variables, transformers patches, warning filters)
-that the rest of the suite must not inherit.
+backend the way SGLang's cache controller does, and asserts;
+``tests/connector/test_sglang_backend.py`` runs them. They live out of the pytest
+process because importing SGLang changes process-wide state (environment variables,
+transformers patches, warning filters) that the rest of the suite must not inherit.
 """
 
 from __future__ import annotations
@@ -412,7 +412,7 @@ def check_shipped_config(store: dict[str, Any], path: str) -> None:
     backend.close()
 
 
-# ---- the local store's disk tier (tests/test_sglang_disk.py) ----
+# ---- the local store's disk tier (tests/connector/test_sglang_disk.py) ----
 def check_disk_settings(store: dict[str, Any]) -> None:
     """The ``store.disk`` section reaches the backend's store config as a ``DiskConfig``;
     a bad one is a ``ValueError`` when SGLang's factory builds the backend."""
@@ -438,7 +438,7 @@ def write_past_dram(store: dict[str, Any], cases: dict[str, Any],
     each, as ``write_cases``), then ``filler["batches"]`` chains of 8 MHA ``page_first``
     pages (geometry ``filler["pool"]``) of another model, so the cases' pages leave DRAM
     for the disk tier. After every batch it waits until the store has no demotion in
-    flight (writes no faster than the disk, as ``tests/test_store_disk.py`` does).
+    flight (writes no faster than the disk, as ``tests/store/test_store_disk.py`` does).
     Returns per case the keys, set results and page digests, and the store's stats."""
     from kvcentric.store import open_store
     from tests.helpers.waiting import wait_until

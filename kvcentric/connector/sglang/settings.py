@@ -18,7 +18,7 @@ they go now.
 ``store`` is the :class:`~kvcentric.config.StoreConfig` every kvcentric connector takes,
 disk tier included: ``"disk": {"path": "/mnt/nvme/kvc", "capacity": "1tb"}`` in it gives
 the local store an SSD tier behind its DRAM, where pages evicted from DRAM stay findable
-and loadable (tests/test_sglang_disk.py).
+and loadable (tests/connector/test_sglang_disk.py).
 """
 
 from __future__ import annotations

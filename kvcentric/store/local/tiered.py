@@ -25,7 +25,7 @@ pinned) or *clean* (its disk copy is complete and fsynced). Objects move DRAM ->
   nobody is held back, and a reserve that finds no clean copy drops the coldest dirty chain
   leaf outright (the order a DRAM-only store evicts in), counted ``dropped_undemoted``.
   ``dropped_undemoted`` therefore stays 0 for as long as every demotion finds room
-  (tests/test_store_demotion.py).
+  (tests/store/test_store_demotion.py).
 - **Disk eviction** (a demotion that needs room on disk) removes the least recently used
   disk-only *leaf*, which is then gone (``disk_evictions``).
 - **Reads**: ``acquire`` leases both tiers. A disk-only object is read by the client straight
