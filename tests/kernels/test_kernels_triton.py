@@ -34,7 +34,7 @@ def test_kernels_under_triton_interpreter() -> None:
         "-p",
         "no:cacheprovider",
         "-x",
-        str(ROOT / "tests" / "test_kernels.py"),
+        str(ROOT / "tests" / "kernels" / "test_kernels.py"),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-6000:]
