@@ -44,6 +44,8 @@ from kvcentric.router.processor import SHARING
 
 __all__ = ["AuthConfig", "LimitsConfig", "RouterConfig", "load_config"]
 ENV_UPSTREAM_KEY = "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"
+# predicted TTFTs within this fraction of the lowest are ties (the cost model's noise)
+TIE_TOLERANCE = 0.05
 
 def _section(cls: type, section: str, raw: Any) -> Any:
     return cls(**parse_fields(cls, raw, section))
@@ -115,7 +117,9 @@ class CostConfig:
     ``None`` derives it from the model's ``config.json``. ``shared_compute``: how
     instances naming one ``compute`` share it: ``serial`` (one FIFO: time-sliced engines,
     CPU engines on the same cores) or ``fair`` (split among the busy ones: engines sharing
-    a GPU through MPS); see :mod:`kvcentric.router.processor`.
+    a GPU through MPS); see :mod:`kvcentric.router.processor`. ``tie_tolerance``:
+    predicted TTFTs within this fraction of the lowest are ties, which go to the least
+    loaded candidate (:func:`kvcentric.router.decision.choose`); 0 takes the lowest.
     """
 
     profile: str | None = None
@@ -125,9 +129,14 @@ class CostConfig:
     kv_dtype: str | None = None
     correct_with_actual: bool = True
     shared_compute: str = "serial"
+    tie_tolerance: float = TIE_TOLERANCE
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
+        tol = self.tie_tolerance
+        if (not isinstance(tol, (int, float)) or isinstance(tol, bool)
+                or not 0 <= tol < 1):
+            raise ValueError(f"cost.tie_tolerance must be a number in [0, 1), got {tol!r}")
         if self.shared_compute not in SHARING:
             raise ValueError(f"cost.shared_compute must be one of {SHARING}, got "
                              f"{self.shared_compute!r}")

@@ -19,6 +19,11 @@ drain by the excess), unless ``slo.reject`` is off (then it is served, flagged
 instances on the same processor (``compute``) take of it meanwhile (fair share, see
 :class:`router.instances.Processor`); the profile's correction is per processor; ties go
 to the instance running fewer sequences.
+Predictions closer than ``tie_tolerance`` (relative) to the lowest are ties: the model
+cannot tell them apart (its per-processor corrections and load times are estimates a few
+percent off), and taking the lowest would send every request to whichever instance's
+correction happens to be a little lower, and then queue them there; among ties the
+instance with the least queued prefill work wins, then the one running fewer sequences.
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -35,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvcentric.router.config import SloConfig
+from kvcentric.router.config import TIE_TOLERANCE, SloConfig
 from kvcentric.router.cost_model import Profile, tiered_load_s
 from kvcentric.router.instances import Instance
 
@@ -43,13 +48,16 @@ from kvcentric.router.instances import Instance
 @dataclass(frozen=True)
 class CostParams:
     """``bandwidth_bps``: the store's (DRAM tier's) read bandwidth; ``disk_bandwidth_bps``:
-    its disk tier's (``None``: the same, i.e. no slower tier is modelled). Bytes/s."""
+    its disk tier's (``None``: the same, i.e. no slower tier is modelled). Bytes/s.
+    ``tie_tolerance``: predicted TTFTs within this fraction of the lowest are ties, broken
+    by load (:func:`choose`)."""
 
     profile: Profile
     block_size: int
     bytes_per_block: int
     bandwidth_bps: float
     disk_bandwidth_bps: float | None = None
+    tie_tolerance: float = TIE_TOLERANCE
 
     def load_time_s(self, objects: int, on_disk: int = 0) -> float:
         """Time to load ``objects`` store objects (none when ``<= 0``), ``on_disk`` of
@@ -203,8 +211,8 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     tbt_slo = slo.tbt_ms / 1000.0
     best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo, disk_only)
     costs: list[PrefillCost] = []
-    best: Pairing | None = None
-    best_key: tuple[float, int, float] | None = None  # (ttft, batch order, kv usage)
+    pairs: list[Pairing] = []  # within the TBT SLO
+    lowest = math.inf
     min_tbt = math.inf
     for p in prefill:
         pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
@@ -219,11 +227,24 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         else:
             continue
         min_tbt = min(min_tbt, pair.tbt_s)
-        # equal predicted TTFT, same prefix knowledge: on separate processors the one
-        # running fewer sequences, then the emptier cache, so new prefixes spread out; on a
-        # shared processor the busier one (one engine batching beats two time-slicing it)
-        key = (pair.ttft_s, -p.batch() if p.proc.shared else p.batch(), p.stats.kv_usage)
-        if pair.tbt_s <= tbt_slo and (best_key is None or key < best_key):
+        if pair.tbt_s <= tbt_slo:
+            pairs.append(pair)
+            lowest = min(lowest, pair.ttft_s)
+    slo_s = slo.ttft_ms / 1000.0
+    # ties: within the tolerance of the lowest, and never past an SLO the lowest meets
+    limit = min(lowest * (1.0 + params.tie_tolerance), max(lowest, slo_s))
+    best: Pairing | None = None
+    best_key: tuple[float, int, float, float] | None = None
+    for pair in pairs:
+        if pair.ttft_s > limit:
+            continue
+        p = pair.prefill
+        # the least queued prefill work; then on separate processors the one running fewer
+        # sequences, then the emptier cache, so new prefixes spread out; on a shared
+        # processor the busier one (one engine batching beats two time-slicing it)
+        key = (pair.cost.queue_s, -p.batch() if p.proc.shared else p.batch(),
+               p.stats.kv_usage, pair.ttft_s)
+        if best_key is None or key < best_key:
             best, best_key = pair, key
     if best is None:
         msg = (f"predicted TBT {min_tbt * 1000:.0f} ms exceeds the SLO {slo.tbt_ms:.0f} ms"
@@ -231,7 +252,6 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
                "no decode instance can take the request within the TBT SLO")
         return Rejection("tbt", 1, math.inf, min_tbt, msg)
     ttft, tbt, p, d, pc = best.ttft_s, best.tbt_s, best.prefill, best.decode, best.cost
-    slo_s = slo.ttft_ms / 1000.0
     # Refuse what load makes late. A prompt too long for the SLO even on an idle instance is
     # served best effort: refusing would not help it (no retry ever would) and serving it
     # caches its prefix for the requests that follow.

@@ -107,7 +107,8 @@ class Proxy:
                 return self._reject(decision)
             self._count(decision, n_tokens)
             self.c.dispatched(decision, rid, hashes)
-            added_ms = (time.perf_counter() - received_at) * 1e3
+            sent = time.perf_counter()
+            added_ms = (sent - received_at) * 1e3
             try:
                 if decision.disaggregated:
                     early = await self._prefill(decision, rid, path, body, headers)
@@ -116,7 +117,7 @@ class Proxy:
                         return early
                 if stream:
                     return await self._stream(decision, rid, path, body, headers, t_arrival,
-                                              added_ms)
+                                              added_ms, sent)
                 return await self._whole(decision, rid, path, body, headers, added_ms)
             except UpstreamTimeout as exc:
                 self.c.finished(decision, rid)
@@ -204,9 +205,11 @@ class Proxy:
 
     async def _stream(self, d: Decision, rid: str, path: str, body: dict[str, Any],
                       headers: dict[str, str], t_arrival: float,
-                      added_ms: float | None = None) -> Response:
+                      added_ms: float | None = None, sent: float | None = None) -> Response:
         """Relay d's SSE stream; the first chunk is awaited here so a failure before any
-        byte reached the client can still be retried elsewhere."""
+        byte reached the client can still be retried elsewhere. ``sent``: when the request
+        was dispatched (``perf_counter``; default ``t_arrival``): the prefill time the cost
+        model's correction learns from runs from then, not counting the router's own time."""
         inst = d.decode
         req = self.client.build_request("POST", inst.spec.url + path,
                                         content=json.dumps(body).encode(), headers=headers)
@@ -231,10 +234,10 @@ class Proxy:
         except httpx.TransportError as exc:
             await up.aclose()
             raise _transport_error(inst, exc) from exc
-        ttft = time.perf_counter() - t_arrival
-        self.metrics.observe_ttft(d.ttft_s, ttft)
+        t_first = time.perf_counter()
+        self.metrics.observe_ttft(d.ttft_s, t_first - t_arrival)
         if not d.disaggregated:
-            self.c.prefill_finished(d, rid, ttft)
+            self.c.prefill_finished(d, rid, t_first - (t_arrival if sent is None else sent))
         return StreamingResponse(self._relay(d, rid, up, first, chunks),
                                  status_code=200, headers=self._headers(d, {}, added_ms),
                                  media_type=up.headers.get("content-type", "text/event-stream"))

@@ -47,7 +47,7 @@ class Conductor:
         # until the engines' page size is known, costs assume 256-token blocks; no prefix
         # is hashed, so no decision counts on a hit it cannot verify
         self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
-                                 self.disk_bandwidth)
+                                 self.disk_bandwidth, cfg.cost.tie_tolerance)
         self.clock = clock
         if cfg.keys.block_size is not None:
             self.set_block_size(cfg.keys.block_size)
@@ -62,7 +62,7 @@ class Conductor:
                         self.block_size, block_size)
         self.block_size = block_size
         self.params = CostParams(self.profile, block_size, self.kv_bytes_per_token * block_size,
-                                 self.bandwidth, self.disk_bandwidth)
+                                 self.bandwidth, self.disk_bandwidth, self.cfg.cost.tie_tolerance)
         for inst in self.registry:
             self.index.clear(inst.slot)
             if inst.translator is not None:

@@ -283,3 +283,57 @@ def test_correction_factor_is_bounded() -> None:
     assert c == pytest.approx(4.0, rel=1e-3) and c <= 4.0
     a.observe(0.0, 1.0)  # ignored
     assert a.correction == c
+
+
+def _stored_prefix_pair() -> tuple[Instance, Instance, dict[int, int]]:
+    """Two idle instances on their own processors, the prompt's first 30 blocks in the
+    store and on neither: ``a``'s measured correction is 2% below ``b``'s."""
+    a, b = inst("a", 0), inst("b", 1)
+    a.observe(1.0, 0.9)  # one observation: a's prefills ran 10% faster than predicted
+    assert a.correction == pytest.approx(0.98) and b.correction == 1.0
+    return a, b, {}
+
+
+def test_predictions_within_the_tolerance_are_a_tie_that_goes_to_the_idle_instance() -> None:
+    """A correction a few percent lower must not pull requests onto an instance that
+    already has work queued while an idle one predicts within the model's noise."""
+    a, b, runs = _stored_prefix_pair()
+    a.enqueue("r0", 0.0005, now=0.0)  # 0.5 ms queued: a still predicts the lowest TTFT
+    costs = {c.name: c for c in choose([a, b], [a, b], runs, 30, N, PARAMS, SLO, 0.0)
+             .candidates}  # type: ignore[union-attr]
+    assert costs["a"].ttft_s < costs["b"].ttft_s < costs["a"].ttft_s * 1.05
+    d = choose([a, b], [a, b], runs, 30, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b
+    exact = CostParams(PROFILE, BS, 4096 * BS, 1e9, tie_tolerance=0.0)  # the lowest wins
+    d = choose([a, b], [a, b], runs, 30, N, exact, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a
+    # with equal queues the tie goes to the instance running fewer sequences
+    a.prefill_done("r0", now=0.0)
+    a.decodes, b.decodes = 0, 3
+    d = choose([a, b], [a, b], runs, 30, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a
+
+
+def test_a_difference_beyond_the_tolerance_still_decides() -> None:
+    """Ties are only ties: a cheaper instance by more than the tolerance (here the one
+    holding the prefix with nothing in the store) wins however loaded it is."""
+    a, b = inst("a", 0), inst("b", 1)
+    a.enqueue("r0", 0.05, now=0.0)
+    a.decodes = 10
+    d = choose([a, b], [a, b], {0: 30}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a
+    costs = {c.name: c.ttft_s for c in d.candidates}
+    assert costs["b"] > costs["a"] * (1 + PARAMS.tie_tolerance)
+
+
+def test_a_tie_never_breaks_an_slo_the_lowest_meets() -> None:
+    a, b, runs = _stored_prefix_pair()
+    a.enqueue("r0", 0.0005, now=0.0)
+    costs = {c.name: c.ttft_s for c in choose([a, b], [a, b], runs, 30, N, PARAMS, SLO,
+                                              0.0).candidates}  # type: ignore[union-attr]
+    tight = SloConfig(ttft_ms=(costs["a"] + costs["b"]) / 2 * 1000, tbt_ms=100)
+    d = choose([a, b], [a, b], runs, 30, N, PARAMS, tight, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a and not d.over_slo
+    with pytest.raises(ValueError, match="tie_tolerance"):
+        RouterConfig.from_dict({"model": "m", "tokenizer": "x",
+                                "cost": {"tie_tolerance": 1.5}})
