@@ -17,8 +17,9 @@ import torch
 
 from kvcentric.config import StoreConfig
 from kvcentric.connector.vllm.settings import ConnectorSettings
+from kvcentric.connector.vllm.steps import when_done
 from kvcentric.connector.vllm.transfers import StepPlan
-from kvcentric.connector.vllm.worker import KVCentricWorker, when_done
+from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.store import ReadLease, open_store
 from tests.helpers.kv_worker import caches, engine, refs, save, spec, untouched, worker
 from tests.helpers.waiting import wait_until

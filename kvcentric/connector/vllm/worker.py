@@ -36,8 +36,10 @@ it, so vLLM recomputes those tokens; a save that fails is dropped (aborted).
 Bounded waits: a step waits for its copy jobs at most ``load_timeout_s`` plus their bytes
 at the store's ``min_transfer_rate`` in all (the store bounds each of its own calls). A
 step that gives up reports its loads as load errors and aborts its saves, but never frees
-what a late job may still use: its jobs stop touching the KV cache (:class:`_Gate`), its
-leases are released and its slots aborted only once its jobs are done (a done-callback).
+what a late job may still use: its jobs stop touching the KV cache (a
+:class:`~kvcentric.connector.vllm.steps.Gate`), its leases are released and its slots
+aborted only once its jobs are done (a done-callback). Each step's state is an object of
+its own (:mod:`kvcentric.connector.vllm.steps`), so a late job only ever sees its step's.
 
 Hybrid models (:mod:`kvcentric.connector.vllm.groups`): each layer moves its own group's
 pages; recurrent states are objects of their own (:mod:`kvcentric.connector.vllm.states`),
@@ -50,9 +52,7 @@ back to a request when there are several groups.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -66,51 +66,16 @@ from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.mover import SKIP, PageKernel, PagePlan
 from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.connector.vllm.states import StateObjects
+from kvcentric.connector.vllm.steps import LoadPlan, LoadStep, SaveStep, when_done
 from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
-from kvcentric.integrity import ObjectRef, describe
-from kvcentric.store import KVStore, ReadLease, StoreUnavailable, WriteSlot
+from kvcentric.integrity import describe
+from kvcentric.store import KVStore, ReadLease, StoreUnavailable
 
 log = logging.getLogger("kvcentric.connector")
 
 
 class IntegrityError(RuntimeError):
     """A leased object's header names another key, rank, layout or format."""
-
-
-class _Gate:
-    """Whether one step's load jobs may still write the KV cache. Closing waits for an
-    unpack in progress (a copy, never a store call); after :meth:`close` no job of that
-    step unpacks (a late one may still be in a store call: its step's leases are released
-    only once it is done)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.open = True
-
-    def close(self) -> None:
-        with self.lock:
-            self.open = False
-
-
-def when_done(futs: Sequence[Future[None]], fn: Callable[[], None]) -> None:
-    """Run ``fn`` once every future in ``futs`` is done (now, when they all are; else on
-    the thread that finishes the last one). Cancelled futures count as done."""
-    left = [len(futs) + 1]
-    lock = threading.Lock()
-
-    def one(_: object = None) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            try:
-                fn()
-            except Exception:  # a callback must not die silently on the copy thread
-                log.exception("deferred cleanup failed")
-
-    for fut in futs:
-        fut.add_done_callback(one)
-    one()
 
 
 class KVCentricWorker:
@@ -130,30 +95,15 @@ class KVCentricWorker:
         self._layer_groups = groups.layer_group if groups is not None else None
         self._states = StateObjects(layout, store, self.stats) \
             if layout.state_geometry is not None else None
-        self._state_saves: list[TransferSpec] = []
         self._recving: set[str] = set()  # async loads finished in this step (hybrids)
         self._failed: set[str] = set()  # ... of which these failed
         self._kv: list[torch.Tensor] = []
         spare = spare_cpus() if settings.spare_cpu_threads else None  # affinity.py
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-copy", initializer=pin_to,
                                         initargs=(spare,)) if settings.async_copy else None
-        self._load_futs: list[Future[None]] = []
-        self._load_failed = False
-        self._gate = _Gate()  # this step's load jobs may unpack (closed: bad header, gave up)
-        self._wait_left = 0.0  # seconds this step may still wait for its copy jobs
-        self._load_plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]] = []
-        self._load_reqs: list[str] = []  # the request of each load plan
-        self._fetch_group = 1  # layers per ranged fetch, set per step
-        self._leases: list[ReadLease] = []
-        self._load_errors: set[int] = set()
-        self._save_specs: list[TransferSpec] = []
-        self._save_plan: PagePlan | None = None
-        self._slots: list[WriteSlot] = []
-        self._save_futs: list[Future[None]] = []
-        self._packed_layers = 0  # layers whose pack is queued this step, from layer 0
-        self._save_batch: list[torch.Tensor] = []  # CUDA: layers waiting for their group
-        self._save_group = 1  # CUDA: layers per pack transfer, set per step
-        self._commit_now = False
+        self._ld = LoadStep()  # this step's loads (a fresh object per step)
+        self._sv = SaveStep()  # this step's saves (a fresh object per step)
+        self._load_errors: set[int] = set()  # pages to recompute, until taken
         self._committer = Committer(store, self.stats, pin_s, settings.async_commit, spare)
         self._path = DevicePath(PageKernel())
         self._asleep: list[torch.Tensor] | None = None  # the caches while vLLM sleeps
@@ -218,27 +168,27 @@ class KVCentricWorker:
             return
         if meta.state_loads and self._states is not None:
             self._failed |= self._states.load(meta.state_loads)
+        ld = self._ld
         for spec in meta.loads:
-            self._timed("fetch_seconds", self._lease_and_plan, spec)
-        if self._load_plans:
+            self._timed("fetch_seconds", self._lease_and_plan, ld, spec)
+        if ld.plans:
             g = self.layout.geometry
             per_layer = g.pages_per_object * g.page_bytes * sum(
-                plan.num_objects for _, plan, _ in self._load_plans)
+                lp.plan.num_objects for lp in ld.plans)
             # one ranged store call per group of layers: each call has a fixed cost
             # (Mooncake over TCP: ~5 ms), which small per-layer ranges would pay L times
-            self._fetch_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
-            self._wait_left = self._bound_s(per_layer * len(self._kv))
+            ld.group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
+            ld.wait_left = self._bound_s(per_layer * len(self._kv))
             if self._path.ordering is not None:
                 self._path.ordering.begin_loads(len(self._kv))
-            # each job gets its step's plans and gate: a late job never sees the next step's
-            plans, group, gate = list(self._load_plans), self._fetch_group, self._gate
-            self._load_futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer,
-                                         plans, group, gate) for layer in range(len(self._kv))]
+            # each job gets its step's object: a late job never sees the next step's
+            ld.futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer, ld)
+                       for layer in range(len(self._kv))]
             if not hooks_run:
                 for layer in range(len(self._kv)):
                     self._wait_layer(layer)
 
-    def _lease_and_plan(self, spec: TransferSpec) -> None:
+    def _lease_and_plan(self, ld: LoadStep, spec: TransferSpec) -> None:
         size = self.layout.geometry.object_bytes
         keys = [ref.key(self.layout.keyspace) for ref in spec.refs]
         # a checksum covers the whole object: verified leases must be eager
@@ -250,7 +200,7 @@ class KVCentricWorker:
             log.warning("store unavailable, recomputing %d blocks: %s", len(keys), exc)
             self._fail(spec.req_id, spec.page_ids)
             return
-        self._leases.append(lease)
+        ld.leases.append(lease)
         good = self._verified_prefix(lease)
         good = next((i for i in range(good) if lease.sizes[i] != size), good)
         if good < len(keys):
@@ -258,11 +208,9 @@ class KVCentricWorker:
                      spec.req_id, len(keys) - good, len(keys))
             self._fail(spec.req_id, spec.page_ids[good:])
         if good:
-            self._load_plans.append((lease, PagePlan(self.layout.geometry, lease.ptrs[:good],
-                                                     spec.page_ids[:good], self._path.kernel,
-                                                     self._layer_groups),
-                                     spec.refs[:good]))
-            self._load_reqs.append(spec.req_id)
+            plan = PagePlan(self.layout.geometry, lease.ptrs[:good], spec.page_ids[:good],
+                            self._path.kernel, self._layer_groups)
+            ld.plans.append(LoadPlan(spec.req_id, lease, plan, spec.refs[:good]))
             self.stats.add(loaded_blocks=good, loaded_bytes=good * size)
 
     def _verified_prefix(self, lease: ReadLease) -> int:
@@ -288,57 +236,55 @@ class KVCentricWorker:
         """How long a step may wait for copy jobs moving ``nbytes``."""
         return self.settings.load_timeout_s + nbytes / self.settings.store.min_transfer_rate
 
-    def _unpack_layer(self, layer: int, plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]],
-                      group: int, gate: _Gate) -> None:
+    def _unpack_layer(self, layer: int, ld: LoadStep) -> None:
         """Copy thread: fetch this layer's group of byte ranges (first layer of a group;
         the first group brings the headers, checked before anything is unpacked), then
         move the layer's pages into the cache: on CPU layer by layer; on CUDA the whole
         group at its first layer, as one transfer per run (small layers, e.g. MLA's, were
         host-bound one DMA, stream switch and event per layer). Nothing is unpacked once
-        ``gate`` closed (the step's loads are recomputed: leave the pages alone)."""
+        the step's gate closed (its loads are recomputed: leave the pages alone)."""
+        gate = ld.gate
         if not gate.open:
             return
         g = self.layout.geometry
-        first = layer % group == 0
-        count = min(group, len(self._kv) - layer)
+        first = layer % ld.group == 0
+        count = min(ld.group, len(self._kv) - layer)
         if first:
             offset, size = g.layer_range(layer, count)
-            for lease, _, _ in plans:
-                self.store.fetch_range(lease, offset, size)
+            for lp in ld.plans:
+                self.store.fetch_range(lp.lease, offset, size)
         with gate.lock:
             if not gate.open:
                 return
             if layer == 0:
-                self._check_headers(plans, gate)
+                self._check_headers(ld)
             ordering = self._path.ordering
             if ordering is None:
-                for _, plan, _ in plans:
-                    plan.unpack_layer(layer, self._kv[layer])
+                for lp in ld.plans:
+                    lp.plan.unpack_layer(layer, self._kv[layer])
             elif first:  # the bytes are in host memory: the GPU copies them on a copy lane
-                ordering.run_load(layer, lambda: self._unpack_group(plans, layer, count), count)
+                ordering.run_load(layer, lambda: self._unpack_group(ld, layer, count), count)
 
-    def _check_headers(self, plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]],
-                       gate: _Gate) -> None:
+    def _check_headers(self, ld: LoadStep) -> None:
         """Every leased object's header against the object this step asked for;
-        ``IntegrityError`` (the step's loads are recomputed; ``gate`` closes, its lock is
-        held) on any mismatch."""
+        ``IntegrityError`` (the step's loads are recomputed; its gate closes, the caller
+        holds its lock) on any mismatch."""
         bad = 0
-        for lease, _, refs in plans:
-            for ptr, ref, key in zip(lease.ptrs, refs, lease.keys):
+        for lp in ld.plans:
+            for ptr, ref, key in zip(lp.lease.ptrs, lp.refs, lp.lease.keys):
                 if not self._headers.check(ptr, ref):
                     bad += 1
                     log.error("integrity: object %s was written for %s, this load expects "
                               "%s; recomputing", key, self._headers.describe(ptr),
                               describe(self._headers.expected(ref)))
         if bad:
-            gate.open = False
+            ld.gate.open = False
             self.stats.add(integrity_errors=bad)
             raise IntegrityError(f"{bad} leased objects failed their header check")
 
-    def _unpack_group(self, plans: list[tuple[ReadLease, PagePlan, list[ObjectRef]]],
-                      first: int, count: int) -> None:
-        for _, plan, _ in plans:
-            plan.unpack_layers(first, self._kv[first:first + count])
+    def _unpack_group(self, ld: LoadStep, first: int, count: int) -> None:
+        for lp in ld.plans:
+            lp.plan.unpack_layers(first, self._kv[first:first + count])
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self.layer_of(layer_name)
@@ -346,23 +292,24 @@ class KVCentricWorker:
             self._wait_layer(layer)
 
     def _wait_layer(self, layer: int) -> None:
-        if not self._load_futs or self._load_failed:
+        ld = self._ld
+        if not ld.futs or ld.failed:
             return
         t0 = time.perf_counter()
-        if self._wait_job(self._load_futs[layer]) and self._path.ordering is not None:
+        if self._wait_job(ld, ld.futs[layer]) and self._path.ordering is not None:
             self._path.ordering.wait_layer(layer)
         self.stats.add(load_wait_seconds=time.perf_counter() - t0)
 
-    def _fail_loads(self) -> None:
-        """Report every page this step loads; its jobs must not unpack any more (they
+    def _fail_loads(self, ld: LoadStep) -> None:
+        """Report every page step ``ld`` loads; its jobs must not unpack any more (they
         would write pages vLLM is about to recompute): the gate closes (waiting out an
         unpack in progress) and queued jobs are cancelled."""
-        self._load_failed = True
-        self._gate.close()
-        for fut in self._load_futs:
+        ld.failed = True
+        ld.gate.close()
+        for fut in ld.futs:
             fut.cancel()
-        for (_, plan, _), req_id in zip(self._load_plans, self._load_reqs, strict=True):
-            self._fail(req_id, [plan.page_ids()], plan.num_objects)
+        for lp in ld.plans:
+            self._fail(lp.req_id, [lp.plan.page_ids()], lp.plan.num_objects)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -382,48 +329,48 @@ class KVCentricWorker:
         """Take this step's saves; a rank that is not its key space's ``writer`` (MLA on
         TP ranks past the first DCP group: another rank stores the same bytes) and a
         sleeping worker save nothing."""
-        writes = self.layout.writer and self._asleep is None
-        self._save_specs = list(meta.saves) if writes else []
-        self._state_saves = list(meta.state_saves) if writes and self._states else []
-        self._commit_now = meta.commit_now
+        writes, sv = self.layout.writer and self._asleep is None, self._sv
+        sv.specs = list(meta.saves) if writes else []
+        sv.state_saves = list(meta.state_saves) if writes and self._states else []
+        sv.commit_now = meta.commit_now
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        layer = self.layer_of(layer_name)
-        if layer is None or (self._save_plan is None and not self._save_specs):
+        layer, sv = self.layer_of(layer_name), self._sv
+        if layer is None or (sv.plan is None and not sv.specs):
             return
-        if self._save_plan is None and not self._timed("commit_seconds", self._reserve):
+        if sv.plan is None and not self._timed("commit_seconds", self._reserve, sv):
             return
-        assert self._save_plan is not None
-        ordering, plan = self._path.ordering, self._save_plan
+        assert sv.plan is not None
+        ordering, plan = self._path.ordering, sv.plan
         if ordering is None:
-            self._save_futs.append(self._run(self._timed, "save_seconds", plan.pack_layer,
-                                             layer, kv_layer))
-            self._packed_layers += 1
+            sv.futs.append(self._run(self._timed, "save_seconds", plan.pack_layer,
+                                     layer, kv_layer))
+            sv.packed += 1
             return
-        # CUDA: layers in groups of _save_group (one transfer per run, as loads), each
+        # CUDA: layers in groups of sv.group (one transfer per run, as loads), each
         # group enqueued behind its last layer's attention; no thread, no host wait
-        if layer != self._packed_layers + len(self._save_batch):
-            self._save_futs.append(self._now(self._skipped_layer, layer))  # never commit
+        if layer != sv.packed + len(sv.batch):
+            sv.futs.append(self._now(self._skipped_layer, layer))  # never commit
             return
-        self._save_batch.append(kv_layer)
-        if len(self._save_batch) < self._save_group and layer < len(self._kv) - 1:
+        sv.batch.append(kv_layer)
+        if len(sv.batch) < sv.group and layer < len(self._kv) - 1:
             return
-        start, batch = self._packed_layers, self._save_batch
-        self._save_batch, self._packed_layers = [], start + len(batch)
-        self._save_futs.append(self._now(self._timed, "save_seconds", ordering.run_save,
-                                         lambda: plan.pack_layers(start, batch)))
+        start, batch = sv.packed, sv.batch
+        sv.batch, sv.packed = [], start + len(batch)
+        sv.futs.append(self._now(self._timed, "save_seconds", ordering.run_save,
+                                 lambda: plan.pack_layers(start, batch)))
 
     @staticmethod
     def _skipped_layer(layer: int) -> None:
         raise RuntimeError(f"layer {layer}'s save came out of order: the objects would be "
                            f"incomplete")
 
-    def _reserve(self) -> bool:
-        """Reserve write slots for all of this step's new blocks (one store call) and
+    def _reserve(self, sv: SaveStep) -> bool:
+        """Reserve write slots for all of step ``sv``'s new blocks (one store call) and
         write their headers."""
         ks = self.layout.keyspace
         refs, pages, parents = [], [], []
-        for spec in self._save_specs:
+        for spec in sv.specs:
             refs += spec.refs
             pages += spec.page_ids
             parents += [p.key(ks) if p is not None else None for p in spec.parents]
@@ -436,80 +383,74 @@ class KVCentricWorker:
             slots = [None] * len(keys)
         live = [(s, p, r) for s, p, r in zip(slots, pages, refs) if s is not None]
         self.stats.add(skipped_blocks=len(keys) - len(live))
-        self._save_specs = []
+        sv.specs = []
         if not live:
             return False
         for slot, _, ref in live:
             self._headers.write(slot.ptr, ref)
-        self._slots = [s for s, _, _ in live]
-        self._save_plan = PagePlan(self.layout.geometry, [s.ptr for s in self._slots],
-                                   [p for _, p, _ in live], self._path.kernel,
-                                   self._layer_groups)
+        sv.slots = [s for s, _, _ in live]
+        sv.plan = PagePlan(self.layout.geometry, [s.ptr for s in sv.slots],
+                           [p for _, p, _ in live], self._path.kernel, self._layer_groups)
         g = self.layout.geometry
         per_layer = g.pages_per_object * g.page_bytes * len(live)
-        self._save_group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
+        sv.group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
         return True
 
     def finish_step(self) -> None:
         """End of step: save what no layer hook saved (a full CUDA graph ran no hooks; the
-        cache now holds every layer), wait for copies, commit saves, release leases."""
-        if self._save_specs and self._save_plan is None:
+        cache now holds every layer), wait for copies, commit saves, release leases. The
+        next step starts from fresh step objects."""
+        sv = self._sv
+        if sv.specs and sv.plan is None:
             for name, layer in self._layer_index.items():
                 self.save_layer(name, self._kv[layer])
-        self._finish_loads()
-        self._finish_saves()
-        if self._state_saves and self._states is not None:  # the forward wrote them by now
-            specs, self._state_saves = self._state_saves, []
-            slots = self._states.save(specs)
+        ld, self._ld, self._sv = self._ld, LoadStep(), SaveStep()
+        self._finish_loads(ld)
+        self._finish_saves(sv)
+        if sv.state_saves and self._states is not None:  # the forward wrote them by now
+            slots = self._states.save(sv.state_saves)
             if slots:
-                self._committer.commit(slots, now=self._commit_now, stat="saved_states")
+                self._committer.commit(slots, now=sv.commit_now, stat="saved_states")
 
-    def _finish_loads(self) -> None:
-        for fut in self._load_futs:  # within the step's bound: leases outlive copies
-            if self._load_failed or not self._wait_job(fut):
+    def _finish_loads(self, ld: LoadStep) -> None:
+        for fut in ld.futs:  # within the step's bound: leases outlive copies
+            if ld.failed or not self._wait_job(ld, fut):
                 break
         if self._path.ordering is not None:
             self._path.ordering.loads_done()  # the GPU may still read the leased bytes
-        for (lease, plan, _), req_id in zip(self._load_plans, self._load_reqs, strict=True):
-            if not self._load_failed and not self.store.lease_valid(lease):
+        for lp in ld.plans:
+            if not ld.failed and not self.store.lease_valid(lp.lease):
                 # the store reclaimed the lease (its connection dropped) while we copied:
                 # the bytes may be torn, so vLLM recomputes these pages and drops this
                 # step's tokens for them
                 log.warning("a read lease lapsed during the load; recomputing %d blocks",
-                            plan.num_objects)
-                self._fail(req_id, [plan.page_ids()], plan.num_objects)
-        leases, store = self._leases, self.store
+                            lp.plan.num_objects)
+                self._fail(lp.req_id, [lp.plan.page_ids()], lp.plan.num_objects)
+        leases, store = ld.leases, self.store
 
         def release() -> None:
             for lease in leases:
                 store.release(lease)
         # a job that overran its step may still fetch into, or read, its leases
-        when_done(self._load_futs, release)
-        self._leases, self._load_plans, self._load_futs = [], [], []
-        self._load_reqs = []
-        self._load_failed = False
-        self._gate = _Gate()
+        when_done(ld.futs, release)
 
-    def _wait_job(self, fut: Future[None]) -> bool:
-        """Wait for one load job within what is left of the step's bound; a job that
-        failed or is late fails the step's loads (False)."""
+    def _wait_job(self, ld: LoadStep, fut: Future[None]) -> bool:
+        """Wait for one of step ``ld``'s load jobs within what is left of its bound; a
+        job that failed or is late fails the step's loads (False)."""
         t0 = time.perf_counter()
         try:
-            fut.result(max(self._wait_left, 0.0))
+            fut.result(max(ld.wait_left, 0.0))
             return True
         except Exception as exc:  # failed, or late (TimeoutError): recompute all loaded
             log.error("layer load failed (%s); recomputing this step's loaded blocks",
                       exc or type(exc).__name__)
-            self._fail_loads()
+            self._fail_loads(ld)
             return False
         finally:
-            self._wait_left -= time.perf_counter() - t0
+            ld.wait_left -= time.perf_counter() - t0
 
-    def _finish_saves(self) -> None:
-        slots, self._slots = self._slots, []
-        futs, self._save_futs = self._save_futs, []
-        self._save_plan, self._save_specs = None, []
-        packed_layers, self._packed_layers, self._save_batch = self._packed_layers, 0, []
+    def _finish_saves(self, sv: SaveStep) -> None:
+        slots, futs = sv.slots, sv.futs
         if not slots:
             return
         # the packs may wait behind this step's late load jobs on the copy thread
@@ -527,11 +468,11 @@ class KVCentricWorker:
             store = self.store  # a pack still running writes into the slots: abort after it
             when_done(futs, lambda: store.batch_abort(slots))
             return
-        if packed_layers != len(self._kv):  # a layer never ran: the objects are incomplete
+        if sv.packed != len(self._kv):  # a layer never ran: the objects are incomplete
             self.store.batch_abort(slots)
             return
         packed = self._path.ordering.saves_enqueued() if self._path.ordering else None
-        self._committer.commit(slots, packed, now=self._commit_now)
+        self._committer.commit(slots, packed, now=sv.commit_now)
 
     # ---- sleep mode (vLLM >= 0.33: unregister_kv_caches / restore_kv_caches) ----
     def suspend(self) -> None:
