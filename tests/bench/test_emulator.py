@@ -120,7 +120,7 @@ def test_the_router_rebuilds_what_the_engine_cached_from_its_events() -> None:
 # ---------------------------------------------------------------------- wire and replay
 
 def test_event_batches_are_byte_identical_to_vllms() -> None:
-    kve = pytest.importorskip("vllm.distributed.kv_events")
+    from vllm.distributed import kv_events as kve  # make setup installs vLLM: never a skip
     t = toks(5, 32)
     ours = ev.encode_batch([ev.stored([11, 12], None, t, 16, "salt"), ev.removed(11),
                             ev.AllBlocksCleared()], ts=1.5)

@@ -60,11 +60,11 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 def _vllm_batches() -> tuple[list[Any], list[list[int]]]:
-    kve = pytest.importorskip("vllm.distributed.kv_events")
+    from vllm.distributed import kv_events as kve  # make setup installs vLLM: never a skip
     seqs = [tokens(s) for s in range(3)]
 
     def stored(i: int, toks: list[int]) -> Any:
-        hs = [i * 100 + k for k in range(len(toks) // PAGE)]
+        hs: list[bytes | int] = [i * 100 + k for k in range(len(toks) // PAGE)]
         return kve.BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=toks,
                                block_size=PAGE, lora_id=None, medium=None, lora_name=None)
 
@@ -77,7 +77,7 @@ def _vllm_batches() -> tuple[list[Any], list[list[int]]]:
 
 @pytest.mark.parametrize("replay", [True, False])
 def test_a_late_router_rebuilds_residency_from_the_engines_replay(replay: bool) -> None:
-    kve = pytest.importorskip("vllm.distributed.kv_events")
+    from vllm.distributed import kv_events as kve  # make setup installs vLLM: never a skip
     batches, seqs = _vllm_batches()
     live_ep, replay_ep = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     # the engine runs (and publishes) before the router exists: those batches are lost
