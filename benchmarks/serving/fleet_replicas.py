@@ -143,23 +143,29 @@ def hot_workload(args: argparse.Namespace, n: int, seed: int, d: float) -> Workl
                         group_skew=args.skew)
 
 
-def replicas(args: argparse.Namespace) -> dict[str, Any]:
-    n = args.instances
+def fleet_setup(args: argparse.Namespace, dilation: float) -> FleetSetup:
+    """The emulated fleet of ``args.instances`` engines at ``dilation`` on half the CPUs,
+    this process (client and routers) pinned to the rest."""
     model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
-    d = args.dilation or max(1.0, n / 16)
-    name = f"fleet_replicas_{n}{'_store' if args.store else ''}{'_quick' if args.quick else ''}"
-    logs = LOGS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     emu_cpus, rest = split_cpus()
     if rest:
         os.sched_setaffinity(0, rest)
-    setup = FleetSetup(EmulatorSpec(n, model, pages=args.pages, max_model_len=8192,
-                                    cpus=emu_cpus, dilation=d),
-                       args.slo_ttft_ms, args.slo_tpot_ms, use_store=args.store,
-                       router_cpus=rest)
+    return FleetSetup(EmulatorSpec(args.instances, model, pages=args.pages,
+                                   max_model_len=8192, cpus=emu_cpus, dilation=dilation),
+                      args.slo_ttft_ms, args.slo_tpot_ms, use_store=args.store,
+                      router_cpus=rest)
+
+
+def replicas(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.instances
+    d = args.dilation or max(1.0, n / 16)
+    name = f"fleet_replicas_{n}{'_store' if args.store else ''}{'_quick' if args.quick else ''}"
+    logs = LOGS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    setup = fleet_setup(args, d)
     counts = [1, 2, 4] if args.quick else [1, 2, 4, 8]
     arms = [(f"kvcentric-router x{k}", OUR_ROUTER, k) for k in counts]
     arms += [(f"smg-cache_aware x{k}", SMG, k) for k in (1, counts[-1])]
-    src = TokenSource(model)
+    src = TokenSource(setup.emulator.model)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms}
     restarts = []
     t0 = time.monotonic()
@@ -237,22 +243,15 @@ def restart_run(fr: FleetRun, w: Workload, src: TokenSource, rep: int, spec: Wor
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     n = args.instances
-    model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
     d = args.dilation or max(1.0, n / 16)
     logs = LOGS / f"fleet_soak_{n}-{time.strftime('%Y%m%d-%H%M%S')}"
-    emu_cpus, rest = split_cpus()
-    if rest:
-        os.sched_setaffinity(0, rest)
-    setup = FleetSetup(EmulatorSpec(n, model, pages=args.pages, max_model_len=8192,
-                                    cpus=emu_cpus, dilation=d),
-                       args.slo_ttft_ms, args.slo_tpot_ms, use_store=args.store,
-                       router_cpus=rest)
+    setup = fleet_setup(args, d)
     rate = args.rate_per_instance * n  # emulated requests/s
     total = int(rate * args.minutes * 60 / d)
     spec = WorkloadSpec(workload="shared-prefix", seed=args.seed, num_groups=max(1, total // 4),
                         prompts_per_group=4, shared_system_prompt_len=1024,
                         turn_input_len=128, output_len=8, request_rate=rate / d)
-    src = TokenSource(model)
+    src = TokenSource(setup.emulator.model)
     w = build(spec, src)
     samples: list[dict[str, Any]] = []
 
