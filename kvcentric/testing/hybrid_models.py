@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +35,8 @@ from kvcentric.testing.models import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
-    _file_lock,
-    _swap_in,
     _write_json,
+    build_dir,
     get_spec,
     write_tokenizer,
 )
@@ -99,25 +95,13 @@ def build_hybrid(kind: str, out_dir: str | Path, *, force: bool = False) -> Path
     (``ValueError`` for an unknown kind)."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; known: {sorted(KINDS)}")
-    out = Path(out_dir).absolute()
-    if not force and is_complete(out, kind):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out.parent / f"{out.name}.lock"):
-        if not force and is_complete(out, kind):
-            return out
-        if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
-            raise FileExistsError(f"{out} exists and is not a kvcentric model dir")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            os.chmod(tmp, 0o755)
-            _write_model(kind, tmp)
-            write_tokenizer(get_spec("tiny"), tmp)
-            _write_json(tmp / MARKER, _marker(kind))  # last: marks completeness
-            _swap_in(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    def write(tmp: Path) -> None:
+        _write_model(kind, tmp)
+        write_tokenizer(get_spec("tiny"), tmp)
+
+    return build_dir(Path(out_dir), MARKER, _marker(kind),
+                     lambda out: is_complete(out, kind), write, force)
 
 
 def _write_model(kind: str, out: Path) -> None:

@@ -48,7 +48,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -163,21 +163,37 @@ def build_model(size: str, out_dir: str | Path, *, force: bool = False) -> Path:
     module (it has a marker file); otherwise ``FileExistsError`` is raised.
     """
     spec = get_spec(size)
-    out = Path(out_dir).absolute()
-    if not force and is_complete(out, spec):
+
+    def write(tmp: Path) -> None:
+        tokenizer = write_tokenizer(spec, tmp)
+        write_weights(spec, tmp, suppressed_token_ids(tokenizer))
+
+    return build_dir(Path(out_dir), MARKER_FILE, _marker(spec),
+                     lambda out: is_complete(out, spec), write, force)
+
+
+def build_dir(out_dir: Path, marker: str, want: dict[str, Any],
+              complete: Callable[[Path], bool], write: Callable[[Path], None],
+              force: bool = False) -> Path:
+    """Make ``out_dir`` hold what ``write(tmp)`` writes plus the ``marker`` file saying
+    ``want``, unless ``complete(out_dir)`` (``force``: rebuild). Concurrent callers
+    serialize on ``<out_dir>.lock``; the files appear atomically (temp dir + rename, the
+    marker written last). An existing ``out_dir`` without the marker and not empty is
+    never replaced (``FileExistsError``)."""
+    out = out_dir.absolute()
+    if not force and complete(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(out.parent / f"{out.name}.lock"):
-        if not force and is_complete(out, spec):
+        if not force and complete(out):
             return out
-        if out.exists() and any(out.iterdir()) and not (out / MARKER_FILE).exists():
+        if out.exists() and any(out.iterdir()) and not (out / marker).exists():
             raise FileExistsError(f"{out} exists and is not a kvcentric model dir")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             os.chmod(tmp, 0o755)
-            tokenizer = write_tokenizer(spec, tmp)
-            write_weights(spec, tmp, suppressed_token_ids(tokenizer))
-            _write_json(tmp / MARKER_FILE, _marker(spec))  # last: marks completeness
+            write(tmp)
+            _write_json(tmp / marker, want)  # last: marks completeness
             _swap_in(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
