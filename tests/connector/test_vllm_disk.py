@@ -29,7 +29,11 @@ def _wait(pred: Any, timeout: float = 30.0) -> bool:
 
 @pytest.fixture
 def disk_store(runtime_dir: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    # hot_timeout_s as conftest's store_cfg: this test checks the disk path, not the 0.1 s
+    # hot-path bound, and on the 2-core CI box (two engines up) a filler reserve right after
+    # the writer's forward pass once waited past 0.1 s: its put refused, the run failed
     cfg = {"name": "vllm-disk", "capacity": "16mb", "runtime_dir": str(runtime_dir),
+           "hot_timeout_s": 1.0,
            "disk": {"path": str(tmp_path / "disk"), "capacity": "256mb",
                     "high_watermark": 0.5}}
     yield cfg
