@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 SHARING = ("serial", "fair")
+OUTLIER = 2.0  # observed / current correction beyond which one prefill is not evidence
 
 
 class Processor:
@@ -37,6 +38,7 @@ class Processor:
         self._order: OrderedDict[str, str] = OrderedDict()  # rid -> member, dispatch order
         self._t: float | None = None  # when the work left was last advanced
         self.correction = 1.0  # EWMA of actual / predicted prefill time
+        self._outlier = 0  # the last observation was an outlier: 1 slower, -1 faster
 
     @property
     def shared(self) -> bool:
@@ -119,8 +121,21 @@ class Processor:
         self.members = max(0, self.members - 1)
 
     def observe(self, predicted_s: float, actual_s: float, weight: float = 0.2) -> None:
-        """Fold an observed prefill time into the correction factor (bounded 0.25..4)."""
+        """Fold an observed prefill time into the correction factor (bounded 0.25..4).
+
+        An observation more than :data:`OUTLIER` times off the current correction is
+        folded in only when the one before it was off the same way: a lone one is far
+        more likely a mispredicted hit (residency the engine no longer has, a block
+        evicted meanwhile: the prefill computed what the model thought cached) than a
+        processor that changed speed, and learning it would keep requests away from a
+        healthy instance for dozens of prefills. A sustained change (a processor now
+        shared) is learned from its second observation on."""
         if predicted_s <= 0 or actual_s <= 0:
             return
         ratio = min(4.0, max(0.25, actual_s / predicted_s))
+        off = ratio / self.correction
+        side = 1 if off > OUTLIER else -1 if off < 1 / OUTLIER else 0
+        held, self._outlier = self._outlier, side
+        if side and held != side:
+            return
         self.correction = min(4.0, max(0.25, (1 - weight) * self.correction + weight * ratio))

@@ -124,7 +124,13 @@ class EmulatedFleet:
         return [r for recs in self._get("/emulator/requests") for r in recs]
 
     def reset(self, timeout_s: float = 60.0) -> None:
-        """Empty every engine's prefix cache (retried while requests still hold pages)."""
+        """Empty every engine's prefix cache (retried while requests still hold pages),
+        then step each engine once with a one-token request (id ``flush/<i>``).
+
+        Like vLLM, an engine publishes KV events only when it steps, so without the step
+        its ``AllBlocksCleared`` would wait for its next request, and a router started
+        meanwhile would replay the blocks it stored before the reset as resident: it
+        predicts local hits the engine no longer has (and learns the instance is slow)."""
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=30) as c:
             for u in self.urls:
@@ -132,3 +138,8 @@ class EmulatedFleet:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{u}: prefix cache still in use")
                     time.sleep(0.2)
+            for i, u in enumerate(self.urls):
+                c.post(u + "/v1/completions", json={
+                    "model": self.spec.model, "prompt": [1], "max_tokens": 1,
+                    "ignore_eos": True}, headers={"x-request-id": f"flush/{i}"},
+                ).raise_for_status()

@@ -285,6 +285,24 @@ def test_correction_factor_is_bounded() -> None:
     assert a.correction == c
 
 
+def test_one_mispredicted_hit_does_not_mark_an_instance_slow() -> None:
+    """A prefill the model thought 24 blocks cached that the engine computed whole (its
+    residency was stale: 4.9 s for a predicted 0.08 s) is not a slow processor: the
+    correction stays; a second such prefill in a row is a change of speed, and learned.
+    (In the 8-engine hot-prefix fleet, learning the lone one kept 4 of 8 instances idle.)"""
+    a = inst("a", 0)
+    a.observe(0.079, 4.9)
+    assert a.correction == 1.0
+    a.observe(1.0, 1.05)  # back to normal: still nothing but noise learned
+    a.observe(0.079, 4.9)
+    assert a.correction == pytest.approx(1.01)
+    a.observe(0.5, 2.0)  # two in a row, the same way: the processor is slower now
+    assert a.correction > 1.5
+    b = inst("b", 1)
+    b.observe(1.0, 0.2)  # a lone one far faster (a hit the model did not know of)
+    assert b.correction == 1.0
+
+
 def _stored_prefix_pair() -> tuple[Instance, Instance, dict[int, int]]:
     """Two idle instances on their own processors, the prompt's first 30 blocks in the
     store and on neither: ``a``'s measured correction is 2% below ``b``'s."""
