@@ -118,6 +118,22 @@ def test_an_idle_instance_is_warmed_when_the_holder_is_busy() -> None:
         assert rep2.candidates(clock2[0]) == [], bound
 
 
+def test_warm_ups_run_side_by_side_on_separate_idle_instances() -> None:
+    """While one idle instance is being warmed, the next step warms another (the default
+    allows several in flight): a hot prefix gains replicas at the rate of intervals, not
+    of whole prefills of the prefix."""
+    c, clock = conductor()
+    rep = Replicator(c, RouterMetrics(c))
+    hot(c, rep, "a")
+    a = c.registry.get("a")
+    assert a is not None and c.cfg.replication.max_inflight >= 2
+    a.enqueue("busy", 2.0, clock[0])
+    (first,) = rep.candidates(clock[0])
+    rep.inflight.add(first.target.name)  # its warm-up is in flight (_start)
+    (second,) = rep.candidates(clock[0])
+    assert {first.target.name, second.target.name} == {"b", "c"}
+
+
 def test_the_app_warms_an_idle_instance_with_a_hot_prefix(tiny_dir: str,
                                                          tokenizer: PromptTokenizer) -> None:
     """Requests of one shared prefix keep ``a`` busy (slow upstream); the replicator sends
