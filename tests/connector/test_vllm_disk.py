@@ -32,24 +32,29 @@ def disk_store(runtime_dir: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
     # hot_timeout_s as conftest's store_cfg: this test checks the disk path, not the 0.1 s
     # hot-path bound, and on the 2-core CI box (two engines up) a filler reserve right after
     # the writer's forward pass once waited past 0.1 s: its put refused, the run failed
+    # high_watermark 0 (the default): every object is written back at once, so once a
+    # pair's demotions are done the next reserves find clean objects to evict. At 0.5 up to
+    # 8 MiB stayed dirty, a full DRAM then held reserves back for demotion (put_wait_s,
+    # 25 ms) and a slow disk got a filler put refused: a failed fresh-clone run
     cfg = {"name": "vllm-disk", "capacity": "16mb", "runtime_dir": str(runtime_dir),
            "hot_timeout_s": 1.0,
-           "disk": {"path": str(tmp_path / "disk"), "capacity": "256mb",
-                    "high_watermark": 0.5}}
+           "disk": {"path": str(tmp_path / "disk"), "capacity": "256mb"}}
     yield cfg
     launcher.stop(StoreConfig.from_dict(cfg))
 
 
 def _push_to_disk(cfg: dict[str, Any], n: int) -> dict[str, int]:
     """Write ``n`` filler objects through a 16 MiB DRAM, two at a time, letting each pair's
-    demotions finish, so everything older is on disk only; returns the store's stats."""
+    demotions finish (nothing dirty, nothing being written), so everything older is on disk
+    only once DRAM evicts it; returns the store's stats."""
     filler = np.random.default_rng(0).integers(0, 256, OBJECT, np.uint8)
     with open_store(cfg) as store:
         for i in range(0, n, 2):
             keys = [f"filler/{j}" for j in range(i, i + 2)]
             codes = store.batch_put_from(keys, [filler.ctypes.data] * 2, [OBJECT] * 2)
             assert codes == [OK] * 2
-            assert _wait(lambda: store.stats()["demoting"] == 0)
+            assert _wait(lambda: (st := store.stats())["demoting"] == 0
+                         and st["dirty_bytes"] == 0)
         return store.stats()
 
 
