@@ -25,6 +25,7 @@ from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
+from tests.helpers.e2e_store import e2e_store
 
 pytestmark = pytest.mark.vllm
 STORED_BLOCK = 128  # the default stored block on CPU: one 128-token page
@@ -49,7 +50,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def store_x(runtime_dir: Path) -> Iterator[dict[str, Any]]:
-    cfg = {"name": "vllm-x", "capacity": "512mb", "runtime_dir": str(runtime_dir)}
+    cfg = e2e_store("vllm-x", "512mb", runtime_dir)
     yield cfg
     launcher.stop(StoreConfig.from_dict(cfg))
 
@@ -182,7 +183,7 @@ def test_prefill_decode_disaggregation(servers: dict[str, VllmServer], store_x: 
 
 def test_full_store_never_fails_requests(servers: dict[str, VllmServer], tiny_model: str,
                                          runtime_dir: Path, tmp_path: Path) -> None:
-    small = {"name": "vllm-small", "capacity": "2500kb", "runtime_dir": str(runtime_dir)}
+    small = e2e_store("vllm-small", "2500kb", runtime_dir)
     srv = VllmServer(tiny_model, log_path=tmp_path / "small.log",
                      kv_transfer=connector_config(small))
     try:

@@ -16,6 +16,7 @@ from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
+from tests.helpers.e2e_store import e2e_store
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
@@ -29,16 +30,12 @@ def _wait(pred: Any, timeout: float = 30.0) -> bool:
 
 @pytest.fixture
 def disk_store(runtime_dir: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    # hot_timeout_s as conftest's store_cfg: this test checks the disk path, not the 0.1 s
-    # hot-path bound, and on the 2-core CI box (two engines up) a filler reserve right after
-    # the writer's forward pass once waited past 0.1 s: its put refused, the run failed
     # high_watermark 0 (the default): every object is written back at once, so once a
     # pair's demotions are done the next reserves find clean objects to evict. At 0.5 up to
     # 8 MiB stayed dirty, a full DRAM then held reserves back for demotion (put_wait_s,
     # 25 ms) and a slow disk got a filler put refused: a failed fresh-clone run
-    cfg = {"name": "vllm-disk", "capacity": "16mb", "runtime_dir": str(runtime_dir),
-           "hot_timeout_s": 1.0,
-           "disk": {"path": str(tmp_path / "disk"), "capacity": "256mb"}}
+    cfg = e2e_store("vllm-disk", "16mb", runtime_dir,
+                    disk={"path": str(tmp_path / "disk"), "capacity": "256mb"})
     yield cfg
     launcher.stop(StoreConfig.from_dict(cfg))
 

@@ -32,6 +32,7 @@ from kvcentric.store import open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.hybrid_models import build_hybrid
 from kvcentric.testing.servers import VllmServer, connector_config
+from tests.helpers.e2e_store import e2e_store
 
 pytestmark = pytest.mark.vllm
 HMA_OFF = "Turning off hybrid kv cache manager"
@@ -75,8 +76,8 @@ def log_of(server: VllmServer) -> str:
 
 @pytest.fixture
 def store(runtime_dir: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    cfg = {"name": f"hma-{request.node.name[-20:]}".replace("[", "-").replace("]", ""),
-           "capacity": "512mb", "runtime_dir": str(runtime_dir)}
+    cfg = e2e_store(f"hma-{request.node.name[-20:]}".replace("[", "-").replace("]", ""),
+                    "512mb", runtime_dir)
     yield cfg
     launcher.stop(StoreConfig.from_dict(cfg))
 

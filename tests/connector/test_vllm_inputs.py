@@ -25,6 +25,7 @@ from kvcentric.store.local import launcher
 from kvcentric.testing.adapters import build_lora
 from kvcentric.testing.models import build_model, get_spec
 from kvcentric.testing.servers import VllmServer, connector_config
+from tests.helpers.e2e_store import e2e_store
 
 pytestmark = pytest.mark.vllm
 
@@ -37,7 +38,7 @@ def servers(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory
     a, b = build_lora("tiny", adapters / "a", seed=1), build_lora("tiny", adapters / "b", seed=2)
     args = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
             "--lora-modules", f"a={a}", f"b={b}", "--enable-prompt-embeds")
-    store = {"name": "vllm-inputs", "capacity": "256mb", "runtime_dir": str(runtime_dir)}
+    store = e2e_store("vllm-inputs", "256mb", runtime_dir)
     logs = tmp_path_factory.mktemp("inputs-logs")
     base = VllmServer(model, args=args, log_path=logs / "base.log")
     kvc = VllmServer(model, args=args, log_path=logs / "kvc.log",

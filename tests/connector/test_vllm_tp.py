@@ -22,6 +22,7 @@ from kvcentric.store import open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
+from tests.helpers.e2e_store import e2e_store
 
 pytestmark = pytest.mark.vllm
 TP = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
@@ -56,7 +57,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
 def pair(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[VllmServer, VllmServer, dict[str, Any]]]:
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
-    store = {"name": "vllm-tp", "capacity": "256mb", "runtime_dir": str(runtime_dir)}
+    store = e2e_store("vllm-tp", "256mb", runtime_dir)
     logs = tmp_path_factory.mktemp("tp-logs")
     writer = server(model, logs / "writer.log", connector_config(store))
     reader = server(model, logs / "reader.log", connector_config(store))

@@ -49,6 +49,7 @@ from kvcentric.testing.servers import (
     wait_http,
 )
 from tests.helpers.dashboard import check, read_page, scrape
+from tests.helpers.e2e_store import e2e_store
 
 pytestmark = pytest.mark.vllm
 SLO_TTFT_MS = 1500
@@ -126,7 +127,7 @@ def start_router(config: Path, log: Path) -> subprocess.Popen[bytes]:
 def cluster(runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
     tmp = tmp_path_factory.mktemp("router-e2e")
-    store = {"name": "router-e2e", "capacity": "512mb", "runtime_dir": str(runtime_dir)}
+    store = e2e_store("router-e2e", "512mb", runtime_dir)
     ev = {n: f"tcp://127.0.0.1:{free_port()}" for n in "ab"}
     rp = {n: f"tcp://127.0.0.1:{free_port()}" for n in "ab"}  # the engines' replay buffers
     roles = {"a": "kv_both", "b": "kv_both", "p": "kv_producer", "d": "kv_consumer"}
