@@ -17,6 +17,7 @@ import pytest
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
+from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
 from tests.helpers.skip_policy import (  # noqa: F401 (pytest hooks, registered here)
     pytest_make_collect_report,
     pytest_runtest_makereport,
@@ -42,7 +43,8 @@ def store_cfg(runtime_dir: Path) -> Iterator[StoreConfig]:
     6 of 188k calls), which trips the client's breaker, and tests that check what a call
     returns are not about that. tests/store/test_store_hung.py tests the bound itself."""
     cfg = StoreConfig(name=f"t{uuid.uuid4().hex[:10]}", capacity_bytes=64 << 20,
-                      runtime_dir=runtime_dir, op_timeout_s=10.0, hot_timeout_s=1.0)
+                      runtime_dir=runtime_dir, op_timeout_s=10.0,
+                      hot_timeout_s=TEST_HOT_TIMEOUT_S)
     yield cfg
     launcher.stop(cfg)
 

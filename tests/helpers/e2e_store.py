@@ -1,4 +1,5 @@
-"""The store section that end-to-end tests give their vLLM CPU engines."""
+"""The hot-path bound tests run their stores with, and the store section that end-to-end
+tests give their vLLM CPU engines."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from typing import Any
 # where the test asserts exact hits. What the 0.1 s bound promises is held by the tests
 # written for it: tests/store/test_store_hung.py, tests/store/test_store_mooncake_hung.py
 # and the stop matrix (tests/e2e/test_faults.py).
-E2E_HOT_TIMEOUT_S = 1.0
+TEST_HOT_TIMEOUT_S = 1.0  # also conftest's store_cfg and MooncakeCluster.store_config
 
 
 def e2e_store(name: str, capacity: str, runtime_dir: Path, **extra: Any) -> dict[str, Any]:
     """A local store section named ``name`` in ``runtime_dir``, with the e2e hot bound."""
     return {"name": name, "capacity": capacity, "runtime_dir": str(runtime_dir),
-            "hot_timeout_s": E2E_HOT_TIMEOUT_S, **extra}
+            "hot_timeout_s": TEST_HOT_TIMEOUT_S, **extra}

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvcentric.store.mooncake.service import master_command, wait_master
 from kvcentric.testing.netns import NetNamespace
+from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
 
 HOST, RPC_PORT, METRICS_PORT, METADATA_PORT = "127.0.0.1", 50051, 9003, 8080
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +102,8 @@ class MooncakeCluster:
         then waits over 100 ms for a core, which opens the breaker (a recompute), and tests
         that check what a call returns are not about that; tests/store/test_store_mooncake_hung.py
         tests the bound itself."""
-        return {"backend": "mooncake", "op_timeout_s": 5.0, "hot_timeout_s": 1.0,
+        return {"backend": "mooncake", "op_timeout_s": 5.0,
+                "hot_timeout_s": TEST_HOT_TIMEOUT_S,
                 "mooncake": self.mooncake(**over)}
 
     def start_node(self, name: str, segment: str = "64mb") -> subprocess.Popen[str]:
