@@ -189,7 +189,7 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
                       tp_size=cfg.keys.tp_size, ttl_s=cfg.cache.store_ttl_s,
                       negative_ttl_s=cfg.cache.store_negative_ttl_s)
     conductor = Conductor(cfg, profile, kvb, store)
-    tokenizer = tokenizer or PromptTokenizer(cfg.tokenizer)
+    tokenizer = tokenizer or PromptTokenizer(cfg.tokenizer, cfg.cache.prompt_text_chars)
     bounds = limits.Bounds.resolve(
         cfg.limits, model_len=limits.model_context(cfg.tokenizer),
         vocab_size=tokenizer.vocab_size, max_chars_per_token=tokenizer.max_chars_per_token,

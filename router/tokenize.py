@@ -7,6 +7,10 @@ without special tokens. A mismatch here would only cost routing quality, never o
 correctness: the engine tokenises the untouched request itself.
 
 Token ids come back as a 1-D ``uint32`` numpy array (what :func:`block_hashes` hashes).
+With ``cache_chars`` > 0 a prompt that starts with text seen before is tokenised only from
+near the end of that prefix (:mod:`kvcentric.router.prefix_tokens`), if probe texts show
+that gives this tokenizer's own ids; a sample of results is checked against a whole
+tokenisation and any mismatch turns that off for good.
 Rendering takes only the ``chat_template_kwargs`` keys it is told to allow
 (:mod:`kvcentric.router.chat_template`): a key that could replace the template never reaches
 ``apply_chat_template``.
@@ -14,6 +18,8 @@ Rendering takes only the ``chat_template_kwargs`` keys it is told to allow
 
 from __future__ import annotations
 
+import logging
+import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,12 +27,15 @@ from typing import Any
 import numpy as np
 
 from kvcentric.router import chat_template
+from kvcentric.router.prefix_tokens import Encoded, PrefixTokens
+
+log = logging.getLogger(__name__)
 
 
 class PromptTokenizer:
     """The tokenizer of the model in ``model_dir`` (``tokenizer.json`` and friends)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, cache_chars: int = 0) -> None:
         from transformers import AutoTokenizer
 
         try:
@@ -41,6 +50,7 @@ class PromptTokenizer:
             getattr(self.tok, "chat_template", None))
         # vLLM's bound on the characters of a prompt of n tokens: n times the longest token
         self.max_chars_per_token = max((len(t) for t in self.tok.get_vocab()), default=1)
+        self.prefix = self._prefix_cache(cache_chars) if cache_chars else None
 
     def template_kwargs(self, allow_list: tuple[str, ...] | None) -> frozenset[str]:
         """The ``chat_template_kwargs`` keys a request may set (``allow_list``: the
@@ -57,11 +67,51 @@ class PromptTokenizer:
         """Token ids of ``text``. Called on a worker thread (the router's event loop keeps
         serving meanwhile): the Rust tokenizer's batch call releases the GIL, its single
         call and transformers' wrapper hold it (~5 ms for 8k tokens, a stall of the loop)."""
+        p = self.prefix
+        if p is not None and p.enabled:
+            ids = p.encode(text, add_special_tokens)
+            if p.should_verify():
+                whole = self._whole(text, add_special_tokens)
+                if not np.array_equal(whole, ids):
+                    log.warning("prompt token cache disagreed with a whole tokenisation "
+                                "(%d vs %d tokens): turned off", len(ids), len(whole))
+                    p.disable()
+                    return whole
+            return ids
+        return self._whole(text, add_special_tokens)
+
+    def _whole(self, text: str, add_special_tokens: bool) -> np.ndarray:
         if self._rust is not None:
             enc = self._rust.encode_batch([text], add_special_tokens=add_special_tokens)
             return np.asarray(enc[0].ids, dtype=np.uint32)
         ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return np.asarray(ids, dtype=np.uint32)
+
+    def _encoding(self, text: str, add_special_tokens: bool) -> Encoded:
+        e = self._rust.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return e.ids, e.word_ids, e.offsets
+
+    def _prefix_cache(self, max_chars: int) -> PrefixTokens | None:
+        """A :class:`PrefixTokens` over this tokenizer if, on probe texts cut into chunks
+        of 8 characters (hundreds of anchors), it gives the ids of a whole tokenisation
+        for every text, with and without special tokens; else None (logged)."""
+        if self._rust is None:
+            return None
+        probe = PrefixTokens(self._encoding, 1 << 20, anchor_chars=8)
+        rnd = random.Random(0)
+        pieces = ["Hello", " world", "  two", "\n\n", " \t", "'s", "'ll", " 12345", "6",
+                  " ünïcödé", "你好", "。", " <|x|>", "!!", " a", "   ", "\r\n", "x"]
+        base = "".join(rnd.choice(pieces) for _ in range(400))
+        texts = [base, base + " and more", base[:700] + "Z" + base[700:],
+                 base[:333], base[:333] + " " + base[:200], base + "\n", base + "6"]
+        for special in (True, False):
+            for t in texts:
+                if not np.array_equal(np.asarray(self._encoding(t, special)[0]),
+                                      probe.encode(t, special)):
+                    log.info("prompt token cache off: this tokenizer's ids depend on "
+                             "more than the text before a pre-token boundary")
+                    return None
+        return PrefixTokens(self._encoding, max_chars)
 
     def _released_gil_encoder(self) -> Any:
         """The fast tokenizer's ``tokenizers.Tokenizer`` when calling it directly gives

@@ -165,7 +165,7 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
     counts = [1, 2, 4] if args.quick else [1, 2, 4, 8]
     arms = [(f"kvcentric-router x{k}", OUR_ROUTER, k) for k in counts]
     arms += [(f"smg-cache_aware x{k}", SMG, k) for k in (1, counts[-1])]
-    src = TokenSource(setup.emulator.model)
+    src = TokenSource(setup.emulator.tokenizer)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms}
     restarts = []
     t0 = time.monotonic()
@@ -251,7 +251,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     spec = WorkloadSpec(workload="shared-prefix", seed=args.seed, num_groups=max(1, total // 4),
                         prompts_per_group=4, shared_system_prompt_len=1024,
                         turn_input_len=128, output_len=8, request_rate=rate / d)
-    src = TokenSource(setup.emulator.model)
+    src = TokenSource(setup.emulator.tokenizer)
     w = build(spec, src)
     samples: list[dict[str, Any]] = []
 

@@ -1,0 +1,159 @@
+"""Token ids of prompt texts seen before, kept by text prefix, so a prompt that starts
+with a known long prefix is tokenised only from near its end.
+
+Why: the router tokenises every prompt to hash its blocks, and tokenising costs about
+1 µs per token on a core (a 128k-token prompt: ~0.1 s of router CPU, most of it the
+pre-tokenizer's regex over the whole text); prompts that share a long prefix (system
+prompts, documents, a conversation's history) would pay it again each time.
+
+How it stays exact: a byte-level BPE tokenizer splits text into pre-tokens by a regex
+and merges within each pre-token only, so the ids up to a pre-token boundary ``c`` depend
+on the text up to ``c`` plus a few characters of look-ahead. An entry is a text chunk
+ending at such a boundary (an *anchor*, taken about every ``anchor_tokens`` tokens where
+a pre-token starts) with the ids of the chunk, chained from the text's start like the
+blocks of a radix tree. A new text walks the chain chunk by chunk; it reuses the ids up
+to the anchor *before* the last chunk it matched (so at least one chunk of identical
+text follows the reused anchor: the look-ahead), then tokenises the rest, without special
+tokens, and adds anchors for it. Whether this gives the tokenizer's own ids is not
+assumed: :class:`PromptTokenizer <kvcentric.router.tokenize.PromptTokenizer>` checks it on
+probe texts before using the cache and whole-tokenises a sample of cached results
+afterwards (:meth:`PrefixTokens.should_verify`); any mismatch turns the cache off. A wrong
+id would only cost routing quality: the engine tokenises the untouched request itself.
+
+Memory: at most ``max_chars`` characters of chunks (plus their ids), least recently used
+chunks dropped first. Thread-safe: lookups and inserts run under one lock on the
+router's tokenising worker threads; tokenising itself runs outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# (ids, word ids, character offsets) of a text's encoding: what the Rust tokenizer gives
+Encoded = tuple[Sequence[int], Sequence[int | None], Sequence[tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    node: int        # this chunk's node id (its children are keyed by it)
+    text: str        # the chunk's characters past its first ``anchor_chars``
+    end: int         # character offset where the chunk ends in the text
+    ids: np.ndarray  # the chunk's token ids, ``[n]`` uint32
+
+
+class PrefixTokens:
+    """A radix chain of (text chunk → token ids), one root per ``add_special_tokens``.
+
+    A chunk is at least ``anchor_chars`` characters: it ends at the first pre-token
+    boundary at or past that many characters from its start, so texts with the same
+    prefix cut it at the same places, and a lookup hashes one slice of ``anchor_chars``
+    characters per chunk, then compares the few characters up to the boundary."""
+
+    def __init__(self, encode: Callable[[str, bool], Encoded], max_chars: int,
+                 anchor_chars: int = 1024, verify_first: int = 16,
+                 verify_every: int = 256) -> None:
+        """``encode(text, add_special_tokens)``: the tokenizer's encoding of ``text``."""
+        if max_chars <= 0 or anchor_chars <= 0:
+            raise ValueError("max_chars and anchor_chars must be > 0")
+        self._encode = encode
+        self.max_chars = max_chars
+        self.anchor_chars = anchor_chars
+        self._lock = threading.Lock()
+        # (parent node, the chunk's first anchor_chars characters) -> chunks; LRU order
+        self._chunks: OrderedDict[tuple[int, str], list[_Chunk]] = OrderedDict()
+        self._chars = 0
+        self._next_node = 2  # 0 and 1: the roots without and with special tokens
+        self._verify_first = verify_first
+        self._verify_every = verify_every
+        self._served = 0
+        self.enabled = True
+        self.reused_tokens = 0
+        self.tokenized_tokens = 0
+
+    def encode(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        """Token ids of ``text`` (``[n]`` uint32), reusing a known prefix's ids."""
+        if not self.enabled:
+            return np.asarray(self._encode(text, add_special_tokens)[0], dtype=np.uint32)
+        root = int(add_special_tokens)
+        with self._lock:
+            path = self._walk(root, text)
+        reuse = path[:-1]  # the last matched chunk is the look-ahead of the one before
+        start = reuse[-1].end if reuse else 0
+        ids, words, offsets = self._encode(text[start:], add_special_tokens and not reuse)
+        tail = np.asarray(ids, dtype=np.uint32)
+        head = [c.ids for c in reuse]
+        out = np.concatenate([*head, tail]) if head else tail
+        with self._lock:
+            self.reused_tokens += len(out) - len(tail)
+            self.tokenized_tokens += len(tail)
+            if self.enabled:
+                self._add(reuse[-1].node if reuse else root, text, start, tail, words,
+                          offsets)
+        return out
+
+    def should_verify(self) -> bool:
+        """Whether the caller should whole-tokenise this result as a check: the first
+        ``verify_first`` results, then one in ``verify_every``."""
+        with self._lock:
+            self._served += 1
+            n = self._served
+        return n <= self._verify_first or n % self._verify_every == 0
+
+    def disable(self) -> None:
+        """Stop reusing (a check found a mismatch); frees every chunk."""
+        with self._lock:
+            self.enabled = False
+            self._chunks.clear()
+            self._chars = 0
+
+    @property
+    def chars(self) -> int:
+        """Characters of text the chunks hold."""
+        return self._chars
+
+    def _walk(self, node: int, text: str) -> list[_Chunk]:
+        path: list[_Chunk] = []
+        pos, a = 0, self.anchor_chars
+        while pos + a <= len(text):
+            key = (node, text[pos:pos + a])
+            found = next((c for c in self._chunks.get(key, ())
+                          if text.startswith(c.text, pos + a)), None)
+            if found is None:
+                break
+            self._chunks.move_to_end(key)
+            path.append(found)
+            node, pos = found.node, found.end
+        return path
+
+    def _add(self, node: int, text: str, start: int, ids: np.ndarray,
+             words: Sequence[int | None], offsets: Sequence[tuple[int, int]]) -> None:
+        """Anchors for ``ids`` (the encoding of ``text[start:]``), chained under ``node``."""
+        a = self.anchor_chars
+        last_tok, last_char = 0, start
+        for i in range(1, len(ids)):
+            c = start + offsets[i][0]
+            if c < last_char + a:
+                continue
+            w = words[i]
+            # a pre-token starts here, and no trimmed whitespace hides where
+            if w is None or w == words[i - 1] or offsets[i - 1][1] != offsets[i][0]:
+                continue
+            key = (node, text[last_char:last_char + a])
+            rest = text[last_char + a:c]
+            chunks = self._chunks.setdefault(key, [])
+            chunk = next((x for x in chunks if x.text == rest), None)
+            if chunk is None:
+                chunk = _Chunk(self._next_node, rest, c, ids[last_tok:i].copy())
+                self._next_node += 1
+                chunks.append(chunk)
+                self._chars += c - last_char
+            self._chunks.move_to_end(key)
+            node, last_tok, last_char = chunk.node, i, c
+        while self._chars > self.max_chars and self._chunks:
+            _, dropped = self._chunks.popitem(last=False)
+            self._chars -= sum(self.anchor_chars + len(x.text) for x in dropped)

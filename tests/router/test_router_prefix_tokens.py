@@ -1,0 +1,174 @@
+"""The router's prompt token cache gives the tokenizer's own ids, or stays off.
+
+Real tokenizers, loaded from disk as the router loads them: the bench model's byte-level
+BPE, and small ones trained here with the pre-tokenizers real models use (a Llama-3-style
+split regex, SentencePiece's ``Metaspace``) and two whose ids depend on where the text
+starts or ends (a stripping normalizer, a post-processor that appends an end token).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcentric.router.config import CacheConfig
+from kvcentric.router.prefix_tokens import PrefixTokens
+from kvcentric.router.tokenize import PromptTokenizer
+from kvcentric.testing.models import build_model
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def bench() -> Path:
+    return build_model("bench", Path.cwd() / ".models" / "bench")  # cached, as conftest's
+
+
+def mixed_text(rnd: random.Random, n: int) -> str:
+    pieces = ["the", " cat", "  sat", "\n\n", " \t", "'s", "'re", " 2024", "7", " naïve",
+              "中文", "。", " {x}", "!!", " a", "    ", "\r\n", "Zz", " -- ", "😀"]
+    return "".join(rnd.choice(pieces) for _ in range(n))
+
+
+def texts_sharing_prefixes(seed: int) -> list[str]:
+    """Prompts as a fleet sends them: long shared prefixes (documents, system prompts,
+    histories) followed by their own text, cut anywhere (mid-word, mid-whitespace run)."""
+    rnd = random.Random(seed)
+    docs = [mixed_text(rnd, 1500) for _ in range(3)]
+    out = []
+    for i in range(60):
+        doc = docs[i % 3]
+        cut = rnd.randrange(len(doc)) if i % 4 == 0 else len(doc)
+        out.append(doc[:cut] + mixed_text(rnd, rnd.randrange(0, 200)))
+    out += [docs[0] + docs[1], docs[0] + " " + docs[1], docs[0] + "\n", docs[0] * 2]
+    return out
+
+
+def trained(tmp: Path, kind: str) -> Path:
+    """A BPE tokenizer trained here with ``kind``'s pre-tokenizer/post-processor,
+    written as a model folder (tokenizer.json + tokenizer_config.json)."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    if kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    else:
+        if kind == "strip":
+            tok.normalizer = normalizers.Strip()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    rnd = random.Random(0)
+    tok.train_from_iterator((mixed_text(rnd, 60) for _ in range(400)), trainer=trainer)
+    single = "<s> $A </s>" if kind == "eos" else "<s> $A"
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[("<s>", 0), ("</s>", 1)])
+    out = tmp / kind
+    out.mkdir()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>"}))
+    return out
+
+
+def assert_exact(tok: PromptTokenizer, texts: list[str]) -> None:
+    for text, special in itertools.product(texts, (True, False)):
+        want = np.asarray(tok.tok(text, add_special_tokens=special)["input_ids"],
+                          dtype=np.uint32)
+        got = tok.encode(text, special)
+        assert got.dtype == np.uint32 and np.array_equal(got, want), (text[:60], special)
+
+
+def test_prefixes_seen_before_are_reused_and_ids_stay_exact() -> None:
+    tok = PromptTokenizer(bench(), cache_chars=1 << 22)
+    assert tok.prefix is not None
+    tok.prefix._verify_first = 0  # no whole-tokenisation checks: the ids alone must match
+    tok.prefix._verify_every = 1 << 30
+    texts = texts_sharing_prefixes(1)
+    assert_exact(tok, texts)
+    p = tok.prefix
+    assert p.enabled
+    # most of the tokens came from the cache, not the tokenizer
+    assert p.reused_tokens > p.tokenized_tokens, (p.reused_tokens, p.tokenized_tokens)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "metaspace"])
+def test_split_regex_and_sentencepiece_style_are_cached_and_exact(tmp_path: Path,
+                                                                   kind: str) -> None:
+    """Metaspace prepends '▁' only to a text that does not start with one: its
+    pre-tokens start at spaces, so a tail cut there gets nothing prepended."""
+    tok = PromptTokenizer(trained(tmp_path, kind), cache_chars=1 << 22)
+    assert tok.prefix is not None
+    assert_exact(tok, texts_sharing_prefixes(2))
+    assert tok.prefix.enabled and tok.prefix.reused_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["strip", "eos"])
+def test_tokenizers_whose_ids_depend_on_the_text_start_or_end_get_no_cache(
+        tmp_path: Path, kind: str) -> None:
+    """A normalizer that strips the text's leading spaces would strip a tail's too; an
+    appended end token lands after any tail: a reused prefix would give other ids."""
+    tok = PromptTokenizer(trained(tmp_path, kind), cache_chars=1 << 22)
+    assert tok.prefix is None
+    assert_exact(tok, texts_sharing_prefixes(3)[:10])
+
+
+def test_a_wrong_cached_id_is_caught_by_the_check_and_turns_the_cache_off() -> None:
+    tok = PromptTokenizer(bench(), cache_chars=1 << 22)
+    assert tok.prefix is not None
+    texts = texts_sharing_prefixes(4)
+    for t in texts[:20]:
+        tok.encode(t)
+    # corrupt every cached chunk: what a tokenizer the probes did not catch would do
+    for chunks in tok.prefix._chunks.values():
+        for c in chunks:
+            c.ids[0] ^= 1
+    tok.prefix._verify_first = 0
+    tok.prefix._verify_every = 1  # the check runs on this one
+    want = np.asarray(tok.tok(texts[3])["input_ids"], dtype=np.uint32)
+    assert np.array_equal(tok.encode(texts[3]), want)
+    assert not tok.prefix.enabled and tok.prefix.chars == 0
+    assert_exact(tok, texts[20:30])  # whole tokenisation from then on
+
+
+def test_memory_is_bounded_oldest_prefixes_first() -> None:
+    tok = PromptTokenizer(bench(), cache_chars=1)
+    assert tok.prefix is not None
+    p = PrefixTokens(tok._encoding, max_chars=20_000, anchor_chars=256)
+    rnd = random.Random(5)
+    docs = [mixed_text(rnd, 2000) for _ in range(12)]
+    for d in docs:
+        assert np.array_equal(p.encode(d, True), tok._whole(d, True))
+        assert p.chars <= 20_000
+    p.tokenized_tokens = 0
+    p.encode(docs[-1] + "x", True)  # the newest document is still there
+    assert p.tokenized_tokens < len(tok._whole(docs[-1], True)) / 4
+    p.tokenized_tokens = 0
+    p.encode(docs[0] + "x", True)  # the oldest was dropped: tokenised whole
+    assert p.tokenized_tokens == len(tok._whole(docs[0] + "x", False)) + 1
+
+
+def test_config_turns_it_off_and_refuses_negative_sizes() -> None:
+    assert PromptTokenizer(bench(), cache_chars=0).prefix is None
+    with pytest.raises(ValueError, match="prompt_text_chars"):
+        CacheConfig(prompt_text_chars=-1)
