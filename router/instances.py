@@ -42,6 +42,10 @@ class Instance:
     stats: EngineStats = field(default_factory=EngineStats)
     metrics_at: float = float("-inf")  # monotonic time ``stats`` was last read
     decodes: int = 0
+    # prefill work the engine had waiting at ``metrics_at`` that this router did not send
+    # (other router replicas'): each such request costed at ``prefill_mean_s``
+    foreign_s: float = 0.0
+    prefill_mean_s: float = 0.0  # moving mean of the prefills this router predicted here
     translator: EventTranslator | None = None
     listener: EventListener | None = None
     proc: Processor = field(default_factory=Processor)
@@ -53,11 +57,30 @@ class Instance:
     # ---- the processor: prefill queue (T_queue) and speed, shared on one compute ----
     def queue_s(self, now: float, work_s: float = 0.0) -> float:
         """Predicted seconds, beyond ``work_s`` itself, until ``work_s`` seconds of prefill
-        sent here now are done (its own queue, and busy peers on its processor)."""
-        return self.proc.queue_s(self.name, now, work_s)
+        sent here now are done (its own queue, busy peers on its processor, and what is
+        left of the work other routers queued here: :meth:`foreign_left`)."""
+        return self.proc.queue_s(self.name, now, work_s) + self.foreign_left(now)
+
+    def foreign_left(self, now: float) -> float:
+        """Seconds of prefill other routers had queued here at the last ``/metrics`` read,
+        less the time since (the engine works it off meanwhile)."""
+        return max(0.0, self.foreign_s - max(0.0, now - self.metrics_at))
+
+    def read_stats(self, stats: EngineStats, now: float) -> None:
+        """Take a ``/metrics`` snapshot read at ``now``. Requests waiting on the engine
+        beyond this router's own (its predicted prefills not yet answered, less the one
+        that may be running) were sent by other router replicas: without them several
+        routers each see a fraction of an instance's queue and all send the next hot
+        request to it."""
+        self.stats = stats
+        self.metrics_at = now
+        own_waiting = max(0, self.queued - 1)
+        self.foreign_s = max(0.0, stats.waiting - own_waiting) * self.prefill_mean_s
 
     def enqueue(self, rid: str, pred_s: float, now: float) -> None:
         self.proc.add(self.name, rid, pred_s, now)
+        m = self.prefill_mean_s
+        self.prefill_mean_s = pred_s if m == 0.0 else 0.8 * m + 0.2 * pred_s
 
     def prefill_done(self, rid: str, now: float) -> None:
         self.proc.done(rid, now)
@@ -189,8 +212,7 @@ async def check(inst: Instance, registry: Registry, client: Upstreams | httpx.As
     try:
         r = await client.get(inst.spec.url + "/metrics", timeout=timeout_s)
         if r.status_code == 200:
-            inst.stats = parse_engine_metrics(r.text)
-            inst.metrics_at = now
+            inst.read_stats(parse_engine_metrics(r.text), now)
     except (httpx.HTTPError, ValueError) as exc:
         log.debug("metrics of %s unavailable: %s", inst.name, exc)
     if inst.max_model_len is None:

@@ -86,11 +86,11 @@ def real_side(model: str, pages: int, logs: Path) -> Iterator[list[str]]:
 
 
 @contextmanager
-def emulated_side(model: str, pages: int, profile: str, slowdown: float,
+def emulated_side(model: str, pages: int, profile: str, slowdown: float, discipline: str,
                   logs: Path) -> Iterator[list[str]]:
     with EmulatedFleet(EmulatorSpec(2, model, profile=profile, pages=pages,
                                     max_model_len=4096, compute="shared",
-                                    discipline="exclusive", slowdown=slowdown), logs) as f:
+                                    discipline=discipline, slowdown=slowdown), logs) as f:
         yield f.urls
 
 
@@ -164,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--profile", default="vllm_cpu_bench")
     ap.add_argument("--slowdown", type=float, default=1.0)
+    ap.add_argument("--discipline", default="exclusive", choices=("exclusive", "fair"),
+                    help="how the 2 emulated engines share their processor")
     ap.add_argument("--sides", default="real,emulated")
+    ap.add_argument("--real-from", type=Path, default=None,
+                    help="a calibration result whose real side to compare with (exploring "
+                         "emulator settings; the committed result runs both sides)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
@@ -176,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     sides: dict[str, tuple[Callable[[], Any], list[dict[str, Any]]]] = {
         "real": (lambda: real_side(model, args.pages, logs), real),
         "emulated": (lambda: emulated_side(model, args.pages, args.profile, args.slowdown,
-                                           logs), emu)}
+                                           args.discipline, logs), emu)}
+    if args.real_from is not None:
+        import json
+
+        real.extend(json.loads(args.real_from.read_text())["real"][:args.reps])
     for rep in range(args.reps):
         for side in args.sides.split(","):
             make, acc = sides[side]
@@ -189,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                        "reps": args.reps, "wall_s": time.monotonic() - t0},
            "comparison": cmp, "real": real, "emulated": emu,
            "settings": {"pages": args.pages, "profile": args.profile,
-                        "discipline": "exclusive", "instances": 2,
+                        "discipline": args.discipline, "slowdown": args.slowdown,
+                        "real_from": str(args.real_from) if args.real_from else None,
+                        "instances": 2,
                         "cores": "both engines' workers on the same cores",
                         "env": pinned_threads_env()},
            "workloads": {k: v[0].__dict__ for k, v in workloads(args.quick, 0).items()}}

@@ -153,7 +153,10 @@ def fleet_setup(args: argparse.Namespace, dilation: float) -> FleetSetup:
     return FleetSetup(EmulatorSpec(args.instances, model, pages=args.pages,
                                    max_model_len=8192, cpus=emu_cpus, dilation=dilation),
                       args.slo_ttft_ms, args.slo_tpot_ms, use_store=args.store,
-                      router_cpus=rest)
+                      router_cpus=rest,
+                      # replicas learn each other's queues from the engines' gauges: read
+                      # them every second (the default 5 s lets them herd in between)
+                      router_extra={"health": {"metrics_interval_s": 1.0}})
 
 
 def replicas(args: argparse.Namespace) -> dict[str, Any]:

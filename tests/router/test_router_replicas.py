@@ -22,6 +22,9 @@ from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
 from benchmarks.emulator.profile import EngineProfile
 from benchmarks.serving.gateways import Gateway, kvcentric_router
 from kvcentric.hashing import block_hashes, hash_seed
+from kvcentric.router.engine_metrics import EngineStats
+from kvcentric.router.instance_spec import InstanceSpec
+from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.testing.models import build_model
@@ -190,3 +193,22 @@ def test_replicas_see_the_same_residency(fleet: tuple[EmulatedFleet, Path]) -> N
     finally:
         for g in gws:
             g.stop()
+
+
+def test_work_other_replicas_queued_counts_until_the_engine_has_worked_it_off() -> None:
+    """An engine's ``waiting`` beyond this router's own requests is another replica's
+    work: costed at this router's mean prefill here, and worked off at one second per
+    second until the next ``/metrics`` read."""
+    inst = Instance(InstanceSpec(url="http://127.0.0.1:1", name="a"), slot=0)
+    inst.enqueue("r1", 0.5, 100.0)
+    inst.enqueue("r2", 0.5, 100.0)
+    own = inst.queue_s(100.0)
+    assert own == pytest.approx(1.0)
+    inst.read_stats(EngineStats(running=1, waiting=1), 100.0)  # only its own: no foreign
+    assert inst.queue_s(100.0) == pytest.approx(own)
+    inst.read_stats(EngineStats(running=1, waiting=5), 100.0)  # 4 more than its own
+    assert inst.queue_s(100.0) == pytest.approx(own + 4 * 0.5)
+    assert inst.foreign_left(101.5) == pytest.approx(0.5)
+    assert inst.foreign_left(103.0) == 0.0
+    inst.metrics_at = float("-inf")  # a restarted engine: nothing known of its queue
+    assert inst.foreign_left(100.0) == 0.0
