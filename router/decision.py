@@ -24,6 +24,10 @@ cannot tell them apart (its per-processor corrections and load times are estimat
 percent off), and taking the lowest would send every request to whichever instance's
 correction happens to be a little lower, and then queue them there; among ties the
 instance with the least queued prefill work wins, then the one running fewer sequences.
+With an ``affinity`` (the prompt's first block hash), ties on separate processors go
+instead to the instance ranked first for it by rendezvous hashing: several router
+replicas, each seeing only part of the fleet's load, then agree where a prefix not yet
+resident anywhere goes, instead of each computing it on a different instance.
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -35,6 +39,7 @@ directly.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,14 +203,21 @@ def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: in
     return best
 
 
+def _rank(affinity: bytes, name: str) -> bytes:
+    """Rendezvous rank of instance ``name`` for ``affinity`` (lowest first): the same in
+    every router process (Python's ``hash`` is salted per process)."""
+    return hashlib.blake2b(affinity + name.encode(), digest_size=8).digest()
+
+
 def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[int, int],
            global_run: int, n_tokens: int, params: CostParams, slo: SloConfig,
-           now: float, global_tail: bool = False, disk_only: Sequence[int] = ()
-           ) -> Decision | Rejection:
+           now: float, global_tail: bool = False, disk_only: Sequence[int] = (),
+           affinity: bytes = b"") -> Decision | Rejection:
     """Algorithm 1 over the healthy candidates; ``runs`` maps slot -> local leading run;
     ``global_tail``: the store holds the prompt's tail after its ``global_run`` blocks;
     ``disk_only``: ascending positions of the stored run (blocks, then the tail) that the
-    store holds only on its disk tier."""
+    store holds only on its disk tier; ``affinity``: breaks ties on separate processors by
+    rendezvous rank (see the module docstring)."""
     if not prefill:
         return Rejection("no_instance", 1, math.inf, math.inf, "no healthy prefill instance")
     tbt_slo = slo.tbt_ms / 1000.0
@@ -234,7 +246,7 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     # ties: within the tolerance of the lowest, and never past an SLO the lowest meets
     limit = min(lowest * (1.0 + params.tie_tolerance), max(lowest, slo_s))
     best: Pairing | None = None
-    best_key: tuple[float, int, float, float] | None = None
+    best_key: tuple[bytes, float, int, float, float] | None = None
     for pair in pairs:
         if pair.ttft_s > limit:
             continue
@@ -242,7 +254,8 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         # the least queued prefill work; then on separate processors the one running fewer
         # sequences, then the emptier cache, so new prefixes spread out; on a shared
         # processor the busier one (one engine batching beats two time-slicing it)
-        key = (pair.cost.queue_s, -p.batch() if p.proc.shared else p.batch(),
+        rank = _rank(affinity, p.name) if affinity and not p.proc.shared else b""
+        key = (rank, pair.cost.queue_s, -p.batch() if p.proc.shared else p.batch(),
                p.stats.kv_usage, pair.ttft_s)
         if best_key is None or key < best_key:
             best, best_key = pair, key

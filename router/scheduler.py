@@ -109,7 +109,7 @@ class Conductor:
         runs = self.index.match(hashes, mask)
         now = self.clock()
         result = choose(pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
-                        global_tail, disk_only)
+                        global_tail, disk_only, affinity=hashes[0] if hashes else b"")
         if log.isEnabledFor(logging.DEBUG):
             self._log(result, n_tokens, len(hashes), global_run)
         return result

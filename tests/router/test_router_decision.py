@@ -355,3 +355,44 @@ def test_a_tie_never_breaks_an_slo_the_lowest_meets() -> None:
     with pytest.raises(ValueError, match="tie_tolerance"):
         RouterConfig.from_dict({"model": "m", "tokenizer": "x",
                                 "cost": {"tie_tolerance": 1.5}})
+
+
+def test_replicas_with_different_load_views_agree_where_a_new_prefix_goes() -> None:
+    """Two routers see the same idle fleet but different batches (each counts its own
+    decodes): by batch they would pick different instances for a prefix resident nowhere
+    and both compute it; the affinity's rendezvous rank makes them agree, and different
+    prefixes still spread over the fleet."""
+    names = [f"e{i}" for i in range(8)]
+    view_a = [inst(n, i) for i, n in enumerate(names)]
+    view_b = [inst(n, i) for i, n in enumerate(names)]
+    for i, x in enumerate(view_a):
+        x.decodes = i  # router A sent most to the last ones
+    for i, x in enumerate(view_b):
+        x.decodes = 7 - i  # router B the other way round
+    picks = []
+    for k in range(200):
+        aff = k.to_bytes(4, "little") * 4
+        da = choose(view_a, view_a, {}, 0, N, PARAMS, SLO, now=0.0, affinity=aff)
+        db = choose(view_b, view_b, {}, 0, N, PARAMS, SLO, now=0.0, affinity=aff)
+        assert isinstance(da, Decision) and isinstance(db, Decision)
+        assert da.prefill.name == db.prefill.name
+        picks.append(da.prefill.name)
+    assert all(10 <= picks.count(n) <= 45 for n in names), {n: picks.count(n) for n in names}
+    # without an affinity each takes its least-loaded instance: they disagree
+    da = choose(view_a, view_a, {}, 0, N, PARAMS, SLO, now=0.0)
+    db = choose(view_b, view_b, {}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(da, Decision) and isinstance(db, Decision)
+    assert (da.prefill.name, db.prefill.name) == ("e0", "e7")
+
+
+def test_affinity_never_overrides_a_hit_or_a_queue_beyond_the_tolerance() -> None:
+    a, b = inst("a", 0), inst("b", 1)
+    for k in range(32):
+        aff = bytes([k]) * 16
+        d = choose([a, b], [a, b], {0: 0, 1: 30}, 0, N, PARAMS, SLO, now=0.0, affinity=aff)
+        assert isinstance(d, Decision) and d.prefill is b  # the prefix holder, always
+    b.enqueue("r", 1.0, 0.0)  # a second of queued prefill on b
+    for k in range(32):
+        aff = bytes([k]) * 16
+        d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=0.0, affinity=aff)
+        assert isinstance(d, Decision) and d.prefill is a
