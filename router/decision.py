@@ -251,9 +251,10 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         if pair.ttft_s > limit:
             continue
         p = pair.prefill
-        # the least queued prefill work; then on separate processors the one running fewer
-        # sequences, then the emptier cache, so new prefixes spread out; on a shared
-        # processor the busier one (one engine batching beats two time-slicing it)
+        # separate processors with an affinity: its rendezvous rank (replicas agree);
+        # else the least queued prefill work, then on separate processors the one running
+        # fewer sequences, then the emptier cache, so new prefixes spread out; on a
+        # shared processor the busier one (one engine batching beats two time-slicing it)
         rank = _rank(affinity, p.name) if affinity and not p.proc.shared else b""
         key = (rank, pair.cost.queue_s, -p.batch() if p.proc.shared else p.batch(),
                p.stats.kv_usage, pair.ttft_s)
