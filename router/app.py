@@ -42,6 +42,7 @@ from kvcentric.router.kv_events import EventListener, EventTranslator, router_bi
 from kvcentric.router.metrics import RouterMetrics
 from kvcentric.router.openai_routes import openai_routes
 from kvcentric.router.openapi import build_openapi
+from kvcentric.router.peers import PeerSync
 from kvcentric.router.proxy import Proxy
 from kvcentric.router.replication import Replicator
 from kvcentric.router.scheduler import Conductor
@@ -220,6 +221,11 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
         if cfg.replication.enabled:
             state.replicator = Replicator(state.conductor, state.metrics, state.client)
             state.tasks["replication"] = loop.create_task(state.replicator.run())
+        if cfg.peers.enabled:
+            peers = PeerSync(state.zmq_ctx, state.conductor, cfg.peers.publish,
+                             cfg.peers.connect)
+            state.conductor.peers = peers
+            state.tasks["peers"] = loop.create_task(peers.run())
         try:
             yield
         finally:
@@ -229,6 +235,9 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*state.tasks.values(), return_exceptions=True)
             await state.client.aclose()
+            if state.conductor.peers is not None:
+                state.conductor.peers.close()
+                state.conductor.peers = None
             for inst in state.conductor.registry:  # a listener whose task was cancelled
                 if inst.listener is not None:      # before its first step never closed
                     inst.listener.close()          # its socket, and term() would wait on it

@@ -233,6 +233,40 @@ class ReplicationConfig:
             raise ValueError(f"replication.min_gain must be >= 0, got {self.min_gain!r}")
 
 
+_PEER_ENDPOINT = re.compile(r"^(tcp://[^\s:/]+:\d{1,5}|ipc:///[^\s]+)$")
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    """Router replicas in front of one fleet telling each other their dispatches
+    (:mod:`kvcentric.router.peers`): ``publish`` the ZMQ endpoint this replica binds
+    (``tcp://HOST:PORT`` or ``ipc:///path``; loopback unless ``allow_remote``),
+    ``connect`` the other replicas' endpoints. Off when both are empty."""
+
+    publish: str | None = None
+    connect: tuple[str, ...] = ()
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.connect, (list, str)):
+            object.__setattr__(self, "connect", tuple(
+                [self.connect] if isinstance(self.connect, str) else self.connect))
+        for ep in (*([self.publish] if self.publish else []), *self.connect):
+            if not isinstance(ep, str) or not _PEER_ENDPOINT.match(ep):
+                raise ValueError(f"peers endpoint {ep!r} must be tcp://HOST:PORT or "
+                                 "ipc:///path")
+        if self.publish and self.publish.startswith("tcp://") and not self.allow_remote:
+            host = self.publish[len("tcp://"):].rsplit(":", 1)[0]
+            if not _loopback(host):
+                raise ValueError(f"peers.publish {self.publish} is not a loopback address: "
+                                 "set peers.allow_remote: true (and keep the port on a "
+                                 "network only the replicas reach)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.publish or self.connect)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     model: str
@@ -249,6 +283,7 @@ class RouterConfig:
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -282,7 +317,7 @@ class RouterConfig:
         for name, cls_ in (("slo", SloConfig), ("listen", ListenConfig), ("keys", KeysConfig),
                            ("cost", CostConfig), ("health", HealthConfig),
                            ("upstream", UpstreamConfig), ("cache", CacheConfig),
-                           ("replication", ReplicationConfig)):
+                           ("replication", ReplicationConfig), ("peers", PeersConfig)):
             raw[name] = _section(cls_, name, raw.get(name))
         insts = raw.get("instances") or []
         if not isinstance(insts, list):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +28,12 @@ from kvcentric.router.heat import PrefixHeat
 from kvcentric.router.instances import Registry
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.router.store_view import StoreView
+
+if TYPE_CHECKING:
+    from kvcentric.router.instances import Instance
+    from kvcentric.router.peers import PeerSync
+
+PEER_PENDING_MAX = 65536  # peers' prefills remembered until their end arrives
 
 log = logging.getLogger("router.decision")
 
@@ -49,6 +57,8 @@ class Conductor:
         self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
                                  self.disk_bandwidth, cfg.cost.tie_tolerance)
         self.clock = clock
+        self.peers: PeerSync | None = None  # set by the app when replicas sync
+        self._peer_prefills: OrderedDict[str, Instance] = OrderedDict()
         if cfg.keys.block_size is not None:
             self.set_block_size(cfg.keys.block_size)
 
@@ -152,11 +162,15 @@ class Conductor:
             if d.disaggregated:
                 self.index.add(d.decode.slot, hashes)
             self.heat.touch(hashes[0], now)
+        if self.peers is not None:
+            self.peers.announce_dispatch(d, rid, hashes)
 
     def prefill_finished(self, d: Decision, rid: str, actual_s: float | None) -> None:
         """p finished the prefill (``actual_s`` after dispatch, when known)."""
         p = d.prefill
         p.prefill_done(rid, self.clock())
+        if self.peers is not None:
+            self.peers.announce_done(rid)
         if actual_s is None or not self.cfg.cost.correct_with_actual:
             return
         own = next((c for c in d.candidates if c.name == p.name), None)
@@ -168,6 +182,32 @@ class Conductor:
         """The request left the decode instance (done, failed or abandoned)."""
         d.prefill.prefill_done(rid, self.clock())
         d.decode.decodes = max(0, d.decode.decodes - 1)
+        if self.peers is not None:
+            self.peers.announce_done(rid)
+
+    def peer_dispatched(self, key: str, prefill: str, prefill_s: float,
+                        hashes: Sequence[bytes]) -> None:
+        """Another router replica sent a prefill of ``prefill_s`` predicted seconds to the
+        instance named ``prefill`` (:mod:`kvcentric.router.peers`): its work queues there
+        and its blocks count as resident there, as this router's own would. An instance
+        this router does not know is ignored."""
+        inst = self.registry.get(prefill)
+        if inst is None or key in self._peer_prefills:
+            return
+        now = self.clock()
+        inst.enqueue(key, prefill_s, now)
+        self._peer_prefills[key] = inst
+        if len(self._peer_prefills) > PEER_PENDING_MAX:
+            self._peer_prefills.popitem(last=False)
+        if hashes and self.block_size is not None:
+            self.index.add(inst.slot, hashes)
+            self.heat.touch(hashes[0], now)
+
+    def peer_done(self, key: str) -> None:
+        """A peer's prefill ended (or its request left)."""
+        inst = self._peer_prefills.pop(key, None)
+        if inst is not None:
+            inst.prefill_done(key, self.clock())
 
     def replicas(self, h: bytes) -> int:
         """Instances that hold block ``h``."""

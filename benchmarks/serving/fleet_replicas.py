@@ -56,14 +56,21 @@ from benchmarks.serving.gateways import Gateway, gateway_for
 from benchmarks.serving.tokens import TokenSource
 from benchmarks.serving.workloads import Workload, WorkloadSpec, build
 from kvcentric.testing.models import build_model
+from kvcentric.testing.servers import free_port
 
 SMG = Arm("smg-cache_aware", gateway="smg:cache_aware")
 
 
-def replicas_of(fr: FleetRun, arm: Arm, k: int) -> list[Gateway]:
-    """``k`` independent routers of ``arm``'s kind over the fleet."""
+def replicas_of(fr: FleetRun, arm: Arm, k: int, sync: bool = True) -> list[Gateway]:
+    """``k`` routers of ``arm``'s kind over the fleet; ours tell each other their
+    dispatches (``peers``: each binds a loopback port, connects to the others') unless
+    ``sync`` is off."""
     if arm.gateway == "kvcentric":
-        gws = [fr.gateway(arm, tag=f"-{i}") for i in range(k)]
+        ports = [free_port() for _ in range(k)] if sync and k > 1 else []
+        eps = [f"tcp://127.0.0.1:{p}" for p in ports]
+        gws = [fr.gateway(arm, tag=f"-{i}", extra={"peers": {
+                   "publish": eps[i], "connect": eps[:i] + eps[i + 1:]}} if eps else None)
+               for i in range(k)]
     else:
         gws = [gateway_for(arm.gateway, fr.fleet.urls, fr.logs,
                            tokenizer=fr.setup.emulator.tokenizer) for _ in range(k)]
@@ -167,6 +174,7 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
     setup = fleet_setup(args, d)
     counts = [1, 2, 4] if args.quick else [1, 2, 4, 8]
     arms = [(f"kvcentric-router x{k}", OUR_ROUTER, k) for k in counts]
+    arms += [(f"kvcentric-router x{counts[-1]} nosync", OUR_ROUTER, counts[-1])]
     arms += [(f"smg-cache_aware x{k}", SMG, k) for k in (1, counts[-1])]
     src = TokenSource(setup.emulator.tokenizer)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms}
@@ -178,8 +186,9 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
             w = build(spec, src)
             order = arms[rep % len(arms):] + arms[:rep % len(arms)]
             for label, arm, k in order:
-                def make(a: Arm, k: int = k, arm: Arm = arm) -> list[Gateway]:
-                    return replicas_of(fr, arm, k)
+                def make(a: Arm, k: int = k, arm: Arm = arm,
+                         sync: bool = "nosync" not in label) -> list[Gateway]:
+                    return replicas_of(fr, arm, k, sync)
 
                 res = fr.run_arm(replace(arm, name=label.replace(" ", "")), w, src, rep,
                                  gateways=make)
@@ -198,6 +207,7 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
               for k in counts[1:]}
     ttft = {k: by[f"kvcentric-router x{k}"]["ttft_mean_ms"] / one["ttft_mean_ms"]
             for k in counts[1:]}
+    nosync = by[f"kvcentric-router x{counts[-1]} nosync"]
     smg_ratio = (by[f"smg-cache_aware x{counts[-1]}"]["hit_rate"]
                  / by["smg-cache_aware x1"]["hit_rate"])
     rs = [r["prefix_routing_s"] for r in restarts if r["prefix_routing_s"] is not None]
@@ -205,6 +215,8 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
                "replicas_hit_rate_ratio_min": min(ratios.values()),
                "replicas_hit_rate_ratio": ratios,
                "replicas_ttft_ratio_max": max(ttft.values()), "replicas_ttft_ratio": ttft,
+               "nosync_hit_rate_ratio": nosync["hit_rate"] / one["hit_rate"],
+               "nosync_ttft_ratio": nosync["ttft_mean_ms"] / one["ttft_mean_ms"],
                "smg_hit_rate_ratio_8_over_1": smg_ratio,
                "restart_prefix_routing_s_max": max(rs) if rs else None,
                "restart_prefix_routing_s": rs,
@@ -216,7 +228,9 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
            "summary": summary, "arms": arms_out, "restarts": restarts,
            "workload": hot_workload(args, n, args.seed, d).__dict__,
            "notes": ["Replicas: independent router processes, every one fed by every "
-                     "engine's KV events (vLLM's wire format, with replay); the client "
+                     "engine's KV events (vLLM's wire format, with replay) and, except "
+                     "the 'nosync' arm, by the other replicas' dispatches (router peers "
+                     "over ZMQ on loopback); the client "
                      "round-robins over them and fails a refused connection over to the "
                      "next, as a load balancer does.",
                      f"Engines: benchmarks.emulator, profile vllm_cpu_bench, dilation {d}, "

@@ -138,7 +138,10 @@ class FleetRun:
             self.reset()
         return self.profile
 
-    def gateway(self, arm: Arm, tag: str = "") -> Gateway | None:
+    def gateway(self, arm: Arm, tag: str = "",
+                extra: dict[str, Any] | None = None) -> Gateway | None:
+        """``arm``'s router over the fleet; ``extra``: config sections for ours, over
+        the setup's ``router_extra``."""
         s = self.setup
         kw: dict[str, Any] = {}
         if arm.gateway == "kvcentric":
@@ -146,7 +149,8 @@ class FleetRun:
                   "slo_ttft_ms": s.slo_ttft_ms * s.dilation,
                   "slo_tpot_ms": s.slo_tpot_ms * s.dilation,
                   "profile": self.router_profile(), "dtype": "bfloat16",
-                  "instances": self.instances, "extra": s.router_extra, "tag": tag,
+                  "instances": self.instances, "extra": {**s.router_extra, **(extra or {})},
+                  "tag": tag,
                   **arm.gateway_opts}
         gw = gateway_for(arm.gateway, self.fleet.urls, self.logs,
                          tokenizer=s.emulator.tokenizer, **kw)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.testing.models import build_model
@@ -33,3 +36,22 @@ def test_released_gil_path_matches_transformers(name: str) -> None:
                               dtype=np.uint32)
             got = tok.encode(text, add_special_tokens=special)
             assert got.dtype == np.uint32 and np.array_equal(got, want), (text[:40], special)
+
+
+def test_a_generic_fast_tokenizer_loads_without_autotokenizer_and_as_it_would(
+        tmp_path: Path) -> None:
+    """A folder whose tokenizer_config names transformers' generic fast tokenizer is
+    loaded as that class directly (no model code imported); the ids and chat template
+    are AutoTokenizer's. Another class name goes through AutoTokenizer."""
+    model = build_model("tiny", Path.cwd() / ".models" / "tiny")
+    code = ("import sys; from kvcentric.router.tokenize import PromptTokenizer; "
+            f"t = PromptTokenizer({str(model)!r}); "
+            "print('torch' in sys.modules, t.encode('hello  world').tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split(maxsplit=1)
+    auto = AutoTokenizer.from_pretrained(str(model))
+    assert out[0] == "False"  # torch was never imported
+    assert out[1].strip() == str(list(auto("hello  world")["input_ids"]))
+    tok = PromptTokenizer(model)
+    assert tok.tok.chat_template == auto.chat_template
+    assert type(tok.tok) is type(auto)
