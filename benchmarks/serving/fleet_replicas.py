@@ -17,8 +17,11 @@ rate of 2/4/8 replicas over one router's) and ``replicas_ttft_ratio_max``.
 
 Then the restart: with 4 replicas, one is killed (SIGKILL) at 40% of the run and started
 again 1 s later on the same port. From its start, probes (a hot prefix and a new
-question, ``max_tokens`` 1) are sent to it every 50 ms until its answer says it routed
-by prefix (``x-kvc-hit-tokens`` covering the prefix): ``restart_prefix_routing_s``. The
+question, ``max_tokens`` 1) are sent to it one after another (50 ms apart) until an
+answer says it routed by prefix (``x-kvc-hit-tokens`` covering the prefix):
+``restart_prefix_routing_s`` is when that probe was sent (its routing was decided then;
+its answer waits for the engine), from the restart, also given from the moment the
+router was ready (``prefix_after_ready_s``). The
 client's failed requests are split into those in flight to the killed replica at the
 kill and the rest (which must be 0).
 
@@ -99,28 +102,32 @@ def kill_and_restart(victim: int, at_s: float, down_s: float, probes: list[str],
         g.start()
         g.wait_ready(60)
         t_ready = time.perf_counter()
-        t_prefix = None
+        t_prefix = None  # when the first probe routed by prefix was sent (decided)
         hits: list[int] = []
+        sent: list[float] = []
         with httpx.Client(timeout=60) as c:
             i = 0
             while time.perf_counter() - t_start < 60:
                 body = {"model": model, "prompt": probes[i % len(probes)], "max_tokens": 1}
                 i += 1
+                t_sent = time.perf_counter()
                 try:
                     r = c.post(g.url + "/v1/completions", json=body)
                     hit = int(r.headers.get("x-kvc-hit-tokens", "0"))
                 except (httpx.HTTPError, ValueError):
                     hit = -1
                 hits.append(hit)
+                sent.append(t_sent - t_start)
                 if hit >= prefix_tokens:
-                    t_prefix = time.perf_counter()
+                    t_prefix = t_sent
                     break
                 time.sleep(0.05)
         return {"victim": victim, "url": g.url, "t_kill": t_kill, "t_start": t_start,
                 "t_ready": t_ready, "t_prefix": t_prefix, "probes": len(hits),
-                "probe_hits": hits[:50],
+                "probe_hits": hits[:50], "probe_sent_s": sent[:50],
                 "ready_s": t_ready - t_start,
-                "prefix_routing_s": t_prefix - t_start if t_prefix else None}
+                "prefix_routing_s": t_prefix - t_start if t_prefix else None,
+                "prefix_after_ready_s": t_prefix - t_ready if t_prefix else None}
     return run
 
 
@@ -135,6 +142,8 @@ def restart_account(res: dict[str, Any]) -> dict[str, Any]:
                 or (not r["success"] and r["url"] == d["url"] and r["start_s"] <= t_kill)]
     in_flight_failed = [r for r in failed if r in inflight]
     return {"prefix_routing_s": d["prefix_routing_s"], "ready_s": d["ready_s"],
+            "prefix_after_ready_s": d.get("prefix_after_ready_s"),
+            "probe_hits": d.get("probe_hits"), "probe_sent_s": d.get("probe_sent_s"),
             "probes": d["probes"], "in_flight_at_kill": len(inflight),
             "failed_in_flight": len(in_flight_failed),
             "failed_other": len(failed) - len(in_flight_failed),
@@ -220,6 +229,8 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
                "smg_hit_rate_ratio_8_over_1": smg_ratio,
                "restart_prefix_routing_s_max": max(rs) if rs else None,
                "restart_prefix_routing_s": rs,
+               "restart_prefix_after_ready_s": [r.get("prefix_after_ready_s")
+                                                for r in restarts],
                "restart_failed_other_max": max(r["failed_other"] for r in restarts),
                "restart_failed_in_flight": [r["failed_in_flight"] for r in restarts],
                "wall_s": time.monotonic() - t0}
