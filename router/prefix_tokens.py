@@ -6,19 +6,20 @@ Why: the router tokenises every prompt to hash its blocks, and tokenising costs 
 pre-tokenizer's regex over the whole text); prompts that share a long prefix (system
 prompts, documents, a conversation's history) would pay it again each time.
 
-How it stays exact: a byte-level BPE tokenizer splits text into pre-tokens by a regex
-and merges within each pre-token only, so the ids up to a pre-token boundary ``c`` depend
-on the text up to ``c`` plus a few characters of look-ahead. An entry is a text chunk
-ending at such a boundary (an *anchor*, taken about every ``anchor_tokens`` tokens where
-a pre-token starts) with the ids of the chunk, chained from the text's start like the
-blocks of a radix tree. A new text walks the chain chunk by chunk; it reuses the ids up
-to the anchor *before* the last chunk it matched (so at least one chunk of identical
-text follows the reused anchor: the look-ahead), then tokenises the rest, without special
-tokens, and adds anchors for it. Whether this gives the tokenizer's own ids is not
-assumed: :class:`PromptTokenizer <kvcentric.router.tokenize.PromptTokenizer>` checks it on
-probe texts before using the cache and whole-tokenises a sample of cached results
-afterwards (:meth:`PrefixTokens.should_verify`); any mismatch turns the cache off. A wrong
-id would only cost routing quality: the engine tokenises the untouched request itself.
+How it stays exact: a byte-level BPE tokenizer splits text into pre-tokens by a regex and
+merges within each pre-token only, so the ids up to a pre-token boundary ``c`` depend on
+the text up to ``c`` plus a few characters of look-ahead. An entry is a text chunk ending
+at such a boundary (an *anchor*: the first token starting a pre-token at least
+``anchor_chars`` characters after the previous anchor) with the ids of the chunk, chained
+from the text's start like the blocks of a radix tree. A new text walks the chain chunk
+by chunk; it reuses the ids up to the anchor *before* the last chunk it matched (so at
+least one chunk of identical text follows the reused anchor: the look-ahead), then
+tokenises the rest, without special tokens, and adds anchors for it. Whether this gives
+the tokenizer's own ids is not assumed: :class:`PromptTokenizer
+<kvcentric.router.tokenize.PromptTokenizer>` checks it on probe texts before using the
+cache and whole-tokenises a sample of cached results afterwards
+(:meth:`PrefixTokens.should_verify`); any mismatch turns the cache off. A wrong id would
+only cost routing quality: the engine tokenises the untouched request itself.
 
 Memory: at most ``max_chars`` characters of chunks (plus their ids), least recently used
 chunks dropped first. Thread-safe: lookups and inserts run under one lock on the
