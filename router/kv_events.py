@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvcentric.hashing import extend_chain, hash_seed, root_hash, tokens_le_u32
 
@@ -241,7 +242,10 @@ class EventListener:
     counted in ``replay_failures``; routing goes on with what the live stream brings.
     A malformed message (wrong frame count, not msgpack, events of the wrong shape) is
     logged, counted in ``malformed`` and dropped: nothing a peer sends stops the listener.
-    ZMQ drops the connection of a peer sending a message over ``MAX_MESSAGE_BYTES``.
+    ZMQ drops the connection of a peer sending a message over ``MAX_MESSAGE_BYTES``; when
+    the listener connected (the engine binds, vLLM's default), ZMQ never makes that
+    connection again, so a socket monitor does (``reconnects``), and the sequence gap
+    that follows asks for a replay.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
@@ -261,13 +265,16 @@ class EventListener:
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._event: asyncio.Future[list[bytes]] | None = None
         try:
             if router_binds(endpoint) if bind is None else bind:
                 self._sock.bind(endpoint)
             else:
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._sock.connect(endpoint)
         except zmq.ZMQError:
-            self._sock.close(linger=0)  # a socket left open would hang the context's term()
+            self.close()  # a socket left open would hang the context's term()
             raise
         self.replay_endpoint = replay
         self.replay_timeout_s = replay_timeout_s
@@ -278,6 +285,7 @@ class EventListener:
         self.replayed = 0  # batches applied from replays
         self.replay_failures = 0
         self.duplicates = 0  # live batches skipped: a replay had applied them
+        self.reconnects = 0  # connections ZMQ dropped, made again
         self._last_seq: int | None = None
         self._replayed: tuple[int, int] | None = None  # seq range the last replay applied
 
@@ -288,7 +296,7 @@ class EventListener:
             if self.replay_endpoint is not None:
                 await self.replay(0)
             while True:
-                frames = await self._sock.recv_multipart()
+                frames = await self._next()
                 seq = _seq_of(frames)
                 if seq is not None and self._replayed is not None:
                     lo, hi = self._replayed
@@ -306,7 +314,31 @@ class EventListener:
         except zmq.ZMQError as exc:  # the socket was closed under us: the instance is gone
             log.debug("%s: listener stopped: %s", self.endpoint, exc)
         finally:
-            self._sock.close(linger=0)
+            self.close()
+
+    async def _next(self) -> list[bytes]:
+        """The next live message; a dropped connection is made again meanwhile."""
+        if self._monitor is None:
+            return await self._sock.recv_multipart()
+        recv = asyncio.ensure_future(self._sock.recv_multipart())
+        try:
+            while True:
+                if self._event is None:
+                    self._event = asyncio.ensure_future(self._monitor.recv_multipart())
+                await asyncio.wait((recv, self._event), return_when=asyncio.FIRST_COMPLETED)
+                if self._event.done():
+                    ep = parse_monitor_message(self._event.result()).get("endpoint")
+                    self._event = None
+                    if isinstance(ep, bytes) and ep.decode() == self.endpoint:
+                        self._sock.disconnect(self.endpoint)
+                        self._sock.connect(self.endpoint)
+                        self.reconnects += 1
+                        log.warning("%s: the connection was dropped; made again",
+                                    self.endpoint)
+                if recv.done():
+                    return recv.result()
+        finally:
+            recv.cancel()
 
     async def replay(self, start: int) -> int:
         """Ask the engine for its buffered batches from ``start`` on and apply them in
@@ -373,6 +405,12 @@ class EventListener:
         return True
 
     def close(self) -> None:
+        if self._event is not None:
+            self._event.cancel()
+        if self._monitor is not None:
+            if not self._sock.closed:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
 

@@ -125,6 +125,45 @@ def test_listener_drops_garbage_and_cuts_oversized_peers(
     assert lst.malformed >= 300  # every frame-count/not-msgpack/not-a-batch message
 
 
+def test_a_connected_listener_makes_the_connection_again_after_an_oversize_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's publisher binds and the router connects: ZMQ drops the connection that
+    brought an oversize message and, on the connecting side, never makes it again; the
+    listener's monitor does, and the same publisher's next batches are applied."""
+    monkeypatch.setattr(kv_events, "MAX_MESSAGE_BYTES", 1 << 16)
+    got: list[list[dict[str, Any]]] = []
+
+    async def run() -> EventListener:
+        ctx = zmq.asyncio.Context()
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        pub.bind(ep)
+        lst = EventListener(ctx, ep, lambda evs: got.append(evs), bind=False)
+        task = asyncio.get_running_loop().create_task(lst.run())
+        try:
+            await _send_until(pub, [b"kv", (0).to_bytes(8, "big"), valid(0, [5] * 256)],
+                              lambda: lst.batches >= 1)
+            pub.send_multipart([b"kv", (1).to_bytes(8, "big"), b"\x00" * (1 << 17)])
+            for _ in range(200):
+                if lst.reconnects:
+                    break
+                await asyncio.sleep(0.02)
+            assert lst.reconnects == 1
+            before = lst.batches
+            await _send_until(pub, [b"kv", (2).to_bytes(8, "big"), valid(1, [6] * 256)],
+                              lambda: lst.batches > before)
+            assert not task.done()
+        finally:
+            pub.close(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            ctx.term()
+        return lst
+
+    lst = asyncio.run(run())
+    assert lst.gaps >= 1  # the oversize message's place: a replay would be asked for
+
+
 def test_router_app_survives_an_event_storm(tiny_dir: str, tokenizer: PromptTokenizer) -> None:
     ep = f"tcp://127.0.0.1:{free_port()}"
     cfg = make_cfg(tiny_dir, [{"url": "http://a:1", "name": "a", "kv_events": ep}])
