@@ -5,14 +5,22 @@
 (on a machine shared with other vLLM users, inside ``flock /tmp/kvc-vllm.lock``)
 
 The same workloads, the same client, the same settings on both sides: 2 instances of the
-``bench`` model (bf16, the comparisons' server flags and thread pinning; each engine's
-KV cache ``--pages`` pages of 128 tokens; no connector), both engines' workers on the
-same cores (the only way two fit this 2-core machine with room for the rest), the client
-round-robin over them. The emulated side is :mod:`benchmarks.emulator.server` with the
-profile measured on one such engine alone (:mod:`benchmarks.emulator.measure`), both
-engines on one processor shared as measured on two such engines (``measure --shared``:
-one engine at a time, the other's step waiting for its busy period and the handoff,
-:class:`benchmarks.emulator.processors.ExclusiveProcessor`). Workloads: ``hotprefix``
+``bench`` model (bf16, the comparisons' server flags; each engine's KV cache ``--pages``
+pages of 128 tokens; no connector), the client round-robin over them. Where the engines
+compute (``--cores``):
+
+* ``own`` (default): each real engine's worker bound to a CPU of its own
+  (``VLLM_CPU_OMP_THREADS_BIND``: engine 0 on the first, engine 1 on the second; the API
+  servers and the client float), the emulated engines each on a processor of its own, as
+  the fleet runs emulate engines on separate GPUs. The profile is the one measured on one
+  such engine alone (:mod:`benchmarks.emulator.measure`).
+* ``shared``: both real workers on the same core (vLLM's automatic binding with one CPU
+  reserved), the emulated engines on one processor shared as measured on two such engines
+  (``measure --shared``: :class:`benchmarks.emulator.processors.ExclusiveProcessor`, or
+  ``--discipline fair``). Measured: the real side's repetitions spread widely (TTFT mean
+  547-1030 ms on the same hot-prefix workload), which no single sharing rule reproduced.
+
+Workloads: ``hotprefix``
 (one 3072-token prefix, 64-token questions at a Poisson rate: the engines' prefix
 caches and queueing) and
 ``multiturn`` (users with a shared system prompt, private context, turns after think
@@ -28,6 +36,7 @@ worst of the mean and p90 errors over the workloads.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -66,11 +75,21 @@ def workloads(quick: bool, seed: int) -> dict[str, tuple[WorkloadSpec, str]]:
     }
 
 
+def own_cpu_envs() -> tuple[dict[str, str], dict[str, str]]:
+    """The two engines' worker bindings for ``--cores own``: one CPU each."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError("--cores own needs 2 CPUs")
+    return ({"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0])},
+            {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[1])})
+
+
 @contextmanager
-def real_side(model: str, pages: int, logs: Path) -> Iterator[list[str]]:
+def real_side(model: str, pages: int, cores: str, logs: Path) -> Iterator[list[str]]:
+    envs = own_cpu_envs() if cores == "own" else (pinned_threads_env(),) * 2
     servers = [VllmServer(model, SERVED_NAME, None, "bfloat16", 4096,
                           (*SERVER_ARGS, "--num-gpu-blocks-override", str(pages)),
-                          pinned_threads_env(), logs / f"vllm-{i}.log") for i in range(2)]
+                          envs[i], logs / f"vllm-{i}.log") for i in range(2)]
     try:
         for s in servers:
             s.start()
@@ -87,9 +106,9 @@ def real_side(model: str, pages: int, logs: Path) -> Iterator[list[str]]:
 
 @contextmanager
 def emulated_side(model: str, pages: int, profile: str, slowdown: float, discipline: str,
-                  logs: Path) -> Iterator[list[str]]:
-    with EmulatedFleet(EmulatorSpec(2, model, profile=profile, pages=pages,
-                                    max_model_len=4096, compute="shared",
+                  cores: str, logs: Path) -> Iterator[list[str]]:
+    with EmulatedFleet(EmulatorSpec(2, model, profile=profile, pages=pages, max_model_len=4096,
+                                    compute="separate" if cores == "own" else "shared",
                                     discipline=discipline, slowdown=slowdown), logs) as f:
         yield f.urls
 
@@ -164,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--profile", default="vllm_cpu_bench")
     ap.add_argument("--slowdown", type=float, default=1.0)
+    ap.add_argument("--cores", default="own", choices=("own", "shared"),
+                    help="each engine on a CPU of its own, or both on the same one")
     ap.add_argument("--discipline", default="exclusive", choices=("exclusive", "fair"),
-                    help="how the 2 emulated engines share their processor")
+                    help="with --cores shared: how the 2 emulated engines share their processor")
     ap.add_argument("--sides", default="real,emulated")
     ap.add_argument("--real-from", type=Path, default=None,
                     help="a calibration result whose real side to compare with (exploring "
@@ -179,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     emu: list[dict[str, Any]] = []
     t0 = time.monotonic()
     sides: dict[str, tuple[Callable[[], Any], list[dict[str, Any]]]] = {
-        "real": (lambda: real_side(model, args.pages, logs), real),
+        "real": (lambda: real_side(model, args.pages, args.cores, logs), real),
         "emulated": (lambda: emulated_side(model, args.pages, args.profile, args.slowdown,
-                                           args.discipline, logs), emu)}
+                                           args.discipline, args.cores, logs), emu)}
     if args.real_from is not None:
         import json
 
@@ -198,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                        "reps": args.reps, "wall_s": time.monotonic() - t0},
            "comparison": cmp, "real": real, "emulated": emu,
            "settings": {"pages": args.pages, "profile": args.profile,
-                        "discipline": args.discipline, "slowdown": args.slowdown,
+                        "cores": args.cores, "slowdown": args.slowdown,
+                        "discipline": args.discipline if args.cores == "shared" else None,
                         "real_from": str(args.real_from) if args.real_from else None,
                         "instances": 2,
-                        "cores": "both engines' workers on the same cores",
-                        "env": pinned_threads_env()},
+                        "env": list(own_cpu_envs()) if args.cores == "own"
+                        else pinned_threads_env()},
            "workloads": {k: v[0].__dict__ for k, v in workloads(args.quick, 0).items()}}
     out = args.out or RESULTS / f"emulator_calibration{'_quick' if args.quick else ''}.json"
     rw.write(out, doc, table(cmp), command=rw.command_line(__file__, argv))
