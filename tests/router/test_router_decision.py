@@ -396,3 +396,19 @@ def test_affinity_never_overrides_a_hit_or_a_queue_beyond_the_tolerance() -> Non
         aff = bytes([k]) * 16
         d = choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=0.0, affinity=aff)
         assert isinstance(d, Decision) and d.prefill is a
+
+
+def test_affinity_ranks_only_ties_where_no_instance_holds_the_prefix() -> None:
+    """A hot prefix held by two engines: whichever the rank prefers, the one not decoding
+    takes the next request (its prefill chunks would stall the other's decodes); the rank
+    still places a prefix that neither holds."""
+    a, b = inst("a", 0), inst("b", 1)
+    a.decodes = 6
+    for k in range(32):
+        aff = bytes([k]) * 16
+        d = choose([a, b], [a, b], {0: 30, 1: 30}, 0, N, PARAMS, SLO, now=0.0, affinity=aff)
+        assert isinstance(d, Decision) and d.prefill is b
+    picks = {choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=0.0,  # type: ignore[union-attr]
+                    affinity=bytes([k]) * 16).prefill.name for k in range(32)}
+    assert picks == {"a", "b"}  # by rank, not by load
+
