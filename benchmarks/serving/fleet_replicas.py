@@ -28,8 +28,11 @@ kill and the rest (which must be 0).
 ``soak``: ``--instances`` engines with small caches (constant eviction), 2 replicas,
 ``--minutes`` of new prefixes; every 15 s each router's RSS (its process group, from
 /proc) and its bookkeeping (``/instances``: resident blocks, event translator pages).
-Reported: RSS slope per router (MiB per 10 minutes, after the first fifth) and the
-largest page map against its bound (twice the engine's pages).
+Reported: RSS slope per router (MiB per 10 minutes, after the first fifth and over the
+second half) and the largest page map against its bound (twice the engine's pages).
+The prompt token cache (``cache.prompt_text_chars``, 16 Mi characters by default) fills
+with every new prefix until its bound: ``--prompt-cache-chars`` sets a smaller one so a
+run shows the routers' memory once it is full.
 """
 
 from __future__ import annotations
@@ -274,6 +277,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     d = args.dilation or max(1.0, n / 16)
     logs = LOGS / f"fleet_soak_{n}-{time.strftime('%Y%m%d-%H%M%S')}"
     setup = fleet_setup(args, d)
+    if args.prompt_cache_chars is not None:
+        setup = replace(setup, router_extra={**setup.router_extra, "cache": {
+            "prompt_text_chars": args.prompt_cache_chars}})
     rate = args.rate_per_instance * n  # emulated requests/s
     total = int(rate * args.minutes * 60 / d)
     spec = WorkloadSpec(workload="shared-prefix", seed=args.seed, num_groups=max(1, total // 4),
@@ -309,14 +315,21 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         arm = replace(OUR_ROUTER, name="kvcentric-router-soak")
         res = fr.run_arm(arm, w, src, 0, during=sampler,
                          gateways=lambda a: replicas_of(fr, OUR_ROUTER, args.replicas))
-    since = 0.2 * samples[-1]["t_s"] if samples else 0.0
-    slopes = []
-    for k in range(args.replicas):
-        pts = [(s["t_s"], s["routers"][k]["rss_mib"]) for s in samples if s["t_s"] >= since]
-        slopes.append(_slope(pts) * 600 if len(pts) >= 3 else None)
+    def slopes_from(fraction: float) -> list[float | None]:
+        since = fraction * samples[-1]["t_s"] if samples else 0.0
+        out: list[float | None] = []
+        for k in range(args.replicas):
+            pts = [(s["t_s"], s["routers"][k]["rss_mib"]) for s in samples
+                   if s["t_s"] >= since]
+            out.append(_slope(pts) * 600 if len(pts) >= 3 else None)
+        return out
+
+    slopes = slopes_from(0.2)
     pages_max = max((r["kv_event_pages_max"] for s in samples for r in s["routers"]), default=0)
     summary = {"instances": n, "dilation": d, "minutes": args.minutes, "requests": len(w.sessions),
                "replicas": args.replicas, "rss_slope_mib_per_10min": slopes,
+               "rss_slope_last_half_mib_per_10min": slopes_from(0.5),
+               "prompt_cache_chars": args.prompt_cache_chars,
                "rss_first_mib": [r["rss_mib"] for r in samples[0]["routers"]] if samples else None,
                "rss_last_mib": [r["rss_mib"] for r in samples[-1]["routers"]] if samples else None,
                "kv_event_pages_max": pages_max, "kv_event_pages_bound": 2 * args.pages,
@@ -379,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--sample-s", type=float, default=15.0)
+    ap.add_argument("--prompt-cache-chars", type=int, default=None,
+                    help="soak: the routers' cache.prompt_text_chars (default: theirs)")
     args = ap.parse_args(argv)
     args.argv = argv
     if args.command == "replicas":
