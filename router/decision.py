@@ -252,17 +252,19 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     tied = [pair for pair in pairs if pair.ttft_s <= limit]
     # a prefix resident on none of the tied: the affinity's rendezvous rank (replicas
     # agree) on separate processors; else the least queued prefill work, then on
-    # separate processors the one running fewer sequences (its decodes would share the
-    # prefill's steps), then the emptier cache, so new prefixes spread out; on a shared
-    # processor the busier one (one engine batching beats two time-slicing it)
+    # separate processors the one running fewer of this router's requests (their decodes
+    # would share the prefill's steps; its own count is exact where the engine's gauge
+    # is up to a poll old), then fewer sequences by the gauge, then the emptier cache, so
+    # new prefixes spread out; on a shared processor the busier one (one engine batching
+    # beats two time-slicing it)
     ranked = bool(affinity) and not any(pair.cost.local_blocks for pair in tied)
     best: Pairing | None = None
-    best_key: tuple[bytes, float, int, float, float] | None = None
+    best_key: tuple[bytes, float, int, int, float, float] | None = None
     for pair in tied:
         p = pair.prefill
         rank = _rank(affinity, p.name) if ranked and not p.proc.shared else b""
-        key = (rank, pair.cost.queue_s, -p.batch() if p.proc.shared else p.batch(),
-               p.stats.kv_usage, pair.ttft_s)
+        key = (rank, pair.cost.queue_s, -p.batch() if p.proc.shared else p.decodes,
+               0 if p.proc.shared else p.batch(), p.stats.kv_usage, pair.ttft_s)
         if best_key is None or key < best_key:
             best, best_key = pair, key
     if best is None:

@@ -412,3 +412,16 @@ def test_affinity_ranks_only_ties_where_no_instance_holds_the_prefix() -> None:
                     affinity=bytes([k]) * 16).prefill.name for k in range(32)}
     assert picks == {"a", "b"}  # by rank, not by load
 
+
+def test_a_tie_goes_to_the_instance_without_this_routers_requests_over_a_stale_gauge() -> None:
+    """The engine's running gauge is read every few seconds: an instance that just
+    finished still shows sequences, one that just took this router's request shows none.
+    Among ties this router's own count decides first."""
+    a, b = inst("a", 0), inst("b", 1)
+    a.stats.running = 2  # a poll old: a is idle now
+    b.decodes = 1  # decoding this router's request since the last poll
+    for k in range(8):
+        d = choose([a, b], [a, b], {0: 30, 1: 30}, 0, N, PARAMS, SLO, now=0.0,
+                   affinity=bytes([k]) * 16)
+        assert isinstance(d, Decision) and d.prefill is a
+
