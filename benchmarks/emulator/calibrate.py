@@ -48,6 +48,7 @@ from typing import Any
 
 from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
 from benchmarks.lib import results_writer as rw
+from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import RESULTS
 from benchmarks.serving.client import Api
 from benchmarks.serving.fleet import SERVED_NAME, SERVER_ARGS, pinned_threads_env, warm_up
@@ -177,6 +178,7 @@ def table(cmp: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # a killed run still stops its fleet and removes its store
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")

@@ -40,6 +40,7 @@ from typing import Any
 
 from benchmarks.emulator.launch import EmulatorSpec
 from benchmarks.lib import results_writer as rw
+from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import LOGS, RESULTS, ROOT
 from benchmarks.serving.compare import OUR_ARMS, OUR_ROUTER, PEER_CACHE_AWARE
 from benchmarks.serving.fleet import Arm
@@ -211,6 +212,7 @@ def pd_run(fr: FleetRun, arm: Arm, workload: Any, src: TokenSource, rep: int
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # a killed run still stops its fleet and removes its store
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workload", choices=("hotprefix", "multiturn", "trace", "pd"))
     ap.add_argument("--instances", type=int, default=8)

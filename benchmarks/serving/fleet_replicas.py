@@ -52,6 +52,7 @@ import httpx
 
 from benchmarks.emulator.launch import EmulatorSpec
 from benchmarks.lib import results_writer as rw
+from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import LOGS, RESULTS
 from benchmarks.lib.procfs import group_pids, usage
 from benchmarks.serving.compare import OUR_ROUTER
@@ -373,6 +374,7 @@ def rss_figure(samples: list[dict[str, Any]], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # a killed run still stops its fleet and removes its store
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=("replicas", "soak"))
     ap.add_argument("--instances", type=int, default=None)
