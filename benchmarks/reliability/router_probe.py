@@ -83,10 +83,14 @@ def sizes(state: Any) -> dict[str, int]:
     """Entries in the router's own bookkeeping: what could grow with requests."""
     c = state.conductor
     out = {"index_blocks": len(c.index._owners), "heat_keys": len(c.heat._heat),
-           "store_present": len(c.store._present), "store_absent": len(c.store._absent),
-           "store_disk": len(c.store._disk),
            "tasks": len(asyncio.all_tasks()), "inflight_budgets": len(state.inflight.counts),
-           "queued_prefills": sum(i.queued for i in c.registry)}
+           "queued_prefills": sum(i.queued for i in c.registry),
+           "peer_prefills": len(c._peer_prefills), "gc_objects": len(gc.get_objects())}
+    if c.store is not None:
+        out |= {"store_present": len(c.store._present), "store_absent": len(c.store._absent),
+                "store_disk": len(c.store._disk)}
+    if state.tokenizer.prefix is not None:
+        out["prompt_cache_chars"] = state.tokenizer.prefix._chars
     if state.replicator is not None:
         out["hot_prefixes"] = len(state.replicator.prefixes)
         out["warmed"] = len(state.replicator._warmed)

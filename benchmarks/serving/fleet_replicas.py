@@ -38,6 +38,7 @@ run shows the routers' memory once it is full.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -55,6 +56,7 @@ from benchmarks.lib import results_writer as rw
 from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import LOGS, RESULTS
 from benchmarks.lib.procfs import group_pids, usage
+from benchmarks.reliability.soak_router import probe
 from benchmarks.serving.compare import OUR_ROUTER
 from benchmarks.serving.fleet import Arm
 from benchmarks.serving.fleet_report import aggregate, figure, table
@@ -182,7 +184,8 @@ def fleet_setup(args: argparse.Namespace, dilation: float) -> FleetSetup:
 def replicas(args: argparse.Namespace) -> dict[str, Any]:
     n = args.instances
     d = args.dilation or max(1.0, n / 16)
-    name = f"fleet_replicas_{n}{'_store' if args.store else ''}{'_quick' if args.quick else ''}"
+    name = (f"fleet_replicas_{n}{'_store' if args.store else ''}"
+            f"{'_quick' if args.quick else ''}{args.tag}")
     logs = LOGS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     setup = fleet_setup(args, d)
     counts = [1, 2, 4] if args.quick else [1, 2, 4, 8]
@@ -289,12 +292,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     src = TokenSource(setup.emulator.tokenizer)
     w = build(spec, src)
     samples: list[dict[str, Any]] = []
+    probe_dirs = [logs / f"probe-{k}" for k in range(args.replicas)] if args.probe else []
+    warm_s = 0.2 * args.minutes * 60  # the run lasts --minutes of wall time
 
     def sampler(gws: list[Gateway], done: threading.Event) -> dict[str, Any]:
         t0 = time.perf_counter()
+        snapped = False
         while not done.is_set():
             row: dict[str, Any] = {"t_s": time.perf_counter() - t0, "routers": []}
-            for g in gws:
+            if probe_dirs and not snapped and row["t_s"] >= warm_s:
+                snapped = snapshot_all(gws, probe_dirs)
+            for k, g in enumerate(gws):
                 assert g.proc is not None
                 rss, fds = usage(group_pids(os.getpgid(g.proc.pid)))
                 try:
@@ -306,16 +314,20 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                     "resident_blocks": sum(i.get("resident_blocks", 0) for i in inst),
                     "kv_event_pages": sum(i.get("kv_event_pages", 0) for i in inst),
                     "kv_event_pages_max": max((i.get("kv_event_pages", 0) for i in inst),
-                                              default=0)})
+                                              default=0),
+                    **(probe(g.proc, probe_dirs[k]) if probe_dirs else {})})
             samples.append(row)
             done.wait(args.sample_s)
+        if probe_dirs and snapped:
+            snapshot_all(gws, probe_dirs)
         return {}
 
     t0 = time.monotonic()
     with FleetRun(setup, logs) as fr:
         arm = replace(OUR_ROUTER, name="kvcentric-router-soak")
         res = fr.run_arm(arm, w, src, 0, during=sampler,
-                         gateways=lambda a: replicas_of(fr, OUR_ROUTER, args.replicas))
+                         gateways=lambda a: probed(replicas_of(fr, OUR_ROUTER, args.replicas),
+                                                   probe_dirs))
     def slopes_from(fraction: float) -> list[float | None]:
         since = fraction * samples[-1]["t_s"] if samples else 0.0
         out: list[float | None] = []
@@ -337,14 +349,63 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                "completed": res.get("summary", {}).get("completed"),
                "failed": res.get("summary", {}).get("failed"),
                "wall_s": time.monotonic() - t0}
+    if probe_dirs:
+        summary["growth"] = [growth(samples, k, d) for k, d in enumerate(probe_dirs)]
     doc: dict[str, Any] = {
            "title": f"Router memory over a {args.minutes}-minute run at {n} engines",
            "summary": summary, "samples": samples, "workload": spec.__dict__}
     text = "\n".join(f"{k}: {v}" for k, v in summary.items())
-    rw.write(RESULTS / f"fleet_soak_{n}.json", doc, text,
+    rw.write(RESULTS / f"fleet_soak_{n}{args.tag}.json", doc, text,
              [rw.Figure("rss", doc["title"], lambda p: rss_figure(samples, p))],
              command=rw.command_line(__file__, args.argv))
     return doc
+
+
+def probed(gws: list[Gateway], dirs: list[Path]) -> list[Gateway]:
+    """With ``dirs`` (one per router), each router runs inside
+    :mod:`benchmarks.reliability.router_probe` (the same app and config, plus its probes)."""
+    for g, outdir in zip(gws, dirs, strict=False):
+        outdir.mkdir(parents=True, exist_ok=True)
+        config = g.cmd[g.cmd.index("--config") + 1]
+        g.cmd = [sys.executable, "-m", "benchmarks.reliability.router_probe", config, str(outdir)]
+    return gws
+
+
+def snapshot_all(gws: list[Gateway], dirs: list[Path], wait_s: float = 60.0) -> bool:
+    """Ask every probed router for a snapshot (SIGUSR1: live objects by type, its
+    bookkeeping sizes) and wait for them; True when all were written."""
+    before = [len(list(d.glob("snap*.done"))) for d in dirs]
+    for g in gws:
+        if g.proc is not None and g.proc.poll() is None:
+            g.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if all(len(list(d.glob("snap*.done"))) > b for d, b in zip(dirs, before, strict=True)):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def growth(samples: list[dict[str, Any]], k: int, outdir: Path) -> dict[str, Any]:
+    """Router ``k``'s growth from its first snapshot (after warm-up) to its last: RSS and
+    its parts (pymalloc live bytes and arenas, glibc in use and heap, objects the GC
+    tracks) and the object types that grew most."""
+    snaps = sorted(outdir.glob("snap*.types.json"), key=lambda p: int(p.name[4:].split(".")[0]))
+    rows = [s for s in samples if "pymalloc_used_mib" in s["routers"][k]]
+    out: dict[str, Any] = {"snapshots": len(snaps)}
+    if len(rows) >= 2:
+        a, b = rows[len(rows) // 5]["routers"][k], rows[-1]["routers"][k]
+        for key in ("rss_mib", "pymalloc_used_mib", "pymalloc_arenas_mib", "glibc_in_use_mib",
+                    "glibc_heap_mib", "glibc_mmapped_mib", "gc_objects", "index_blocks",
+                    "prompt_cache_chars", "tasks"):
+            if key in a and key in b:
+                out[f"{key}_delta"] = round(b[key] - a[key], 2)
+    if len(snaps) >= 2:
+        t0, t1 = (json.loads(p.read_text()) for p in (snaps[0], snaps[-1]))
+        diff = {name: t1.get(name, 0) - t0.get(name, 0) for name in set(t0) | set(t1)}
+        out["types_grown"] = dict(sorted(((n, v) for n, v in diff.items() if v > 0),
+                                         key=lambda nv: -nv[1])[:20])
+    return out
 
 
 def _slope(pts: list[tuple[float, float]]) -> float:
@@ -394,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--sample-s", type=float, default=15.0)
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
+    ap.add_argument("--probe", action="store_true",
+                    help="soak: routers run with memory probes (allocator split, objects by "
+                         "type at warm-up and at the end)")
     ap.add_argument("--prompt-cache-chars", type=int, default=None,
                     help="soak: the routers' cache.prompt_text_chars (default: theirs)")
     args = ap.parse_args(argv)
