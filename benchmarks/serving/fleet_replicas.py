@@ -3,6 +3,7 @@
     python -m benchmarks.serving.fleet_replicas replicas [--instances 16] [--reps 3]
         [--store] [--quick]
     python -m benchmarks.serving.fleet_replicas soak [--instances 64] [--minutes 30]
+        [--probe] [--prompt-cache-chars N] [--tag NAME]
 
 ``replicas``: 1, 2, 4 and 8 of our routers (``kvcentric-router``, each its own process,
 every one subscribed to every engine's KV events with replay) behind a round-robin client
@@ -32,7 +33,11 @@ Reported: RSS slope per router (MiB per 10 minutes, after the first fifth and ov
 second half) and the largest page map against its bound (twice the engine's pages).
 The prompt token cache (``cache.prompt_text_chars``, 16 Mi characters by default) fills
 with every new prefix until its bound: ``--prompt-cache-chars`` sets a smaller one so a
-run shows the routers' memory once it is full.
+run shows the routers' memory once it is full. ``--probe`` runs each router inside
+:mod:`benchmarks.reliability.router_probe`: every sample adds its allocators' split
+(pymalloc live bytes and arenas, glibc in use, free and mmapped), its bookkeeping sizes
+and the objects the GC tracks; after the first fifth and at the end it counts live
+objects by type; ``growth`` in the summary is each router's change between those points.
 """
 
 from __future__ import annotations
