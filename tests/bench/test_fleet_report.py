@@ -72,3 +72,24 @@ def test_a_warmed_hot_prefix_workload_serves_each_prefix_once_first() -> None:
     assert out.sessions == w.sessions and out.info["warmup_prefixes"] == 2
     assert [(s.system, s.turns[0].user, s.turns[0].output_len) for s in out.warmup] == [
         (a, (9,), 1), (b, (9,), 1)]
+
+
+def test_a_pd_runs_hits_are_the_prefill_engines_only() -> None:
+    """The decode engine loading what the prefill engine just computed is the P/D
+    transfer: counted as a hit, a hot-prefix run's hit rate came out near 2."""
+    from benchmarks.serving.fleet_compare import prefill_hits
+
+    res = result([1.0, 1.0], dilation=1.0)
+    res["summary"] |= {"total_input_tokens": 2000, "hit_tokens": 3800.0, "hit_rate": 1.9}
+    res["engine_requests"] = [
+        {"engine": "emu0", "local_hit": 800, "external_hit": 100},   # prefill: reuse
+        {"engine": "emu1", "local_hit": 0, "external_hit": 900},     # prefill: reuse
+        {"engine": "emu2", "local_hit": 0, "external_hit": 1000},    # decode: transfer
+        {"engine": "emu3", "local_hit": 0, "external_hit": 1000}]    # decode: transfer
+    out = prefill_hits(res, {"emu0", "emu1"})
+    assert out["summary"]["hit_tokens"] == 1800.0
+    assert out["summary"]["hit_rate"] == pytest.approx(0.9)
+    m = out["server_metrics"]
+    assert (m["hit_tokens_local"], m["hit_tokens_external"]) == (800.0, 1000.0)
+    assert m["pd_transfer_tokens"] == 2000.0
+    assert summary_row(out)["hit_rate"] == pytest.approx(0.9)
