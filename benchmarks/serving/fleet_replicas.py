@@ -43,7 +43,6 @@ objects by type; ``growth`` in the summary is each router's change between those
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -61,7 +60,8 @@ from benchmarks.lib import results_writer as rw
 from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import LOGS, RESULTS
 from benchmarks.lib.procfs import group_pids, usage
-from benchmarks.reliability.soak_router import probe
+from benchmarks.reliability.soak_router import growth as snapshots_growth
+from benchmarks.reliability.soak_router import probe, snapshot
 from benchmarks.serving.compare import OUR_ROUTER
 from benchmarks.serving.fleet import Arm
 from benchmarks.serving.fleet_report import aggregate, figure, table
@@ -306,7 +306,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         while not done.is_set():
             row: dict[str, Any] = {"t_s": time.perf_counter() - t0, "routers": []}
             if probe_dirs and not snapped and row["t_s"] >= warm_s:
-                snapped = snapshot_all(gws, probe_dirs)
+                snapped = snapshot_all(gws, probe_dirs, 0)
             for k, g in enumerate(gws):
                 assert g.proc is not None
                 rss, fds = usage(group_pids(os.getpgid(g.proc.pid)))
@@ -324,7 +324,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             samples.append(row)
             done.wait(args.sample_s)
         if probe_dirs and snapped:
-            snapshot_all(gws, probe_dirs)
+            snapshot_all(gws, probe_dirs, 1)
         return {}
 
     t0 = time.monotonic()
@@ -376,28 +376,26 @@ def probed(gws: list[Gateway], dirs: list[Path]) -> list[Gateway]:
     return gws
 
 
-def snapshot_all(gws: list[Gateway], dirs: list[Path], wait_s: float = 60.0) -> bool:
-    """Ask every probed router for a snapshot (SIGUSR1: live objects by type, its
-    bookkeeping sizes) and wait for them; True when all were written."""
-    before = [len(list(d.glob("snap*.done"))) for d in dirs]
-    for g in gws:
-        if g.proc is not None and g.proc.poll() is None:
-            g.proc.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if all(len(list(d.glob("snap*.done"))) > b for d, b in zip(dirs, before, strict=True)):
-            return True
-        time.sleep(0.2)
-    return False
+def snapshot_all(gws: list[Gateway], dirs: list[Path], n: int) -> bool:
+    """Snapshot ``n`` of every probed router (:func:`~benchmarks.reliability.soak_router.
+    snapshot`: live objects by type, its bookkeeping sizes); True when all were written."""
+    try:
+        for g, d in zip(gws, dirs, strict=True):
+            assert g.proc is not None
+            snapshot(g.proc, d, n)
+    except RuntimeError:
+        return False
+    return True
 
 
 def growth(samples: list[dict[str, Any]], k: int, outdir: Path) -> dict[str, Any]:
-    """Router ``k``'s growth from its first snapshot (after warm-up) to its last: RSS and
-    its parts (pymalloc live bytes and arenas, glibc in use and heap, objects the GC
-    tracks) and the object types that grew most."""
-    snaps = sorted(outdir.glob("snap*.types.json"), key=lambda p: int(p.name[4:].split(".")[0]))
+    """Router ``k``'s growth from the sample a fifth of the way in (about when its first
+    snapshot is taken) to the last: RSS and its parts (pymalloc live bytes and arenas,
+    glibc in use and heap, objects the GC tracks); with both snapshots, the object types
+    whose count changed most and its bookkeeping sizes at each
+    (:func:`~benchmarks.reliability.soak_router.growth`)."""
     rows = [s for s in samples if "pymalloc_used_mib" in s["routers"][k]]
-    out: dict[str, Any] = {"snapshots": len(snaps)}
+    out: dict[str, Any] = {}
     if len(rows) >= 2:
         a, b = rows[len(rows) // 5]["routers"][k], rows[-1]["routers"][k]
         for key in ("rss_mib", "pymalloc_used_mib", "pymalloc_arenas_mib", "glibc_in_use_mib",
@@ -405,11 +403,8 @@ def growth(samples: list[dict[str, Any]], k: int, outdir: Path) -> dict[str, Any
                     "prompt_cache_chars", "tasks"):
             if key in a and key in b:
                 out[f"{key}_delta"] = round(b[key] - a[key], 2)
-    if len(snaps) >= 2:
-        t0, t1 = (json.loads(p.read_text()) for p in (snaps[0], snaps[-1]))
-        diff = {name: t1.get(name, 0) - t0.get(name, 0) for name in set(t0) | set(t1)}
-        out["types_grown"] = dict(sorted(((n, v) for n, v in diff.items() if v > 0),
-                                         key=lambda nv: -nv[1])[:20])
+    if (outdir / "snap1.done").exists():
+        out |= snapshots_growth(outdir)
     return out
 
 
