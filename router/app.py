@@ -39,6 +39,7 @@ from kvcentric.router.dashboard import dashboard_routes
 from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
+from kvcentric.router.memory import HeapTrimmer
 from kvcentric.router.metrics import RouterMetrics
 from kvcentric.router.openai_routes import openai_routes
 from kvcentric.router.openapi import build_openapi
@@ -221,6 +222,9 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
         if cfg.replication.enabled:
             state.replicator = Replicator(state.conductor, state.metrics, state.client)
             state.tasks["replication"] = loop.create_task(state.replicator.run())
+        if cfg.memory.trim_interval_s:
+            trimmer = HeapTrimmer(cfg.memory.trim_interval_s, state.metrics.heap_released.inc)
+            state.tasks["trim"] = loop.create_task(trimmer.run())
         if cfg.peers.enabled:
             peers = PeerSync(state.zmq_ctx, state.conductor, cfg.peers.publish,
                              cfg.peers.connect)

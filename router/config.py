@@ -233,6 +233,21 @@ class ReplicationConfig:
             raise ValueError(f"replication.min_gain must be >= 0, got {self.min_gain!r}")
 
 
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The router's own memory: every ``trim_interval_s`` seconds the heap pages glibc
+    holds free go back to the system (:mod:`kvcentric.router.memory`; 0: never). The
+    bookkeeping itself is bounded elsewhere (``cache.prompt_text_chars``, the engines'
+    capacities)."""
+
+    trim_interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        t = self.trim_interval_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 or t != t:
+            raise ValueError(f"memory.trim_interval_s must be >= 0, got {t!r}")
+
+
 _PEER_ENDPOINT = re.compile(r"^(tcp://[^\s:/]+:\d{1,5}|ipc:///[^\s]+)$")
 
 
@@ -284,6 +299,7 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -317,7 +333,8 @@ class RouterConfig:
         for name, cls_ in (("slo", SloConfig), ("listen", ListenConfig), ("keys", KeysConfig),
                            ("cost", CostConfig), ("health", HealthConfig),
                            ("upstream", UpstreamConfig), ("cache", CacheConfig),
-                           ("replication", ReplicationConfig), ("peers", PeersConfig)):
+                           ("replication", ReplicationConfig), ("peers", PeersConfig),
+                           ("memory", MemoryConfig)):
             raw[name] = _section(cls_, name, raw.get(name))
         insts = raw.get("instances") or []
         if not isinstance(insts, list):

@@ -76,6 +76,9 @@ class RouterMetrics:
         self.warmups = Counter("kvc_router_warmups", "Hot-prefix warm-up requests sent to "
                                "idle instances (replication), by result", ["result"],
                                registry=r)
+        self.heap_released = Counter("kvc_router_heap_released_bytes", "Resident memory "
+                                     "the periodic malloc_trim gave back to the system",
+                                     registry=r)
         r.register(_StateCollector(conductor))
 
     def observe_ttft(self, predicted_s: float, actual_s: float) -> None:

@@ -18,7 +18,6 @@ so start-up is not counted) and answers two signals:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import itertools
 import json
@@ -31,29 +30,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from kvcentric.router.memory import glibc_malloc
+
 TRACE_FRAMES = 12
-_MALLINFO = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-             "uordblks", "fordblks", "keepcost")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO]
-
-
-def glibc_malloc() -> dict[str, float]:
-    """glibc malloc over all arenas (MiB): ``heap`` obtained with brk/arenas, ``in_use``
-    and ``free`` inside it, ``mmapped`` (large blocks); empty off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        m = libc.mallinfo2()
-    except (OSError, AttributeError):
-        return {}
-    mib = 1 / 2**20
-    return {"glibc_heap_mib": round(m.arena * mib, 2),
-            "glibc_in_use_mib": round(m.uordblks * mib, 2),
-            "glibc_free_mib": round(m.fordblks * mib, 2),
-            "glibc_mmapped_mib": round(m.hblkhd * mib, 2)}
 
 
 def pymalloc() -> dict[str, float]:

@@ -33,7 +33,8 @@ Reported: RSS slope per router (MiB per 10 minutes, after the first fifth and ov
 second half) and the largest page map against its bound (twice the engine's pages).
 The prompt token cache (``cache.prompt_text_chars``, 16 Mi characters by default) fills
 with every new prefix until its bound: ``--prompt-cache-chars`` sets a smaller one so a
-run shows the routers' memory once it is full. ``--probe`` runs each router inside
+run shows the routers' memory once it is full; ``--trim-interval-s 0`` turns the routers'
+periodic ``malloc_trim`` off (the control for it). ``--probe`` runs each router inside
 :mod:`benchmarks.reliability.router_probe`: every sample adds its allocators' split
 (pymalloc live bytes and arenas, glibc in use, free and mmapped), its bookkeeping sizes
 and the objects the GC tracks; after the first fifth and at the end it counts live
@@ -69,6 +70,7 @@ from benchmarks.serving.fleet_runs import FleetRun, FleetSetup, split_cpus, summ
 from benchmarks.serving.gateways import Gateway, gateway_for
 from benchmarks.serving.tokens import TokenSource
 from benchmarks.serving.workloads import Workload, WorkloadSpec, build
+from kvcentric.router.config import MemoryConfig
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import free_port
 
@@ -289,6 +291,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     if args.prompt_cache_chars is not None:
         setup = replace(setup, router_extra={**setup.router_extra, "cache": {
             "prompt_text_chars": args.prompt_cache_chars}})
+    if args.trim_interval_s is not None:
+        setup = replace(setup, router_extra={**setup.router_extra, "memory": {
+            "trim_interval_s": args.trim_interval_s}})
     rate = args.rate_per_instance * n  # emulated requests/s
     total = int(rate * args.minutes * 60 / d)
     spec = WorkloadSpec(workload="shared-prefix", seed=args.seed, num_groups=max(1, total // 4),
@@ -348,6 +353,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                "replicas": args.replicas, "rss_slope_mib_per_10min": slopes,
                "rss_slope_last_half_mib_per_10min": slopes_from(0.5),
                "prompt_cache_chars": args.prompt_cache_chars,
+               "trim_interval_s": (MemoryConfig().trim_interval_s if args.trim_interval_s is None
+                                   else args.trim_interval_s),
                "rss_first_mib": [r["rss_mib"] for r in samples[0]["routers"]] if samples else None,
                "rss_last_mib": [r["rss_mib"] for r in samples[-1]["routers"]] if samples else None,
                "kv_event_pages_max": pages_max, "kv_event_pages_bound": 2 * args.pages,
@@ -461,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                          "type at warm-up and at the end)")
     ap.add_argument("--prompt-cache-chars", type=int, default=None,
                     help="soak: the routers' cache.prompt_text_chars (default: theirs)")
+    ap.add_argument("--trim-interval-s", type=float, default=None,
+                    help="soak: the routers' memory.trim_interval_s (0: glibc keeps the "
+                         "heap it freed; default: theirs)")
     args = ap.parse_args(argv)
     args.argv = argv
     if args.command == "replicas":
