@@ -11,7 +11,8 @@ positions from :meth:`kvcentric.store.KVStore.batch_residency`) load at the disk
 bandwidth, the rest at the DRAM tier's. A ``both`` instance decodes
 what it prefilled; a ``prefill`` instance hands over to the decode instance ``d`` that loads
 the prompt's KV from the store fastest and whose predicted TBT (running batch, KV usage)
-is lowest, adding ``T_load(prompt − local_d)`` and one decode step. Pairs breaking the TBT
+is lowest, adding ``T_load(prompt − local_d)`` and one decode step (decoders within the
+tie tolerance of that go by fewer running decodes). Pairs breaking the TBT
 SLO are never chosen; if the best pair's TTFT breaks the TTFT SLO because of queueing the
 request is refused (HTTP 429 with ``Retry-After``: the time for the predicted queue to
 drain by the excess), unless ``slo.reject`` is off (then it is served, flagged
@@ -193,18 +194,29 @@ class Pairing(NamedTuple):
 
 
 def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: int,
-                  params: CostParams, tbt_slo: float, disk_only: Sequence[int] = ()
-                  ) -> DecoderPick | None:
-    """The decode-role instance with the soonest first token within the TBT SLO."""
+                  params: CostParams, tbt_slo: float, disk_only: Sequence[int] = (),
+                  base_ttft_s: float = 0.0) -> DecoderPick | None:
+    """The decode-role instance with the soonest first token within the TBT SLO; those
+    whose first token comes within ``tie_tolerance`` of the pair's TTFT (``base_ttft_s``,
+    the prefill side's, plus the soonest decoder's part) are ties, taken by fewer of this
+    router's decodes, then fewer running sequences. Without the ties the decoder already
+    holding the prompt's prefix always won by its shorter load, so the first decoders to
+    get a hot prefix took all of its requests and the others none (emulated P/D fleet,
+    4 decoders: 31, 20, 13 and 0 requests)."""
     full_blocks = n_tokens // params.block_size
-    best: DecoderPick | None = None
+    picks: list[DecoderPick] = []
     for d in decode:
         if d.spec.role != "decode":
             continue  # a 'both' instance decodes only what it prefilled itself
         dc = decode_cost(d, runs.get(d.slot, 0), full_blocks, n_tokens, params, disk_only)
-        if dc.tbt_s <= tbt_slo and (best is None or dc.load_s + dc.tbt_s < best.extra_s):
-            best = DecoderPick(dc.load_s + dc.tbt_s, d, dc)
-    return best
+        if dc.tbt_s <= tbt_slo:
+            picks.append(DecoderPick(dc.load_s + dc.tbt_s, d, dc))
+    if not picks:
+        return None
+    soonest = min(p.extra_s for p in picks)
+    limit = soonest + params.tie_tolerance * (base_ttft_s + soonest)
+    return min((p for p in picks if p.extra_s <= limit),
+               key=lambda p: (p.instance.decodes, p.instance.batch(), p.extra_s))
 
 
 def _rank(affinity: bytes, name: str) -> bytes:
@@ -225,15 +237,15 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     if not prefill:
         return Rejection("no_instance", 1, math.inf, math.inf, "no healthy prefill instance")
     tbt_slo = slo.tbt_ms / 1000.0
-    best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo, disk_only)
-    costs: list[PrefillCost] = []
+    costs = [prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
+                          global_tail, disk_only) for p in prefill]
+    split = [pc.ttft_s for p, pc in zip(prefill, costs) if p.spec.role != "both"]
+    best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo, disk_only,
+                           min(split)) if split else None
     pairs: list[Pairing] = []  # within the TBT SLO
     lowest = math.inf
     min_tbt = math.inf
-    for p in prefill:
-        pc = prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
-                          global_tail, disk_only)
-        costs.append(pc)
+    for p, pc in zip(prefill, costs):
         if p.spec.role == "both":
             tbt = params.profile.tbt_s(p.batch() + 1, p.stats.kv_usage)
             pair = Pairing(pc.ttft_s, tbt, p, p, pc)

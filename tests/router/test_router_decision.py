@@ -208,6 +208,31 @@ def test_disaggregated_pair_counts_the_decode_side_load() -> None:
     assert res.hit_tokens == 32 * BS  # p2's own blocks; p2 computes the tail
 
 
+def test_decoders_whose_first_token_is_as_soon_share_the_requests() -> None:
+    """A decoder holding the prompt loads less, but within the tie tolerance of the pair's
+    TTFT the least busy decoder takes it: a hot prefix's requests spread over every
+    decoder instead of piling on the first ones that held it."""
+    p = inst("p", 0, "prefill")
+    ds = [inst(f"d{i}", 1 + i, "decode") for i in range(4)]
+    runs = {1: 32, 2: 32}  # d0 and d1 hold the prompt's blocks, d2 and d3 nothing
+    p.enqueue("queued", 1.0, now=0.0)  # TTFT ~1 s: loading the prompt (33 ms) is a tie
+    taken = []
+    for _ in range(8):
+        res = choose([p], ds, runs, 32, N, PARAMS, SLO, now=0.0)
+        assert isinstance(res, Decision) and res.disaggregated
+        res.decode.decodes += 1
+        taken.append(res.decode.name)
+    assert sorted(taken) == ["d0", "d0", "d1", "d1", "d2", "d2", "d3", "d3"]
+    assert taken[:2] == ["d0", "d1"]  # equally idle: the shorter load first
+    # with nothing queued the 33 ms load is no tie: the holder keeps it, busier or not
+    p.prefill_done("queued", now=0.0)
+    for d in ds:
+        d.decodes = 0
+    ds[0].decodes = 3
+    res = choose([p], ds, {1: 32}, 32, N, PARAMS, SLO, now=0.0)
+    assert isinstance(res, Decision) and res.decode is ds[0]
+
+
 def test_a_stored_tail_is_a_hit_of_all_but_the_last_token() -> None:
     a, b = inst("a", 0), inst("b", 1)
     with_tail = choose([a, b], [a, b], {}, 32, N, PARAMS, SLO, now=0.0, global_tail=True)
