@@ -202,21 +202,31 @@ def plan_of(backends: list[str], faults: list[str] | None) -> list[tuple[str, st
 def matrix(plan: list[tuple[str, str]], w: Workload, logs: Path,
            stop_w: StopWorkload | None = None) -> list[dict[str, Any]]:
     """One row per (backend, fault); the reference comes from one fault-free run (float32:
-    the same answers on either backend). ``-stop`` faults run ``stop_w`` instead (each on
-    its own stack, its reference from the stack's writer engine)."""
+    the same answers on either backend). ``-stop`` faults run ``stop_w`` instead, their
+    reference from the stack's writer engine; consecutive ones on one backend share a
+    stack (a stop kills nothing, each round stores prompts of its own, and the row holds
+    only once hits came back after SIGCONT), a kill gets a fresh one."""
     model = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
-    rows = []
+    rows: list[dict[str, Any]] = []
     need_ns = any(b == "mooncake" for b, _ in plan)
     with (NetNamespace() if need_ns else contextlib.nullcontext()) as ns, \
             tqdm(total=(sum(f not in STOPS for _, f in plan) + 1) * w.users * w.turns,
                  desc="requests") as bar:
         ref_run: Run | None = None
-        for backend, fault in plan:
+        i = 0
+        while i < len(plan):
+            backend, fault = plan[i]
             space = ns if backend == "mooncake" else None
             if fault in STOPS:
+                j = i
+                while j < len(plan) and plan[j][0] == backend and plan[j][1] in STOPS:
+                    j += 1
                 with stack_for(backend, model, logs, space) as stack:
-                    rows.append(run_stop(stack, fault, stop_w or StopWorkload()))
+                    rows.extend(run_stop(stack, f, stop_w or StopWorkload())
+                                for _, f in plan[i:j])
+                i = j
                 continue
+            i += 1
             if ref_run is None:
                 with stack_for(backend, model, logs, space) as stack:
                     ref_run = drive(stack, w, None, None, bar)
