@@ -14,6 +14,7 @@ limits, sizes of things) are listed in :data:`CONSTANTS` with what they are.
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import math
@@ -133,14 +134,35 @@ def shown_as(v: float, target: float, decimals: int) -> bool:
     return abs(round(v, decimals) - target) <= 0.5 * 10 ** -decimals + 1e-9
 
 
+@cache
+def _transformed(name: str, kind: float | str) -> list[float]:
+    """Result ``name``'s numbers times the scale ``kind``, or as a percent difference from
+    1 (``"pct"``) or inverted (``"inv"``), sorted: a claim is then looked up by bisection
+    (the results hold ~10^6 numbers; comparing each claim with every one took 8 minutes)."""
+    vals = leaves(name)
+    if kind == "pct":
+        xs = [100 * (v - 1) for v in vals]
+    elif kind == "inv":
+        xs = [1 / v for v in vals if v]
+    else:
+        assert isinstance(kind, float)
+        xs = [v * kind for v in vals]
+    return sorted(x for x in xs if math.isfinite(x))
+
+
 def in_result(target: float, decimals: int, unit: str, name: str) -> bool:
-    for v in leaves(name):
-        cands = [v * s for s in SCALES]
-        if unit in ("%", "x", "×"):
-            cands += [100 * (v - 1), 1 / v if v else math.inf]
-        if any(shown_as(c, target, decimals) or shown_as(c, -target, decimals)
-               for c in cands if math.isfinite(c)):
-            return True
+    """Whether a number of result ``name``, in one of the unit conversions, is ``target``
+    (or its negation) shown to ``decimals`` places."""
+    kinds: list[float | str] = [*SCALES, *(("pct", "inv") if unit in ("%", "x", "×") else ())]
+    # a value shown as t lies within half a unit of the last place of t: look a little wider
+    # and let shown_as decide
+    width = 1.01 * 10 ** -decimals + 1e-9
+    for kind in kinds:
+        xs = _transformed(name, kind)
+        for t in (target, -target):
+            for c in xs[bisect.bisect_left(xs, t - width):bisect.bisect_right(xs, t + width)]:
+                if shown_as(c, target, decimals) or shown_as(c, -target, decimals):
+                    return True
     return False
 
 
