@@ -39,7 +39,7 @@ from kvcentric.router.dashboard import dashboard_routes
 from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
-from kvcentric.router.memory import HeapTrimmer
+from kvcentric.router.memory import HeapTrimmer, limit_arenas
 from kvcentric.router.metrics import RouterMetrics
 from kvcentric.router.openai_routes import openai_routes
 from kvcentric.router.openapi import build_openapi
@@ -209,6 +209,8 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if cfg.memory.malloc_arenas:  # before any worker thread allocates
+            limit_arenas(cfg.memory.malloc_arenas)
         up = cfg.upstream
         state.client = Upstreams(httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s),
                                  state.transport)

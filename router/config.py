@@ -236,16 +236,21 @@ class ReplicationConfig:
 @dataclass(frozen=True)
 class MemoryConfig:
     """The router's own memory: every ``trim_interval_s`` seconds the heap pages glibc
-    holds free go back to the system (:mod:`kvcentric.router.memory`; 0: never). The
+    holds free go back to the system (:mod:`kvcentric.router.memory`; 0: never), and
+    glibc makes at most ``malloc_arenas`` malloc arenas (0: its default, 8 per core). The
     bookkeeping itself is bounded elsewhere (``cache.prompt_text_chars``, the engines'
     capacities)."""
 
     trim_interval_s: float = 60.0
+    malloc_arenas: int = 2
 
     def __post_init__(self) -> None:
         t = self.trim_interval_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 or t != t:
             raise ValueError(f"memory.trim_interval_s must be >= 0, got {t!r}")
+        a = self.malloc_arenas
+        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+            raise ValueError(f"memory.malloc_arenas must be an integer >= 0, got {a!r}")
 
 
 _PEER_ENDPOINT = re.compile(r"^(tcp://[^\s:/]+:\d{1,5}|ipc:///[^\s]+)$")

@@ -50,6 +50,45 @@ def test_freed_heap_stays_resident_until_trimmed() -> None:
     assert released > 30 and after < held - 30, (held, released, after)
 
 
+ARENAS = textwrap.dedent("""
+    import ctypes, re, sys, threading
+    from kvcentric.router.memory import limit_arenas
+    if sys.argv[1] != "0":
+        assert limit_arenas(int(sys.argv[1]))
+    held, go = [], threading.Barrier(6)
+    def work():
+        go.wait()  # all allocating at once: glibc gives a contended thread a new arena
+        held.append([bytes(1024) for _ in range(4000)])
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.open_memstream.restype = ctypes.c_void_p
+    libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_char_p),
+                                    ctypes.POINTER(ctypes.c_size_t)]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+    fp = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    print(len(re.findall(rb'<heap nr="', buf.value)))
+""")
+
+
+def arenas_used(limit: int) -> int:
+    out = subprocess.run([sys.executable, "-c", ARENAS, str(limit)], capture_output=True,
+                         text=True, check=True, timeout=60, cwd=Path(__file__).parents[2])
+    return int(out.stdout)
+
+
+def test_the_arena_cap_holds_while_threads_allocate_at_once() -> None:
+    """glibc's default gives threads that allocate at once arenas of their own (each a heap
+    that stays mapped); with the router's cap they share at most that many."""
+    assert arenas_used(0) > 2
+    assert arenas_used(2) <= 2
+
+
 def test_glibc_is_what_runs_here() -> None:
     """The CI machine's Python is on glibc: the trimmer must not silently be a no-op."""
     assert HeapTrimmer(1.0).available
@@ -117,7 +156,11 @@ def test_trimming_can_be_turned_off(tiny_dir: str, tokenizer: PromptTokenizer) -
 
 
 @pytest.mark.parametrize("bad", [-1, math.nan, True, "soon"])
-def test_bad_trim_intervals_are_refused(bad: object) -> None:
+def test_bad_memory_settings_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="malloc_arenas"):
+        MemoryConfig(malloc_arenas=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="malloc_arenas"):
+        MemoryConfig(malloc_arenas=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="trim_interval_s"):
         MemoryConfig(trim_interval_s=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="trim_interval_s"):
