@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable
