@@ -30,7 +30,11 @@ Each side runs every workload ``--reps`` times (the real engines once started pe
 repetition, prefix caches emptied between workloads). Reported per workload: TTFT mean
 and p90 (median over repetitions, with the range) on both sides, their relative errors,
 and the prefix-cache hit tokens (which must be equal); ``calibration_error_max`` is the
-worst of the mean and p90 errors over the workloads.
+worst of the mean and p90 errors over the workloads. Per side and repetition,
+``interference`` says how often the slowest requests ran while the other engine was busy
+(:func:`interference`): on this 2-core host the real engines' API servers and engine
+cores float onto each other's CPU, which the emulator (engines on separate processors,
+as GPUs) does not model.
 """
 
 from __future__ import annotations
@@ -131,7 +135,8 @@ def run_side(urls: list[str], src: TokenSource, quick: bool, seed: int,
         out[name] = {"ttft_mean_ms": s["ttft_mean_ms"], "ttft_p90_ms": s["ttft_p90_ms"],
                      "ttft_p50_ms": s["ttft_p50_ms"], "tpot_mean_ms": s["tpot_mean_ms"],
                      "hit_tokens": s["hit_tokens"], "completed": s["completed"],
-                     "failed": s["failed"], "requests": w.num_requests}
+                     "failed": s["failed"], "requests": w.num_requests,
+                     "interference": interference(res["requests"])}
         print(f"{label} {name}: mean {s['ttft_mean_ms']:.0f} ms p90 {s['ttft_p90_ms']:.0f} ms "
               f"hits {s['hit_tokens']}", flush=True)
         for u in urls:  # next workload starts cold
@@ -139,6 +144,31 @@ def run_side(urls: list[str], src: TokenSource, quick: bool, seed: int,
 
             httpx.post(u + "/reset_prefix_cache", timeout=30)
     return out
+
+
+def interference(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether a request's TTFT depends on the *other* engine: for each request, whether
+    another engine had a request in flight while it waited for its first token. Reported:
+    the share of all requests and of the slowest tenth that overlapped, and the median
+    TTFT of each kind (ms). On separate processors (GPUs, the emulator) the shares are
+    unrelated; on a host whose engines share CPUs beyond their pinned workers the slowest
+    overlap far more often."""
+    done = [r for r in records if r.get("success")]
+    if not done:
+        return {}
+
+    def overlapped(r: dict[str, Any]) -> bool:
+        t0, t1 = r["start_s"], r["start_s"] + r["ttft_s"]
+        return any(o["url"] != r["url"] and o["start_s"] < t1 and t0 < o["start_s"]
+                   + o["latency_s"] for o in done)
+
+    flags = [(r["ttft_s"] * 1000, overlapped(r)) for r in done]
+    slow = sorted(flags, reverse=True)[:max(1, len(flags) // 10)]
+    with_, alone = [t for t, o in flags if o], [t for t, o in flags if not o]
+    return {"overlapped_share": sum(o for _, o in flags) / len(flags),
+            "overlapped_share_slowest_tenth": sum(o for _, o in slow) / len(slow),
+            "ttft_p50_ms_overlapped": statistics.median(with_) if with_ else None,
+            "ttft_p50_ms_alone": statistics.median(alone) if alone else None}
 
 
 def compare(real: list[dict[str, Any]], emu: list[dict[str, Any]]) -> dict[str, Any]:

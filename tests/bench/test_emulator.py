@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.emulator import events as ev
+from benchmarks.emulator.calibrate import interference
 from benchmarks.emulator.connector import StoreHits
 from benchmarks.emulator.engine import EngineCore, Request, predict_alone
 from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
@@ -309,3 +310,22 @@ def test_http_streams_counts_hits_and_reports_as_vllm(emulator: EmulatedFleet) -
                       timeout=30).status_code == 404
     assert httpx.post(url + "/reset_prefix_cache").status_code == 200
     assert stream(url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_calibration_reports_when_the_other_engine_slowed_a_request() -> None:
+    """calibrate.interference: a request waiting for its first token while the other
+    engine had one in flight counts as overlapped; its own engine's work does not."""
+    def rec(url: str, start: float, ttft: float, latency: float) -> dict[str, object]:
+        return {"url": url, "start_s": start, "ttft_s": ttft, "latency_s": latency,
+                "success": True}
+
+    records = [rec("a", 0.0, 0.2, 1.0),     # alone
+               rec("b", 0.5, 0.4, 0.6),     # a still decoding: overlapped, slow
+               rec("a", 2.0, 0.2, 0.3),     # alone
+               rec("a", 2.1, 0.25, 0.3)]    # only its own engine busy: alone
+    got = interference(records)
+    assert got["overlapped_share"] == 0.25
+    assert got["overlapped_share_slowest_tenth"] == 1.0
+    assert got["ttft_p50_ms_overlapped"] == 400.0
+    assert got["ttft_p50_ms_alone"] == 200.0
+    assert interference([]) == {}
