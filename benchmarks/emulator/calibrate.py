@@ -11,9 +11,13 @@ compute (``--cores``):
 
 * ``own`` (default): each real engine's worker bound to a CPU of its own
   (``VLLM_CPU_OMP_THREADS_BIND``: engine 0 on the first, engine 1 on the second; the API
-  servers and the client float), the emulated engines each on a processor of its own, as
-  the fleet runs emulate engines on separate GPUs. The profile is the one measured on one
-  such engine alone (:mod:`benchmarks.emulator.measure`).
+  servers and the client float), the emulated engines each on a processor of its own
+  that slows while the other engine computes, by the profile's ``host_interference``
+  (measured apart from this workload on two such engines, ``measure --pair``;
+  :class:`benchmarks.emulator.processors.Processor`). The rest of the profile is the
+  one measured on one engine alone (:mod:`benchmarks.emulator.measure`). Side
+  ``separate`` runs the emulator without that term, as the fleet runs emulate engines
+  on separate GPUs.
 * ``shared``: both real workers on the same core (vLLM's automatic binding with one CPU
   reserved), the emulated engines on one processor shared as measured on two such engines
   (``measure --shared``: :class:`benchmarks.emulator.processors.ExclusiveProcessor`, or
@@ -30,11 +34,11 @@ Each side runs every workload ``--reps`` times (the real engines once started pe
 repetition, prefix caches emptied between workloads). Reported per workload: TTFT mean
 and p90 (median over repetitions, with the range) on both sides, their relative errors,
 and the prefix-cache hit tokens (which must be equal); ``calibration_error_max`` is the
-worst of the mean and p90 errors over the workloads. Per side and repetition,
-``interference`` says how often the slowest requests ran while the other engine was busy
-(:func:`interference`): on this 2-core host the real engines' API servers and engine
-cores float onto each other's CPU, which the emulator (engines on separate processors,
-as GPUs) does not model.
+worst of the mean and p90 errors over the workloads (``separate_error_max`` the same
+for side ``separate``). Per side and repetition, ``interference`` says how often the
+slowest requests ran while the other engine was busy (:func:`interference`): on this
+2-core host the real engines slow each other (shared memory bandwidth, and their API
+servers and the client floating onto the workers' CPUs).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
+from benchmarks.emulator.profile import load as load_profile
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import RESULTS
@@ -109,12 +114,24 @@ def real_side(model: str, pages: int, cores: str, logs: Path) -> Iterator[list[s
             s.stop()
 
 
+def emulator_spec(model: str, pages: int, profile: str, slowdown: float, discipline: str,
+                  cores: str, host_interference: bool = True) -> EmulatorSpec:
+    """The emulated side's 2 engines. ``cores`` ``own``: a processor each, slowed by the
+    profile's ``host_interference`` while the other computes (``host_interference=False``
+    or a profile without one: separate processors); ``shared``: one processor shared
+    by ``discipline``."""
+    x = load_profile(profile).host_interference if host_interference else 0.0
+    if cores == "own" and x > 0:
+        return EmulatorSpec(2, model, profile=profile, pages=pages, max_model_len=4096,
+                            compute="shared", discipline="fair", interference=x)
+    return EmulatorSpec(2, model, profile=profile, pages=pages, max_model_len=4096,
+                        compute="separate" if cores == "own" else "shared",
+                        discipline=discipline, slowdown=slowdown)
+
+
 @contextmanager
-def emulated_side(model: str, pages: int, profile: str, slowdown: float, discipline: str,
-                  cores: str, logs: Path) -> Iterator[list[str]]:
-    with EmulatedFleet(EmulatorSpec(2, model, profile=profile, pages=pages, max_model_len=4096,
-                                    compute="separate" if cores == "own" else "shared",
-                                    discipline=discipline, slowdown=slowdown), logs) as f:
+def emulated_side(spec: EmulatorSpec, logs: Path) -> Iterator[list[str]]:
+    with EmulatedFleet(spec, logs) as f:
         yield f.urls
 
 
@@ -219,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="each engine on a CPU of its own, or both on the same one")
     ap.add_argument("--discipline", default="exclusive", choices=("exclusive", "fair"),
                     help="with --cores shared: how the 2 emulated engines share their processor")
-    ap.add_argument("--sides", default="real,emulated")
+    ap.add_argument("--sides", default="real,emulated,separate",
+                    help="real, emulated (with the profile's host_interference under "
+                         "--cores own), separate (without it)")
     ap.add_argument("--real-from", type=Path, default=None,
                     help="a calibration result whose real side to compare with (exploring "
                          "emulator settings; the committed result runs both sides)")
@@ -230,11 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="kvc-emu-calibrate-"))
     real: list[dict[str, Any]] = []
     emu: list[dict[str, Any]] = []
+    sep: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    specs = {k: emulator_spec(model, args.pages, args.profile, args.slowdown, args.discipline,
+                              args.cores, host_interference=k == "emulated")
+             for k in ("emulated", "separate")}
     sides: dict[str, tuple[Callable[[], Any], list[dict[str, Any]]]] = {
         "real": (lambda: real_side(model, args.pages, args.cores, logs), real),
-        "emulated": (lambda: emulated_side(model, args.pages, args.profile, args.slowdown,
-                                           args.discipline, args.cores, logs), emu)}
+        "emulated": (lambda: emulated_side(specs["emulated"], logs), emu),
+        "separate": (lambda: emulated_side(specs["separate"], logs), sep)}
     if args.real_from is not None:
         import json
 
@@ -245,13 +268,23 @@ def main(argv: list[str] | None = None) -> int:
             with make() as urls:
                 acc.append(run_side(urls, src, args.quick, rep, side))
     cmp = compare(real, emu)
-    doc = {"summary": {"calibration_error_max": cmp["calibration_error_max"],
-                       "within_target": cmp["within_target"],
-                       "hit_tokens_equal": cmp["hit_tokens_equal"], "target": TARGET,
-                       "reps": args.reps, "wall_s": time.monotonic() - t0},
-           "comparison": cmp, "real": real, "emulated": emu,
+    summary = {"calibration_error_max": cmp["calibration_error_max"],
+               "within_target": cmp["within_target"],
+               "hit_tokens_equal": cmp["hit_tokens_equal"], "target": TARGET,
+               "reps": args.reps, "wall_s": time.monotonic() - t0}
+    text = table(cmp)
+    cmp_sep = None
+    if sep:
+        cmp_sep = compare(real, sep)
+        summary["separate_error_max"] = cmp_sep["calibration_error_max"]
+        text += "\n\nwithout host_interference (side separate):\n" + table(cmp_sep)
+    doc = {"summary": summary,
+           "comparison": cmp, "comparison_separate": cmp_sep,
+           "real": real, "emulated": emu, "separate": sep,
            "settings": {"pages": args.pages, "profile": args.profile,
                         "cores": args.cores, "slowdown": args.slowdown,
+                        "emulator": specs["emulated"].__dict__,
+                        "emulator_separate": specs["separate"].__dict__,
                         "discipline": args.discipline if args.cores == "shared" else None,
                         "real_from": str(args.real_from) if args.real_from else None,
                         "instances": 2,
@@ -259,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                         else pinned_threads_env()},
            "workloads": {k: v[0].__dict__ for k, v in workloads(args.quick, 0).items()}}
     out = args.out or RESULTS / f"emulator_calibration{'_quick' if args.quick else ''}.json"
-    rw.write(out, doc, table(cmp), command=rw.command_line(__file__, argv))
+    rw.write(out, doc, text, command=rw.command_line(__file__, argv))
     return 0
 
 

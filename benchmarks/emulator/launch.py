@@ -40,6 +40,7 @@ class EmulatorSpec:
     cpus: tuple[int, ...] | None = None  # the emulator process's CPUs (None: any)
     dilation: float = 1.0  # every engine this many times slower (time-scaled emulation)
     discipline: str = "fair"  # how engines sharing a processor share it (.processors)
+    interference: float = 1.0  # fair sharing: k in a step run at 1/(1 + x(k-1)) each
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.pages < 1:
@@ -51,6 +52,8 @@ class EmulatorSpec:
             raise ValueError("slowdown must be >= 1")
         if not self.dilation > 0:
             raise ValueError("dilation must be > 0")
+        if not 0 <= self.interference < float("inf"):
+            raise ValueError("interference must be >= 0")
 
     def args(self, fleet_file: Path) -> list[str]:
         out = ["--instances", str(self.instances), "--profile", self.profile,
@@ -58,6 +61,7 @@ class EmulatorSpec:
                "--pages", str(self.pages), "--max-model-len", str(self.max_model_len),
                "--compute", self.compute, "--slowdown", str(self.slowdown),
                "--dilation", str(self.dilation), "--discipline", self.discipline,
+               "--interference", str(self.interference),
                "--fleet-file", str(fleet_file)]
         if self.store is not None:
             out += ["--store", json.dumps(self.store)]

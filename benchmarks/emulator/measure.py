@@ -209,6 +209,118 @@ async def handoff(pa: Probe, pb: Probe, trials: int) -> list[dict[str, Any]]:
     return out
 
 
+HOT = (3072, 64)  # the calibration's hot-prefix request: cached prefix, new tokens
+SHAPES = {"hot 3072+64": HOT, "fresh 1024": (0, 1024)}
+
+
+async def co_run(pa: Probe, pb: Probe, rounds: int) -> list[dict[str, Any]]:
+    """Two engines, each worker on a CPU of its own (as the calibration's ``--cores own``
+    runs them): how much slower is A's prefill while B computes than alone? Per shape
+    (:data:`SHAPES`) and round: A alone; A while B decodes a long answer (every A request
+    that got its first token before B's last); A and B sent the same shape at the same
+    moment. ``ratio``: TTFT over the round's alone TTFT."""
+    out: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=600) as c:
+        prefix = {}
+        for name, p in (("a", pa), ("b", pb)):
+            await p.stream(c, p.fresh(300), 2)
+            prefix[name] = p.fresh(HOT[0])
+            await p.stream(c, prefix[name], 1)
+
+        def prompt(p: Probe, who: str, shape: tuple[int, int]) -> list[int]:
+            return (prefix[who] if shape[0] else []) + p.fresh(shape[1])
+
+        for k in range(rounds):
+            for label, shape in SHAPES.items():
+                alone = statistics.median([(await pa.stream(c, prompt(pa, "a", shape), 1))[0]
+                                           for _ in range(3)])
+                out.append({"shape": label, "round": k, "case": "alone", "ttft_s": alone,
+                            "ratio": 1.0})
+                t0 = time.perf_counter()
+                bg = asyncio.ensure_future(pb.stream(c, pb.fresh(128), 240))
+                await asyncio.sleep(0.5)
+                got = []
+                while time.perf_counter() - t0 < 4.0:
+                    ttft, _, _ = await pa.stream(c, prompt(pa, "a", shape), 1)
+                    got.append((time.perf_counter(), ttft))
+                _, stamps, _ = await bg
+                b_end = t0 + stamps[-1]
+                rows = [("B decodes", ttft) for t_end, ttft in got if t_end <= b_end]
+                both = await asyncio.gather(pa.stream(c, prompt(pa, "a", shape), 1),
+                                            pb.stream(c, prompt(pb, "b", shape), 1))
+                rows.append(("A and B together", both[0][0]))
+                for case, ttft in rows:
+                    out.append({"shape": label, "round": k, "case": case, "ttft_s": ttft,
+                                "ratio": ttft / alone})
+                    print(f"co-run {label} {case}: {ttft * 1e3:.0f} ms "
+                          f"({ttft / alone:.2f}x)", flush=True)
+    return out
+
+
+def interference_of(trials: list[dict[str, Any]], api_s: float) -> dict[str, Any]:
+    """:attr:`EngineProfile.host_interference` from :func:`co_run`'s trials: with one
+    other engine in a step, a step takes ``1 + x`` times as long, so a prefill wholly
+    overlapped takes ``api_s + (alone - api_s) * (1 + x)``. The mean over every
+    overlapped trial (per case and shape for the record, with the median): on this
+    host most overlapped prefills run as fast as alone and a few stall for several
+    times their time, so the mean is what an engine loses on average, not a typical
+    step."""
+    def x(r: dict[str, Any]) -> float:
+        alone = r["ttft_s"] / r["ratio"]
+        return max(0.0, (r["ttft_s"] - alone) / max(alone - api_s, 1e-9))
+
+    over = [r for r in trials if r["case"] != "alone"]
+    if not over:
+        raise RuntimeError("no overlapped trial")
+    groups: dict[str, list[float]] = {}
+    for r in over:
+        groups.setdefault(f"{r['case']}, {r['shape']}", []).append(x(r))
+    return {"host_interference": statistics.mean(x(r) for r in over),
+            "by_case": {k: {"mean": statistics.mean(v), "median": statistics.median(v),
+                            "min": min(v), "max": max(v), "n": len(v)}
+                        for k, v in groups.items()}}
+
+
+def pair(args: argparse.Namespace, model: str, command: str) -> int:
+    """Measure ``host_interference`` on two engines with a CPU each; update the profile."""
+    from benchmarks.emulator.calibrate import own_cpu_envs
+
+    logs = Path(tempfile.mkdtemp(prefix="kvc-emu-measure-"))
+    srvs = [VllmServer(model, SERVED_NAME, None, "bfloat16", 4608,
+                       (*SERVER_ARGS, "--num-gpu-blocks-override", str(PAGES)),
+                       env, logs / f"vllm-{i}.log") for i, env in enumerate(own_cpu_envs())]
+    try:
+        for s_ in srvs:
+            s_.start()
+        for s_ in srvs:
+            s_.wait_ready(900)
+        trials = asyncio.run(co_run(Probe(srvs[0].url), Probe(srvs[1].url, seed=5),
+                                    1 if args.quick else args.repeats))
+    finally:
+        for s_ in srvs:
+            s_.stop()
+    prof = load_profile(args.profile_out)
+    found = interference_of(trials, prof.api_s)
+    src = prof.source.split("; host_interference:")[0]
+    prof = prof.with_(host_interference=found["host_interference"],
+                      source=f"{src}; host_interference: flock /tmp/kvc-vllm.lock {command}")
+    if not args.quick:
+        prof.save(args.profile_out)
+    out = args.out or RESULTS / f"emulator_profile_cpu_pair{'_quick' if args.quick else ''}.json"
+    doc = {"summary": {"host_interference": found["host_interference"],
+                       "trials": len(trials)},
+           "by_case": found["by_case"], "trials": trials,
+           "settings": {"env": list(own_cpu_envs()), "pages": PAGES, "shapes": SHAPES},
+           "profile_file": str(args.profile_out)}
+    rw.write(out, doc, "\n".join(
+        [f"{'case, shape':<34} {'x mean':>7} {'median':>7} {'min':>6} {'max':>6} {'n':>3}"]
+        + [f"{k:<34} {v['mean']:>7.2f} {v['median']:>7.2f} {v['min']:>6.2f} "
+           f"{v['max']:>6.2f} {v['n']:>3}"
+           for k, v in found["by_case"].items()]
+        + [f"host_interference {found['host_interference']:.3f}"]), command=command)
+    return 0
+
+
 def shared(args: argparse.Namespace, model: str, command: str) -> int:
     """Measure ``shared_handoff_s`` on two engines sharing the cores; update the profile."""
     logs = Path(tempfile.mkdtemp(prefix="kvc-emu-measure-"))
@@ -273,8 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-out", type=Path, default=PROFILES / "vllm_cpu_bench.json")
     ap.add_argument("--shared", action="store_true",
                     help="only measure two engines sharing the cores (shared_handoff_s)")
+    ap.add_argument("--pair", action="store_true",
+                    help="only measure two engines with a CPU each (host_interference)")
     args = ap.parse_args(argv)
     q = args.quick
+    if args.pair:
+        return pair(args, str(build_model("bench", Path.cwd() / ".models" / "bench")),
+                    rw.command_line(__file__, argv))
     if args.shared:
         return shared(args, str(build_model("bench", Path.cwd() / ".models" / "bench")),
                       rw.command_line(__file__, argv))

@@ -6,6 +6,10 @@ An engine's step is ``work_s`` seconds of its processor alone (:mod:`.profile`).
 * :class:`Processor` (``fair``): processor sharing, each of ``k`` engines with a step
   under way progressing at ``1 / k`` of full speed (times ``slowdown`` when ``k > 1``):
   engines sharing a GPU through MPS, say. With one engine it is just the step's time.
+  In general each progresses at ``1 / (1 + x * (k - 1))`` of full speed, ``x`` the
+  ``interference`` (1: one processor shared; otherwise engines on cores of their own
+  that slow each other through what their host shares, memory bandwidth and its other
+  processes: ``EngineProfile.host_interference``, measured by ``measure --pair``).
 * :class:`ExclusiveProcessor` (``exclusive``): one engine at a time. The engine holding
   the processor runs its steps back to back; another engine's step waits until the
   holder has had no step for ``handoff_s`` (its threads keep the processor that long
@@ -35,17 +39,20 @@ DISCIPLINES = ("fair", "exclusive")
 class Processor:
     """Processor sharing among the engines with a step under way."""
 
-    def __init__(self, slowdown: float = 1.0) -> None:
+    def __init__(self, slowdown: float = 1.0, interference: float = 1.0) -> None:
         if not slowdown >= 1.0:
             raise ValueError("slowdown must be >= 1")
+        if not 0.0 <= interference < float("inf"):
+            raise ValueError("interference must be >= 0")
         self.slowdown = slowdown
+        self.interference = interference
         self._jobs: dict[asyncio.Future[None], float] = {}  # work left, in seconds alone
         self._t = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     def _rate(self) -> float:
         k = len(self._jobs)
-        return 1.0 if k <= 1 else 1.0 / (k * self.slowdown)
+        return 1.0 if k <= 1 else 1.0 / ((1 + self.interference * (k - 1)) * self.slowdown)
 
     def _advance(self, now: float) -> None:
         if self._jobs:
@@ -149,9 +156,11 @@ class ExclusiveProcessor:
 
 
 def processors(n: int, compute: str, slowdown: float = 1.0, discipline: str = "fair",
-               handoff_s: float = 0.0) -> list[Processor | ExclusiveProcessor]:
+               handoff_s: float = 0.0, interference: float = 1.0
+               ) -> list[Processor | ExclusiveProcessor]:
     """Per engine, its processor: ``separate`` (one each), ``shared`` (one for all) or
-    ``K`` (groups of K consecutive engines), shared by ``discipline``."""
+    ``K`` (groups of K consecutive engines), shared by ``discipline`` (``fair``: with
+    ``interference``, see :class:`Processor`)."""
     if discipline not in DISCIPLINES:
         raise ValueError(f"discipline must be one of {DISCIPLINES}")
     if compute == "separate":
@@ -165,7 +174,7 @@ def processors(n: int, compute: str, slowdown: float = 1.0, discipline: str = "f
 
     def make() -> Processor | ExclusiveProcessor:
         return (ExclusiveProcessor(handoff_s) if discipline == "exclusive"
-                else Processor(slowdown))
+                else Processor(slowdown, interference))
 
     procs = [make() for _ in range(-(-n // per))]
     return [procs[i // per] for i in range(n)]

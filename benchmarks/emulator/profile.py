@@ -49,7 +49,11 @@ class EngineProfile:
     every layer (store load sizes); ``store_bandwidth_bps``: the store's load bandwidth
     (bytes/s); ``shared_handoff_s``: how long engines of this kind sharing one processor
     keep it after their last step (:class:`.processors.ExclusiveProcessor`);
-    ``source``: how the numbers were obtained (a command, or the publications).
+    ``host_interference``: how much engines of this kind on one host, each computing on a
+    processor of its own, slow each other: with ``k`` of them in a step, each step takes
+    ``1 + host_interference * (k - 1)`` times as long (0: separate machines, as GPUs;
+    :class:`.processors.Processor` with ``interference``); ``source``: how the numbers
+    were obtained (a command, or the publications).
     """
 
     name: str
@@ -66,6 +70,7 @@ class EngineProfile:
     kv_bytes_per_token: int = 16384
     store_bandwidth_bps: float = 5e9
     shared_handoff_s: float = 0.0
+    host_interference: float = 0.0
     fit: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +92,10 @@ class EngineProfile:
         if not (isinstance(self.shared_handoff_s, (int, float))
                 and 0 <= self.shared_handoff_s < math.inf):
             raise ValueError(f"profile {self.name}: shared_handoff_s must be >= 0")
+        if isinstance(self.host_interference, bool) or not (
+                isinstance(self.host_interference, (int, float))
+                and 0 <= self.host_interference < math.inf):
+            raise ValueError(f"profile {self.name}: host_interference must be >= 0")
         if self.step_s + self.prefill_token_s + self.decode_seq_s <= 0:
             raise ValueError(f"profile {self.name}: a step must take some time")
 

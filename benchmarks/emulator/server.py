@@ -374,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                          "a time, the profile's shared_handoff_s after the holder's last step)")
     ap.add_argument("--slowdown", type=float, default=1.0,
                     help="extra slowdown of a processor shared by busy engines (>= 1)")
+    ap.add_argument("--interference", type=float, default=1.0,
+                    help="with --discipline fair: with k engines of a group in a step "
+                         "each runs at 1/(1 + X(k-1)) of full speed (1: one processor "
+                         "shared; the profile's host_interference: cores of one host)")
     ap.add_argument("--store", default=None, help="local store config (JSON): store hits")
     ap.add_argument("--object-bytes", type=int, default=256)
     ap.add_argument("--no-kv-events", action="store_true")
@@ -390,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         store = open_store({**json.loads(args.store), "prefault": False})
         connector = StoreHits(store, args.model, prof.page_size, args.object_bytes)
     procs = processors(args.instances, args.compute, args.slowdown, args.discipline,
-                       prof.shared_handoff_s)
+                       prof.shared_handoff_s, args.interference)
     socks, specs = [], []
     for _ in range(args.instances):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

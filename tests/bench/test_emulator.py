@@ -19,10 +19,11 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.emulator import events as ev
-from benchmarks.emulator.calibrate import interference
+from benchmarks.emulator.calibrate import emulator_spec, interference
 from benchmarks.emulator.connector import StoreHits
 from benchmarks.emulator.engine import EngineCore, Request, predict_alone
 from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
+from benchmarks.emulator.measure import interference_of
 from benchmarks.emulator.pages import PageCache, SeqPages
 from benchmarks.emulator.processors import ExclusiveProcessor, Processor
 from benchmarks.emulator.profile import DecodePoint, EngineProfile, PrefillPoint, fit, load
@@ -198,6 +199,64 @@ def test_engines_on_one_processor_share_it() -> None:
 
     assert run_t(run, False) == pytest.approx(0.2, abs=0.08)
     assert run_t(run, True) == pytest.approx(0.4, abs=0.08)
+
+
+def test_engines_on_cores_of_one_host_slow_each_other_by_the_interference() -> None:
+    """Processor(interference=x): two steps of 0.2 s together take 0.2 * (1 + x); once
+    one is done the other runs at full speed, so a 0.1 s step next to a 0.3 s one ends
+    at 0.1 * (1 + x) and the long one 0.1 * x later than alone."""
+    async def run(x: float, a: float, b: float) -> tuple[float, float]:
+        p = Processor(interference=x)
+        t0 = time.perf_counter()
+        ends: list[float] = []
+
+        async def one(w: float) -> None:
+            await p.run(w)
+            ends.append(time.perf_counter() - t0)
+
+        await asyncio.gather(one(a), one(b))
+        return ends[0], ends[1]
+
+    assert asyncio.run(run(0.5, 0.2, 0.2))[1] == pytest.approx(0.3, abs=0.06)
+    assert asyncio.run(run(0.0, 0.2, 0.2))[1] == pytest.approx(0.2, abs=0.06)
+    short, long_ = asyncio.run(run(1.5, 0.1, 0.3))
+    assert short == pytest.approx(0.25, abs=0.06)
+    assert long_ == pytest.approx(0.45, abs=0.06)
+    with pytest.raises(ValueError):
+        Processor(interference=-0.1)
+    with pytest.raises(ValueError):
+        EngineProfile.from_json({**load("vllm_cpu_bench").to_json(), "host_interference": -1})
+
+
+def test_host_interference_is_the_median_overlapped_slowdown_of_the_compute() -> None:
+    """measure.interference_of: a trial at ratio r over an alone TTFT t with api_s a gives
+    (r*t - t) / (t - a), below 0 counted as 0; the mean over overlapped trials, alone
+    trials not counted."""
+    def tr(case: str, ttft: float, ratio: float) -> dict[str, object]:
+        return {"shape": "hot", "round": 0, "case": case, "ttft_s": ttft, "ratio": ratio}
+
+    trials = [tr("alone", 0.2, 1.0), tr("B decodes", 0.3, 1.5), tr("B decodes", 0.4, 2.0),
+              tr("A and B together", 0.18, 0.9)]
+    got = interference_of(trials, api_s=0.0)
+    assert got["host_interference"] == pytest.approx(0.5)  # (0.5 + 1.0 + 0) / 3
+    assert got["by_case"]["B decodes, hot"]["max"] == pytest.approx(1.0)
+    assert got["by_case"]["B decodes, hot"]["median"] == pytest.approx(0.75)
+    assert interference_of(trials, api_s=0.1)["host_interference"] == pytest.approx(1.0)
+    with pytest.raises(RuntimeError):
+        interference_of([tr("alone", 0.2, 1.0)], api_s=0.0)
+
+
+def test_the_calibration_emulates_own_cores_with_the_profiles_interference(
+        tmp_path: Path) -> None:
+    prof = load("vllm_cpu_bench").with_(host_interference=0.8)
+    prof.save(tmp_path / "p.json")
+    spec = emulator_spec("m", 64, str(tmp_path / "p.json"), 1.0, "exclusive", "own")
+    assert (spec.compute, spec.discipline, spec.interference) == ("shared", "fair", 0.8)
+    off = emulator_spec("m", 64, str(tmp_path / "p.json"), 1.0, "exclusive", "own",
+                        host_interference=False)
+    assert off.compute == "separate"
+    shared = emulator_spec("m", 64, str(tmp_path / "p.json"), 1.0, "exclusive", "shared")
+    assert (shared.compute, shared.discipline) == ("shared", "exclusive")
 
 
 def test_an_exclusive_processor_serves_its_holder_then_hands_over() -> None:
