@@ -12,9 +12,10 @@ compute (``--cores``):
 * ``own`` (default): each real engine's worker bound to a CPU of its own
   (``VLLM_CPU_OMP_THREADS_BIND``: engine 0 on the first, engine 1 on the second; the API
   servers and the client float), the emulated engines each on a processor of its own
-  that slows while the other engine computes, by the profile's ``host_interference``
-  (measured apart from this workload on two such engines, ``measure --pair``;
-  :class:`benchmarks.emulator.processors.Processor`). The rest of the profile is the
+  that slows while the other engine computes, each step by a slowdown drawn from the
+  profile's ``host_interference_samples`` (measured apart from this workload on two
+  such engines, ``measure --pair``; :class:`benchmarks.emulator.processors.Processor`;
+  seeded with the repetition). The rest of the profile is the
   one measured on one engine alone (:mod:`benchmarks.emulator.measure`). Side
   ``separate`` runs the emulator without that term, as the fleet runs emulate engines
   on separate GPUs.
@@ -51,6 +52,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -115,15 +117,16 @@ def real_side(model: str, pages: int, cores: str, logs: Path) -> Iterator[list[s
 
 
 def emulator_spec(model: str, pages: int, profile: str, slowdown: float, discipline: str,
-                  cores: str, host_interference: bool = True) -> EmulatorSpec:
-    """The emulated side's 2 engines. ``cores`` ``own``: a processor each, slowed by the
-    profile's ``host_interference`` while the other computes (``host_interference=False``
-    or a profile without one: separate processors); ``shared``: one processor shared
-    by ``discipline``."""
+                  cores: str, host_interference: bool = True, seed: int = 0) -> EmulatorSpec:
+    """The emulated side's 2 engines. ``cores`` ``own``: a processor each, slowed while
+    the other computes by the profile's host interference, drawn per step from its
+    measured samples with ``seed`` (``host_interference=False`` or a profile without
+    it: separate processors); ``shared``: one processor shared by ``discipline``."""
     x = load_profile(profile).host_interference if host_interference else 0.0
     if cores == "own" and x > 0:
         return EmulatorSpec(2, model, profile=profile, pages=pages, max_model_len=4096,
-                            compute="shared", discipline="fair", interference=x)
+                            compute="shared", discipline="fair", host_interference=True,
+                            seed=seed)
     return EmulatorSpec(2, model, profile=profile, pages=pages, max_model_len=4096,
                         compute="separate" if cores == "own" else "shared",
                         discipline=discipline, slowdown=slowdown)
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
              for k in ("emulated", "separate")}
     sides: dict[str, tuple[Callable[[], Any], list[dict[str, Any]]]] = {
         "real": (lambda: real_side(model, args.pages, args.cores, logs), real),
-        "emulated": (lambda: emulated_side(specs["emulated"], logs), emu),
+        "emulated": (lambda: emulated_side(replace(specs["emulated"], seed=rep), logs), emu),
         "separate": (lambda: emulated_side(specs["separate"], logs), sep)}
     if args.real_from is not None:
         import json

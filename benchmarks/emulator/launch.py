@@ -41,6 +41,8 @@ class EmulatorSpec:
     dilation: float = 1.0  # every engine this many times slower (time-scaled emulation)
     discipline: str = "fair"  # how engines sharing a processor share it (.processors)
     interference: float = 1.0  # fair sharing: k in a step run at 1/(1 + x(k-1)) each
+    host_interference: bool = False  # x per step from the profile's measured samples
+    seed: int = 0  # seeds those draws
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.pages < 1:
@@ -61,12 +63,14 @@ class EmulatorSpec:
                "--pages", str(self.pages), "--max-model-len", str(self.max_model_len),
                "--compute", self.compute, "--slowdown", str(self.slowdown),
                "--dilation", str(self.dilation), "--discipline", self.discipline,
-               "--interference", str(self.interference),
+               "--interference", str(self.interference), "--seed", str(self.seed),
                "--fleet-file", str(fleet_file)]
         if self.store is not None:
             out += ["--store", json.dumps(self.store)]
         if not self.kv_events:
             out.append("--no-kv-events")
+        if self.host_interference:
+            out.append("--host-interference")
         return out
 
 

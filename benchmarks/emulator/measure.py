@@ -7,6 +7,7 @@ and thread pinning) and fits :class:`benchmarks.emulator.profile.EngineProfile`:
         [--out benchmarks/results/emulator_profile_cpu.json]
         [--profile-out benchmarks/emulator/profiles/vllm_cpu_bench.json]
     python -m benchmarks.emulator.measure --shared
+    python -m benchmarks.emulator.measure --pair
 
 (on a machine shared with other vLLM users, inside ``flock /tmp/kvc-vllm.lock``, as the
 profile's ``source`` records)
@@ -16,10 +17,14 @@ profile's ``source`` records)
   of ``--repeats``;
 - decode: ``B`` streams started together on short (or long) prompts; the mean gap between
   tokens once every stream decodes;
-- ``--shared``: two engines whose workers share the cores (how the calibration runs
-  them): a prefill arriving while the other engine decodes waits for the decode to end
-  and then ``shared_handoff_s`` more (:mod:`benchmarks.emulator.processors`); written
-  into the profile;
+- ``--shared``: two engines whose workers share the cores (the calibration's ``--cores
+  shared``): a prefill arriving while the other engine decodes waits for the decode to
+  end and then ``shared_handoff_s`` more (:mod:`benchmarks.emulator.processors`);
+  written into the profile;
+- ``--pair``: two engines with a CPU each (the calibration's ``--cores own``): how much
+  slower a prefill is while the other engine decodes or prefills than alone,
+  ``host_interference`` (:func:`co_run`, :func:`interference_of`); written into the
+  profile;
 - checks the fit never saw: ``B`` prompts arriving together (batched chunked prefill)
   and a prefill arriving while ``B`` streams decode, each next to the profile's prediction
   (:func:`benchmarks.emulator.engine.predict_alone` runs the emulator's own scheduler).
@@ -276,6 +281,7 @@ def interference_of(trials: list[dict[str, Any]], api_s: float) -> dict[str, Any
     for r in over:
         groups.setdefault(f"{r['case']}, {r['shape']}", []).append(x(r))
     return {"host_interference": statistics.mean(x(r) for r in over),
+            "samples": [x(r) for r in over],
             "by_case": {k: {"mean": statistics.mean(v), "median": statistics.median(v),
                             "min": min(v), "max": max(v), "n": len(v)}
                         for k, v in groups.items()}}
@@ -303,6 +309,7 @@ def pair(args: argparse.Namespace, model: str, command: str) -> int:
     found = interference_of(trials, prof.api_s)
     src = prof.source.split("; host_interference:")[0]
     prof = prof.with_(host_interference=found["host_interference"],
+                      host_interference_samples=tuple(found["samples"]),
                       source=f"{src}; host_interference: flock /tmp/kvc-vllm.lock {command}")
     if not args.quick:
         prof.save(args.profile_out)

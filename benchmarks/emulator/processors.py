@@ -8,8 +8,9 @@ An engine's step is ``work_s`` seconds of its processor alone (:mod:`.profile`).
   engines sharing a GPU through MPS, say. With one engine it is just the step's time.
   In general each progresses at ``1 / (1 + x * (k - 1))`` of full speed, ``x`` the
   ``interference`` (1: one processor shared; otherwise engines on cores of their own
-  that slow each other through what their host shares, memory bandwidth and its other
-  processes: ``EngineProfile.host_interference``, measured by ``measure --pair``).
+  that slow each other through what their host shares, its other processes above all:
+  ``EngineProfile.host_interference``, measured by ``measure --pair``), or ``x`` drawn
+  per step from measured ``samples``.
 * :class:`ExclusiveProcessor` (``exclusive``): one engine at a time. The engine holding
   the processor runs its steps back to back; another engine's step waits until the
   holder has had no step for ``handoff_s`` (its threads keep the processor that long
@@ -28,57 +29,66 @@ when its timer fires is done, so nothing spins on sub-millisecond remainders.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 TOLERANCE_S = 1e-3
 DISCIPLINES = ("fair", "exclusive")
 
 
 class Processor:
-    """Processor sharing among the engines with a step under way."""
+    """Processor sharing among the engines with a step under way. A step's ``x`` (how
+    much each other engine in a step slows it) is ``interference``, or drawn for each
+    step from ``samples`` with a ``seed``-ed generator: the spread measured on a host,
+    where most overlapped steps run as fast as alone and a few stall for several times
+    their length."""
 
-    def __init__(self, slowdown: float = 1.0, interference: float = 1.0) -> None:
+    def __init__(self, slowdown: float = 1.0, interference: float = 1.0,
+                 samples: Sequence[float] = (), seed: int = 0) -> None:
         if not slowdown >= 1.0:
             raise ValueError("slowdown must be >= 1")
-        if not 0.0 <= interference < float("inf"):
+        if not all(0.0 <= x < float("inf") for x in (interference, *samples)):
             raise ValueError("interference must be >= 0")
         self.slowdown = slowdown
         self.interference = interference
-        self._jobs: dict[asyncio.Future[None], float] = {}  # work left, in seconds alone
+        self.samples = tuple(samples)
+        self._rnd = random.Random(seed)
+        self._jobs: dict[asyncio.Future[None], list[float]] = {}  # [work left alone, x]
         self._t = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
-    def _rate(self) -> float:
+    def _rate(self, x: float) -> float:
         k = len(self._jobs)
-        return 1.0 if k <= 1 else 1.0 / ((1 + self.interference * (k - 1)) * self.slowdown)
+        return 1.0 if k <= 1 else 1.0 / ((1 + x * (k - 1)) * self.slowdown)
 
     def _advance(self, now: float) -> None:
-        if self._jobs:
-            done = (now - self._t) * self._rate()
-            for f in list(self._jobs):
-                self._jobs[f] -= done
+        dt = now - self._t
+        for job in self._jobs.values():
+            job[0] -= dt * self._rate(job[1])
         self._t = now
 
-    def _schedule(self, loop: asyncio.AbstractEventLoop, tolerance: float = 1e-9) -> None:
+    def _schedule(self, loop: asyncio.AbstractEventLoop, tolerance_s: float = 1e-9) -> None:
+        """Finish every job within ``tolerance_s`` (wall) of done; time the next."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for f, left in list(self._jobs.items()):
-            if left <= tolerance:
+        walls = {f: left / self._rate(x) for f, (left, x) in self._jobs.items()}
+        for f, wall in walls.items():
+            if wall <= tolerance_s:
                 del self._jobs[f]
                 if not f.done():
                     f.set_result(None)
-        if self._jobs:
-            soonest = min(self._jobs.values()) / self._rate()
+        if self._jobs:  # rates depend on how many are left: recompute
+            soonest = min(left / self._rate(x) for left, x in self._jobs.values())
             self._timer = loop.call_later(max(0.0, self._t + soonest - time.monotonic()),
                                           self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         self._advance(time.monotonic())
-        self._schedule(loop, TOLERANCE_S * self._rate())
+        self._schedule(loop, TOLERANCE_S)
 
     async def run(self, work_s: float, key: Hashable = None) -> None:
         """Return once ``work_s`` seconds of work (alone on the processor) are done."""
@@ -87,7 +97,8 @@ class Processor:
         loop = asyncio.get_running_loop()
         self._advance(time.monotonic())
         fut: asyncio.Future[None] = loop.create_future()
-        self._jobs[fut] = work_s
+        x = self._rnd.choice(self.samples) if self.samples else self.interference
+        self._jobs[fut] = [work_s, x]
         self._schedule(loop)
         try:
             await fut
@@ -156,11 +167,13 @@ class ExclusiveProcessor:
 
 
 def processors(n: int, compute: str, slowdown: float = 1.0, discipline: str = "fair",
-               handoff_s: float = 0.0, interference: float = 1.0
+               handoff_s: float = 0.0, interference: float = 1.0,
+               samples: Sequence[float] = (), seed: int = 0
                ) -> list[Processor | ExclusiveProcessor]:
     """Per engine, its processor: ``separate`` (one each), ``shared`` (one for all) or
     ``K`` (groups of K consecutive engines), shared by ``discipline`` (``fair``: with
-    ``interference``, see :class:`Processor`)."""
+    ``interference`` or its ``samples``, see :class:`Processor`; group ``i`` draws with
+    ``seed + i``)."""
     if discipline not in DISCIPLINES:
         raise ValueError(f"discipline must be one of {DISCIPLINES}")
     if compute == "separate":
@@ -172,9 +185,9 @@ def processors(n: int, compute: str, slowdown: float = 1.0, discipline: str = "f
         if per < 1:
             raise ValueError("--compute K needs K >= 1")
 
-    def make() -> Processor | ExclusiveProcessor:
+    def make(i: int) -> Processor | ExclusiveProcessor:
         return (ExclusiveProcessor(handoff_s) if discipline == "exclusive"
-                else Processor(slowdown, interference))
+                else Processor(slowdown, interference, samples, seed + i))
 
-    procs = [make() for _ in range(-(-n // per))]
+    procs = [make(i) for i in range(-(-n // per))]
     return [procs[i // per] for i in range(n)]

@@ -52,8 +52,10 @@ class EngineProfile:
     ``host_interference``: how much engines of this kind on one host, each computing on a
     processor of its own, slow each other: with ``k`` of them in a step, each step takes
     ``1 + host_interference * (k - 1)`` times as long (0: separate machines, as GPUs;
-    :class:`.processors.Processor` with ``interference``); ``source``: how the numbers
-    were obtained (a command, or the publications).
+    :class:`.processors.Processor` with ``interference``), the mean of
+    ``host_interference_samples``, each a measured step's (the emulator draws from them
+    per step); ``source``: how the numbers were obtained (a command, or the
+    publications).
     """
 
     name: str
@@ -71,6 +73,7 @@ class EngineProfile:
     store_bandwidth_bps: float = 5e9
     shared_handoff_s: float = 0.0
     host_interference: float = 0.0
+    host_interference_samples: tuple[float, ...] = ()
     fit: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +99,12 @@ class EngineProfile:
                 isinstance(self.host_interference, (int, float))
                 and 0 <= self.host_interference < math.inf):
             raise ValueError(f"profile {self.name}: host_interference must be >= 0")
+        samples = tuple(self.host_interference_samples)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                   and 0 <= x < math.inf for x in samples):
+            raise ValueError(f"profile {self.name}: host_interference_samples must be "
+                             f"numbers >= 0")
+        object.__setattr__(self, "host_interference_samples", samples)  # JSON gives a list
         if self.step_s + self.prefill_token_s + self.decode_seq_s <= 0:
             raise ValueError(f"profile {self.name}: a step must take some time")
 

@@ -378,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --discipline fair: with k engines of a group in a step "
                          "each runs at 1/(1 + X(k-1)) of full speed (1: one processor "
                          "shared; the profile's host_interference: cores of one host)")
+    ap.add_argument("--host-interference", action="store_true",
+                    help="with --discipline fair: each step's X drawn from the profile's "
+                         "host_interference_samples (its host_interference without them)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds those draws")
     ap.add_argument("--store", default=None, help="local store config (JSON): store hits")
     ap.add_argument("--object-bytes", type=int, default=256)
     ap.add_argument("--no-kv-events", action="store_true")
@@ -393,8 +397,12 @@ def main(argv: list[str] | None = None) -> int:
 
         store = open_store({**json.loads(args.store), "prefault": False})
         connector = StoreHits(store, args.model, prof.page_size, args.object_bytes)
+    x: float = args.interference
+    samples: tuple[float, ...] = ()
+    if args.host_interference:
+        x, samples = prof.host_interference, prof.host_interference_samples
     procs = processors(args.instances, args.compute, args.slowdown, args.discipline,
-                       prof.shared_handoff_s, args.interference)
+                       prof.shared_handoff_s, x, samples, args.seed)
     socks, specs = [], []
     for _ in range(args.instances):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -228,7 +228,50 @@ def test_engines_on_cores_of_one_host_slow_each_other_by_the_interference() -> N
         EngineProfile.from_json({**load("vllm_cpu_bench").to_json(), "host_interference": -1})
 
 
-def test_host_interference_is_the_median_overlapped_slowdown_of_the_compute() -> None:
+def test_each_step_draws_its_interference_from_the_measured_samples() -> None:
+    """Processor(samples=...): every step draws its own x (seeded), so two 0.1 s steps
+    together end at 0.1 s each with draws (0, 0), at 0.4 s with (3, 3), and with (0, 3)
+    at 0.1 s and 0.175 s (a quarter of the slowed one done while the other ran, the rest
+    alone); a lone step is never slowed."""
+    async def pair(p: Processor) -> list[float]:
+        t0 = time.perf_counter()
+
+        async def one() -> float:
+            await p.run(0.1)
+            return time.perf_counter() - t0
+
+        return sorted(await asyncio.gather(one(), one()))
+
+    async def pairs(seed: int, n: int) -> list[list[float]]:
+        p = Processor(samples=(0.0, 3.0), seed=seed)
+        return [await pair(p) for _ in range(n)]
+
+    ends: dict[tuple[float, ...], list[float]] = {
+        (0.0, 0.0): [0.1, 0.1], (3.0, 3.0): [0.4, 0.4], (0.0, 3.0): [0.1, 0.175]}
+    rnd = random.Random(1)
+    draws = [tuple(sorted((rnd.choice((0.0, 3.0)), rnd.choice((0.0, 3.0)))))
+             for _ in range(6)]
+    assert len(set(draws)) > 1
+    for got, d in zip(asyncio.run(pairs(1, 6)), draws):
+        assert got == pytest.approx(ends[d], abs=0.04), (got, d)
+
+    async def alone() -> float:
+        t0 = time.perf_counter()
+        await Processor(samples=(3.0,)).run(0.1)
+        return time.perf_counter() - t0
+
+    assert asyncio.run(alone()) == pytest.approx(0.1, abs=0.04)
+    with pytest.raises(ValueError):
+        Processor(samples=(0.5, -1.0))
+    prof = EngineProfile.from_json({**load("vllm_cpu_bench").to_json(),
+                                    "host_interference_samples": [0.0, 2.5]})
+    assert prof.host_interference_samples == (0.0, 2.5)
+    with pytest.raises(ValueError):
+        EngineProfile.from_json({**load("vllm_cpu_bench").to_json(),
+                                 "host_interference_samples": [0.0, "x"]})
+
+
+def test_host_interference_is_the_mean_overlapped_slowdown_of_the_compute() -> None:
     """measure.interference_of: a trial at ratio r over an alone TTFT t with api_s a gives
     (r*t - t) / (t - a), below 0 counted as 0; the mean over overlapped trials, alone
     trials not counted."""
@@ -239,6 +282,7 @@ def test_host_interference_is_the_median_overlapped_slowdown_of_the_compute() ->
               tr("A and B together", 0.18, 0.9)]
     got = interference_of(trials, api_s=0.0)
     assert got["host_interference"] == pytest.approx(0.5)  # (0.5 + 1.0 + 0) / 3
+    assert got["samples"] == pytest.approx([0.5, 1.0, 0.0])
     assert got["by_case"]["B decodes, hot"]["max"] == pytest.approx(1.0)
     assert got["by_case"]["B decodes, hot"]["median"] == pytest.approx(0.75)
     assert interference_of(trials, api_s=0.1)["host_interference"] == pytest.approx(1.0)
@@ -250,8 +294,9 @@ def test_the_calibration_emulates_own_cores_with_the_profiles_interference(
         tmp_path: Path) -> None:
     prof = load("vllm_cpu_bench").with_(host_interference=0.8)
     prof.save(tmp_path / "p.json")
-    spec = emulator_spec("m", 64, str(tmp_path / "p.json"), 1.0, "exclusive", "own")
-    assert (spec.compute, spec.discipline, spec.interference) == ("shared", "fair", 0.8)
+    spec = emulator_spec("m", 64, str(tmp_path / "p.json"), 1.0, "exclusive", "own", seed=2)
+    assert (spec.compute, spec.discipline, spec.host_interference) == ("shared", "fair", True)
+    assert spec.seed == 2 and "--host-interference" in spec.args(tmp_path / "f.json")
     off = emulator_spec("m", 64, str(tmp_path / "p.json"), 1.0, "exclusive", "own",
                         host_interference=False)
     assert off.compute == "separate"
