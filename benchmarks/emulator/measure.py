@@ -14,7 +14,8 @@ profile's ``source`` records)
 
 - lone prefills: streamed TTFT of an ``n``-token prompt whose first ``h`` tokens the engine
   computed just before (``h`` a whole number of pages; fresh random ids otherwise), median
-  of ``--repeats``;
+  of ``--repeats``, over :func:`prefill_shapes` (hit fractions, and cached prefixes with
+  a 64- or 256-token tail);
 - decode: ``B`` streams started together on short (or long) prompts; the mean gap between
   tokens once every stream decodes;
 - ``--shared``: two engines whose workers share the cores (the calibration's ``--cores
@@ -106,25 +107,33 @@ class Probe:
         return stamps[0], stamps, cached
 
 
-async def prefill_points(p: Probe, lengths: list[int], hits: list[float],
+def prefill_shapes(lengths: list[int], hits: list[float],
+                   questions: list[int]) -> list[tuple[int, int]]:
+    """``(prompt tokens, cached tokens)`` to measure: each length at each hit fraction
+    (cached rounded down to whole pages), then each length as a cached prefix with a
+    ``question``-token tail (a hot prefix or a chat history with its next turn: where
+    most of a cache-aware fleet's prefills are)."""
+    out = [(n, int(n * f) // CPU_PAGE * CPU_PAGE) for n in lengths for f in hits]
+    return out + [(n + q, n) for n in lengths for q in questions if n % CPU_PAGE == 0]
+
+
+async def prefill_points(p: Probe, shapes: list[tuple[int, int]],
                          repeats: int) -> list[PrefillPoint]:
     out = []
     async with httpx.AsyncClient(timeout=600) as c:
         await p.stream(c, p.fresh(300), 2)  # first requests pay one-off costs
-        for n in lengths:
-            for f in hits:
-                h = int(n * f) // CPU_PAGE * CPU_PAGE
-                times = []
-                for _ in range(repeats):
-                    prefix = p.fresh(h)
-                    if h:
-                        await p.stream(c, prefix, 1)
-                    ttft, _, cached = await p.stream(c, prefix + p.fresh(n - h), 1)
-                    if cached != min(h, (n - 1) // CPU_PAGE * CPU_PAGE):
-                        raise RuntimeError(f"n={n} h={h}: engine reported {cached} cached")
-                    times.append(ttft)
-                out.append(PrefillPoint(n, min(h, n - 1), statistics.median(times)))
-                print(f"prefill n={n} hit={h}: {out[-1].ttft_s * 1e3:.0f} ms", flush=True)
+        for n, h in shapes:
+            times = []
+            for _ in range(repeats):
+                prefix = p.fresh(h)
+                if h:
+                    await p.stream(c, prefix, 1)
+                ttft, _, cached = await p.stream(c, prefix + p.fresh(n - h), 1)
+                if cached != min(h, (n - 1) // CPU_PAGE * CPU_PAGE):
+                    raise RuntimeError(f"n={n} h={h}: engine reported {cached} cached")
+                times.append(ttft)
+            out.append(PrefillPoint(n, min(h, n - 1), statistics.median(times)))
+            print(f"prefill n={n} hit={h}: {out[-1].ttft_s * 1e3:.0f} ms", flush=True)
     return out
 
 
@@ -362,6 +371,21 @@ def shared(args: argparse.Namespace, model: str, command: str) -> int:
     return 0
 
 
+APART = ("shared_handoff_s", "host_interference", "host_interference_samples")
+
+
+def keep_measured_apart(prof: EngineProfile, path: Path) -> EngineProfile:
+    """``prof`` with what ``--shared`` and ``--pair`` measured into the profile at
+    ``path`` (if any) and their commands in its source: a new fit does not undo them."""
+    if not path.exists():
+        return prof
+    old = load_profile(path)
+    tails = [part for part in old.source.split("; ")
+             if part.startswith(("shared_handoff_s:", "host_interference:"))]
+    return prof.with_(**{k: getattr(old, k) for k in APART},
+                      source="; ".join([prof.source, *tails]))
+
+
 def table(prof: EngineProfile, chk: list[dict[str, Any]]) -> str:
     lines = [f"profile {prof.name}: " + ", ".join(
         f"{k}={getattr(prof, k):.3g}" for k in ("api_s", "step_s", "prefill_token_s",
@@ -406,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
     lengths = [256, 1024, 2048] if q else [128, 512, 1024, 2048, 3072, 4096]
     hits = [0.0, 0.875] if q else [0.0, 0.5, 0.875]
+    shapes = prefill_shapes(lengths, hits, [64] if q else [64, 256])
     logs = Path(tempfile.mkdtemp(prefix="kvc-emu-measure-"))
     srv = VllmServer(model, SERVED_NAME, None, "bfloat16", 4608,
                      (*SERVER_ARGS, "--num-gpu-blocks-override", str(PAGES)),
@@ -414,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         srv.start().wait_ready(900)
         probe = Probe(srv.url)
-        pre = asyncio.run(prefill_points(probe, lengths, hits, 1 if q else args.repeats))
+        pre = asyncio.run(prefill_points(probe, shapes, 1 if q else args.repeats))
         dec = asyncio.run(decode_points(probe, [1, 4, 16] if q else [1, 2, 4, 8, 16, 32],
                                         [256] if q else [256, 2048], 24 if q else 40))
         prof = fit(pre, dec, name="vllm_cpu_bench",
@@ -428,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         srv.stop()
     if not q:
+        prof = keep_measured_apart(prof, args.profile_out)
         prof.save(args.profile_out)
         print("wrote", args.profile_out)
     doc = {"summary": {"fit_relative_error_median": prof.fit["relative_error_median"],

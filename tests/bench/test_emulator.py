@@ -23,7 +23,7 @@ from benchmarks.emulator.calibrate import emulator_spec, interference
 from benchmarks.emulator.connector import StoreHits
 from benchmarks.emulator.engine import EngineCore, Request, predict_alone
 from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
-from benchmarks.emulator.measure import interference_of
+from benchmarks.emulator.measure import interference_of, keep_measured_apart, prefill_shapes
 from benchmarks.emulator.pages import PageCache, SeqPages
 from benchmarks.emulator.processors import ExclusiveProcessor, Processor
 from benchmarks.emulator.profile import DecodePoint, EngineProfile, PrefillPoint, fit, load
@@ -288,6 +288,24 @@ def test_host_interference_is_the_mean_overlapped_slowdown_of_the_compute() -> N
     assert interference_of(trials, api_s=0.1)["host_interference"] == pytest.approx(1.0)
     with pytest.raises(RuntimeError):
         interference_of([tr("alone", 0.2, 1.0)], api_s=0.0)
+
+
+def test_the_profile_measures_cached_prefixes_with_short_tails_and_keeps_what_was_measured_apart(
+        tmp_path: Path) -> None:
+    assert prefill_shapes([128, 3072], [0.0, 0.5], [64]) == [
+        (128, 0), (128, 0), (3072, 0), (3072, 1536), (192, 128), (3136, 3072)]
+    old = load("vllm_cpu_bench").with_(
+        shared_handoff_s=0.4, host_interference=0.3, host_interference_samples=(0.0, 0.9),
+        source="measured: a; store_bandwidth_bps: b; shared_handoff_s: c; "
+               "host_interference: d")
+    old.save(tmp_path / "p.json")
+    new = load("vllm_cpu_bench").with_(source="measured: e; store_bandwidth_bps: b")
+    got = keep_measured_apart(new, tmp_path / "p.json")
+    assert (got.shared_handoff_s, got.host_interference) == (0.4, 0.3)
+    assert got.host_interference_samples == (0.0, 0.9) and got.step_s == new.step_s
+    assert got.source == ("measured: e; store_bandwidth_bps: b; shared_handoff_s: c; "
+                          "host_interference: d")
+    assert keep_measured_apart(new, tmp_path / "none.json") == new
 
 
 def test_the_calibration_emulates_own_cores_with_the_profiles_interference(
