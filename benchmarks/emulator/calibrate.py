@@ -38,8 +38,8 @@ and the prefix-cache hit tokens (which must be equal); ``calibration_error_max``
 worst of the mean and p90 errors over the workloads (``separate_error_max`` the same
 for side ``separate``). Per side and repetition, ``interference`` says how often the
 slowest requests ran while the other engine was busy (:func:`interference`): on this
-2-core host the real engines slow each other (shared memory bandwidth, and their API
-servers and the client floating onto the workers' CPUs).
+2-core host the real engines slow each other (their API servers and the client float
+onto the workers' CPUs).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +225,33 @@ async def handoff(pa: Probe, pb: Probe, trials: int) -> list[dict[str, Any]]:
     return out
 
 
+@contextmanager
+def two_engines(model: str, envs: tuple[dict[str, str], ...], max_len: int,
+                pages: int) -> Iterator[tuple[str, str]]:
+    """Two vLLM CPU engines of ``model`` (the comparisons' flags, ``pages`` KV pages,
+    ``envs`` their environments), started and ready; their URLs; stopped after."""
+    logs = Path(tempfile.mkdtemp(prefix="kvc-emu-measure-"))
+    srvs = [VllmServer(model, SERVED_NAME, None, "bfloat16", max_len,
+                       (*SERVER_ARGS, "--num-gpu-blocks-override", str(pages)),
+                       env, logs / f"vllm-{i}.log") for i, env in enumerate(envs)]
+    try:
+        for s_ in srvs:
+            s_.start()
+        for s_ in srvs:
+            s_.wait_ready(900)
+        yield srvs[0].url, srvs[1].url
+    finally:
+        for s_ in srvs:
+            s_.stop()
+
+
+def sourced(source: str, key: str, command: str) -> str:
+    """A profile's ``source`` with its ``key: <command>`` part (one of ``"; "``-separated
+    parts) replaced by this run's, the others kept."""
+    parts = [p for p in source.split("; ") if not p.startswith(f"{key}:")]
+    return "; ".join([*parts, f"{key}: flock /tmp/kvc-vllm.lock {command}"])
+
+
 HOT = (3072, 64)  # the calibration's hot-prefix request: cached prefix, new tokens
 SHAPES = {"hot 3072+64": HOT, "fresh 1024": (0, 1024)}
 
@@ -300,26 +329,14 @@ def pair(args: argparse.Namespace, model: str, command: str) -> int:
     """Measure ``host_interference`` on two engines with a CPU each; update the profile."""
     from benchmarks.emulator.calibrate import own_cpu_envs
 
-    logs = Path(tempfile.mkdtemp(prefix="kvc-emu-measure-"))
-    srvs = [VllmServer(model, SERVED_NAME, None, "bfloat16", 4608,
-                       (*SERVER_ARGS, "--num-gpu-blocks-override", str(PAGES)),
-                       env, logs / f"vllm-{i}.log") for i, env in enumerate(own_cpu_envs())]
-    try:
-        for s_ in srvs:
-            s_.start()
-        for s_ in srvs:
-            s_.wait_ready(900)
-        trials = asyncio.run(co_run(Probe(srvs[0].url), Probe(srvs[1].url, seed=5),
+    with two_engines(model, own_cpu_envs(), 4608, PAGES) as (a, b):
+        trials = asyncio.run(co_run(Probe(a), Probe(b, seed=5),
                                     1 if args.quick else args.repeats))
-    finally:
-        for s_ in srvs:
-            s_.stop()
     prof = load_profile(args.profile_out)
     found = interference_of(trials, prof.api_s)
-    src = prof.source.split("; host_interference:")[0]
     prof = prof.with_(host_interference=found["host_interference"],
                       host_interference_samples=tuple(found["samples"]),
-                      source=f"{src}; host_interference: flock /tmp/kvc-vllm.lock {command}")
+                      source=sourced(prof.source, "host_interference", command))
     if not args.quick:
         prof.save(args.profile_out)
     out = args.out or RESULTS / f"emulator_profile_cpu_pair{'_quick' if args.quick else ''}.json"
@@ -339,25 +356,12 @@ def pair(args: argparse.Namespace, model: str, command: str) -> int:
 
 def shared(args: argparse.Namespace, model: str, command: str) -> int:
     """Measure ``shared_handoff_s`` on two engines sharing the cores; update the profile."""
-    logs = Path(tempfile.mkdtemp(prefix="kvc-emu-measure-"))
-    srvs = [VllmServer(model, SERVED_NAME, None, "bfloat16", 4096,
-                       (*SERVER_ARGS, "--num-gpu-blocks-override", "64"),
-                       pinned_threads_env(), logs / f"vllm-{i}.log") for i in range(2)]
-    try:
-        for s_ in srvs:
-            s_.start()
-        for s_ in srvs:
-            s_.wait_ready(900)
-        trials = asyncio.run(handoff(Probe(srvs[0].url), Probe(srvs[1].url, seed=5),
-                                     2 if args.quick else 6))
-    finally:
-        for s_ in srvs:
-            s_.stop()
+    with two_engines(model, (pinned_threads_env(),) * 2, 4096, 64) as (a, b):
+        trials = asyncio.run(handoff(Probe(a), Probe(b, seed=5), 2 if args.quick else 6))
     value = statistics.median(t["handoff_s"] for t in trials)
     prof = load_profile(args.profile_out)
-    src = prof.source.split("; shared_handoff_s:")[0]
     prof = prof.with_(shared_handoff_s=value,
-                      source=f"{src}; shared_handoff_s: flock /tmp/kvc-vllm.lock {command}")
+                      source=sourced(prof.source, "shared_handoff_s", command))
     if not args.quick:
         prof.save(args.profile_out)
     out = args.out or RESULTS / f"emulator_profile_cpu_shared{'_quick' if args.quick else ''}.json"

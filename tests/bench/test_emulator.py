@@ -23,7 +23,12 @@ from benchmarks.emulator.calibrate import emulator_spec, interference
 from benchmarks.emulator.connector import StoreHits
 from benchmarks.emulator.engine import EngineCore, Request, predict_alone
 from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
-from benchmarks.emulator.measure import interference_of, keep_measured_apart, prefill_shapes
+from benchmarks.emulator.measure import (
+    interference_of,
+    keep_measured_apart,
+    prefill_shapes,
+    sourced,
+)
 from benchmarks.emulator.pages import PageCache, SeqPages
 from benchmarks.emulator.processors import ExclusiveProcessor, Processor
 from benchmarks.emulator.profile import DecodePoint, EngineProfile, PrefillPoint, fit, load
@@ -306,6 +311,10 @@ def test_the_profile_measures_cached_prefixes_with_short_tails_and_keeps_what_wa
     assert got.source == ("measured: e; store_bandwidth_bps: b; shared_handoff_s: c; "
                           "host_interference: d")
     assert keep_measured_apart(new, tmp_path / "none.json") == new
+    # a second --shared run replaces its own part only, whatever came after it
+    assert sourced(old.source, "shared_handoff_s", "m --shared") == (
+        "measured: a; store_bandwidth_bps: b; host_interference: d; "
+        "shared_handoff_s: flock /tmp/kvc-vllm.lock m --shared")
 
 
 def test_the_calibration_emulates_own_cores_with_the_profiles_interference(
