@@ -2,6 +2,7 @@
 
     python -m benchmarks.emulator.server --instances 8 --profile vllm_cpu_bench
         --model bench --tokenizer .models/bench --pages 64 [--compute separate|shared|K]
+        [--discipline fair|exclusive] [--interference X | --host-interference --seed N]
         [--store '{"name": ..., "capacity": "2gb"}'] [--no-kv-events] [--fleet-file F.json]
 
 Each engine answers like vLLM's OpenAI server: ``GET /health``, ``/v1/models`` (with
@@ -14,7 +15,8 @@ tokenizer and chat template; streamed with ``stream_options.include_usage`` or n
 one). Each publishes vLLM's KV events (:mod:`.events`) on its own ``tcp://*:PORT`` with
 a replay endpoint. Timing follows the profile (:mod:`.profile`), scheduling vLLM's
 (:mod:`.engine`); engines on one ``--compute`` group share a processor
-(:mod:`.processors`, ``--discipline``).
+(:mod:`.processors`, ``--discipline``), or with ``--host-interference`` have one each
+and slow each other by the profile's measured host interference.
 
 ``--fleet-file`` gets, once every port listens, a JSON list of the engines: ``name``,
 ``url``, ``kv_events``, ``kv_events_replay`` (as a router's instance config names them).
