@@ -315,11 +315,11 @@ def interference_of(trials: list[dict[str, Any]], api_s: float) -> dict[str, Any
     over = [r for r in trials if r["case"] != "alone"]
     if not over:
         raise RuntimeError("no overlapped trial")
+    samples = [x(r) for r in over]
     groups: dict[str, list[float]] = {}
-    for r in over:
-        groups.setdefault(f"{r['case']}, {r['shape']}", []).append(x(r))
-    return {"host_interference": statistics.mean(x(r) for r in over),
-            "samples": [x(r) for r in over],
+    for r, v in zip(over, samples):
+        groups.setdefault(f"{r['case']}, {r['shape']}", []).append(v)
+    return {"host_interference": statistics.mean(samples), "samples": samples,
             "by_case": {k: {"mean": statistics.mean(v), "median": statistics.median(v),
                             "min": min(v), "max": max(v), "n": len(v)}
                         for k, v in groups.items()}}
