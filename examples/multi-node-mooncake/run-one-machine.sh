@@ -64,6 +64,39 @@ before = store_hits(e2)
 b = complete(e2)
 print(f"instance 2 loaded {store_hits(e2) - before:.0f} prompt tokens from Mooncake; "
       f"same tokens: {a == b}")
-print(f"via the router: same tokens: {complete(router) == a}")
+assert a == b, "instance 2 answered other tokens than instance 1"
+assert store_hits(e2) > before, "instance 2 loaded nothing from Mooncake"
+# Through the router: a new prompt, stored by instance 1 alone (sent to it directly, so
+# only the store can tell the router about it). The router must predict the hit from the
+# store (its keys must name the blocks the engines stored: same block size, same layout)
+# and say so, in the answer's x-kvc-hit-tokens and in its store tier counter.
+def router_store_tokens():
+    for line in httpx.get(router + "/metrics", timeout=10).text.splitlines():
+        if line.startswith('kvc_router_predicted_hit_tokens_by_tier_total{tier="store_dram"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+# The router waits at most 0.25 s for the store's answer (later ones land in its cache):
+# a first lookup on a loaded machine may come late, so up to 3 fresh prompts are tried.
+for attempt in range(1, 4):
+    prompt = [random.Random(attempt).randrange(4, 4000) for _ in range(1100)]
+    c = complete(e1)
+    stored_before = router_store_tokens()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True}
+    r = httpx.post(router + "/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    hit = int(r.headers.get("x-kvc-hit-tokens", "0"))
+    store_tokens = router_store_tokens() - stored_before
+    same = r.json()["choices"][0]["token_ids"] == c
+    print(f"via the router ({r.headers.get('x-kvc-prefill')}): predicted hit {hit} of "
+          f"{len(prompt)} tokens, {store_tokens:.0f} from the store; same tokens: {same}")
+    assert same, "the router's answer differs from instance 1's"
+    if hit >= 1024 and store_tokens > 0:
+        break
+else:
+    keys = httpx.get(router + "/instances", timeout=10).json()["keys"]
+    raise SystemExit(f"the router predicted no store hit: its keys {keys} do not name the "
+                     "blocks the engines stored")
+print("ok: store hits through the router")
 PY
 if [ "${KEEP:-0}" = 1 ]; then echo "running; Ctrl-C stops everything"; wait; fi
