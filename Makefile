@@ -58,9 +58,16 @@ $(PEERS_STAMP): $(STAMP) Makefile
 	@touch $@
 
 # KVC_NO_SKIPS=1: a test that skips for anything but a GPU fails the run
-# (tests/helpers/skip_policy.py): CI runs every test it claims to.
+# (tests/helpers/skip_policy.py): CI runs every test it claims to. -rs lists the skips the
+# policy allowed, --durations the slowest tests, and build/junit.xml every test's time
+# (`python -m benchmarks.lib.durations build/junit.xml` renders it as a table).
+# .ci/cleanup-run ends what the run started (process groups, detached stores and engines,
+# its /dev/shm names) when it ends or is interrupted.
+JUNIT := build/junit.xml
 test: setup peers
-	KVC_NO_SKIPS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	@mkdir -p $(dir $(JUNIT))
+	KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  -rs --durations=25 --junitxml=$(JUNIT)
 
 lint: setup
 	$(BIN)/ruff check kvcentric kernels router tests benchmarks examples
