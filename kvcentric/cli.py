@@ -18,6 +18,7 @@ import logging
 import sys
 
 from kvcentric.config import StoreConfig, parse_size
+from kvcentric.extras import run_cli
 
 
 def _store_cfg(args: argparse.Namespace) -> StoreConfig:
@@ -128,9 +129,14 @@ def _doctor(args: argparse.Namespace) -> int:
 
     store = None
     if args.store:
-        text = Path(args.store[1:]).read_text() if args.store.startswith("@") else args.store
         try:
+            text = (Path(args.store[1:]).read_text() if args.store.startswith("@")
+                    else args.store)
             store = StoreConfig.from_dict(json.loads(text))
+        except OSError as exc:  # @FILE that is missing or unreadable
+            print(f"kvcentric doctor: --store {args.store}: cannot read "
+                  f"{exc.filename or args.store[1:]}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
             print(f"kvcentric doctor: --store: {exc}", file=sys.stderr)
             return 2
@@ -152,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``kvcentric`` command; a missing optional dependency is one line and exit 2."""
+    return run_cli("kvcentric", _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "run"):  # doctor and the mooncake service commands
         return int(args.run(args))

@@ -1,6 +1,7 @@
 """``kvcentric-router`` command line.
 
-    kvcentric-router serve --config configs/router.yaml [--host H] [--port P]
+    kvcentric-router init [PATH] [--model NAME] [--tokenizer DIR] [--instance URL ...]
+    kvcentric-router serve --config router.yaml [--host H] [--port P]
     kvcentric-router profile --url http://127.0.0.1:8100 --model tiny --out profile.json
         [--lengths 256,512,1024,2048] [--hits 0,0.5,0.9] [--repeats 2]
         [--model-dir DIR --store-tokens 2048]   # also measure the store tier's bandwidth
@@ -76,15 +77,52 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init(args: argparse.Namespace) -> int:
+    from kvcentric.router.init_config import DEFAULT_INSTANCE, render
+
+    out = Path(args.path)
+    if out.exists() and not args.force:
+        print(f"kvcentric-router init: {out} exists (--force replaces it)", file=sys.stderr)
+        return 2
+    out.write_text(render(str(out), args.model, args.tokenizer,
+                          args.instance or [DEFAULT_INSTANCE], port=args.port or 8000))
+    print(f"wrote {out}: set tokenizer to a local model folder and instances to your "
+          f"engines, then: kvcentric doctor --router-config {out}; "
+          f"kvcentric-router serve --config {out}")
+    return 0
+
+
 def _gbps(bps: float | None) -> str:
     return f"{bps / 1e9:.2f} GB/s" if bps else "not measured"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``kvcentric-router`` command; a missing optional dependency (the ``router``
+    extra) is one line and exit 2."""
+    from kvcentric.extras import run_cli
+
+    return run_cli("kvcentric-router", _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="kvcentric-router")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init", help="write a minimal, commented router config",
+                       description="Write the smallest router config (model, tokenizer "
+                       "folder, listen address, engines), each setting explained; every "
+                       "other setting keeps its default.")
+    i.add_argument("path", nargs="?", default="router.yaml", help="where (router.yaml)")
+    i.add_argument("--model", default="my-model", help="the model name the engines serve")
+    i.add_argument("--tokenizer", default="/path/to/model-folder",
+                   help="a local model folder (tokenizer files and config.json)")
+    i.add_argument("--instance", action="append", default=None, metavar="URL",
+                   help="an engine's http://host:port (repeat for more; default "
+                        "http://127.0.0.1:8100)")
+    i.add_argument("--port", type=int, default=None, help="the router's port (8000)")
+    i.add_argument("--force", action="store_true", help="replace an existing file")
     s = sub.add_parser("serve", help="run the router")
-    s.add_argument("--config", required=True, help="router YAML (see configs/router.yaml)")
+    s.add_argument("--config", required=True,
+                   help="router YAML (write a minimal one with `kvcentric-router init`)")
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
@@ -108,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-probe-mib", type=int, default=256,
                    help="size of the disk probe's scratch file (MiB)")
     args = ap.parse_args(argv)
+    if args.cmd == "init":
+        return _init(args)
     import httpx
 
     try:

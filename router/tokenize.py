@@ -60,6 +60,10 @@ class PromptTokenizer:
     """The tokenizer of the model in ``model_dir`` (``tokenizer.json`` and friends)."""
 
     def __init__(self, model_dir: str | Path, cache_chars: int = 0) -> None:
+        if not Path(model_dir).is_dir():  # else transformers would take it for a hub id
+            raise ValueError(f"tokenizer {str(model_dir)!r} is not a local folder (relative "
+                             "to the working directory): give the model folder, never a "
+                             "hub id")
         try:
             self.tok = _load(Path(model_dir))
         except (OSError, ValueError) as exc:

@@ -34,6 +34,8 @@ def run(inputs: DoctorInputs) -> list[Finding]:
     if inputs.router_config:
         router, finding = router_checks.load_router(inputs.router_config)
         out.append(finding)
+        if router is not None:
+            out += router_checks.check_router_files(router)
     store = inputs.store or (router.store if router is not None else None)
     if store is not None:
         out += store_findings(store)

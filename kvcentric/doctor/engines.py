@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import httpx
-
-from kvcentric.compat import TESTED_SGLANG, TESTED_VLLM
+from kvcentric.compat import (
+    API_CHECKED_VLLM,
+    CHECKED,
+    MIN_VLLM,
+    TESTED,
+    TESTED_SGLANG,
+    TESTED_VLLM,
+    TOO_OLD,
+    support,
+    supported_range,
+)
 from kvcentric.config import EngineEnv
 from kvcentric.doctor.findings import FAIL, OK, SKIP, WARN, Finding
 
@@ -34,15 +44,57 @@ print(json.dumps(out))
 """
 
 
-def _engine_version(check: str, name: str, module: str, tested: tuple[str, ...],
-                    probe: str) -> Finding:
+@dataclass(frozen=True)
+class _Policy:
+    """An engine's support policy (:func:`kvcentric.compat.support`) and what to advise."""
+
+    name: str
+    tested: tuple[str, ...]
+    api_checked: tuple[str, ...] = ()
+    minimum: str | None = None
+    patches: bool = True
+
+    def level(self, version: str) -> str:
+        return support(version, self.tested, self.api_checked, self.minimum, self.patches)
+
+    @property
+    def advice(self) -> str:
+        tested = ", ".join(self.tested)
+        if self.patches:
+            return (f"use {self.name} "
+                    f"{supported_range(self.tested, self.api_checked, self.minimum)} "
+                    f"(run-tested: {tested})")
+        return f"use {self.name} {' or '.join(self.tested)} (the versions kvcentric is tested with)"
+
+
+VLLM = _Policy("vLLM", TESTED_VLLM, API_CHECKED_VLLM, MIN_VLLM)
+SGLANG = _Policy("SGLang", TESTED_SGLANG, patches=False)
+
+
+def version_finding(check: str, policy: _Policy, version: str, where: str,
+                    details: dict[str, Any]) -> Finding:
+    """The finding for an engine ``version`` that has every hook kvcentric needs, by the
+    policy the connector's start-up gate applies."""
+    level = policy.level(version)
+    if level == TESTED:
+        return Finding(check, OK, f"{where}{policy.name} {version} (tested)", details=details)
+    if level == CHECKED:
+        return Finding(check, OK, f"{where}{policy.name} {version} (supported: its minor's "
+                       f"connector API checked, not run-tested; tested: "
+                       f"{', '.join(policy.tested)})", details=details)
+    return Finding(check, WARN, f"{where}{policy.name} {version} is {level} (tested: "
+                   f"{', '.join(policy.tested)})", policy.advice, details)
+
+
+def _engine_version(check: str, policy: _Policy, module: str, probe: str) -> Finding:
     """Import engine ``module`` and run kvcentric's start-up API check ``probe``
     (``module:function``) in a child process (importing an engine changes process-wide
-    state: SGLang's imports do), then compare the version with ``tested``."""
+    state: SGLang's imports do), then judge the version by ``policy``."""
     import json
     import subprocess
     import sys
 
+    name = policy.name
     try:
         run = subprocess.run([sys.executable, "-c", _PROBE, module, probe],
                              capture_output=True, text=True, timeout=300)
@@ -53,31 +105,31 @@ def _engine_version(check: str, name: str, module: str, tested: tuple[str, ...],
     if not got["installed"]:
         return Finding(check, SKIP, f"{name} is not installed here")
     version, where = got["version"], got["path"]
-    details = {"version": version, "path": where, "tested": list(tested)}
-    fix = f"install {name} {' or '.join(tested)} (the versions kvcentric is tested with)"
-    if got["error"] and got["missing_hook"]:  # a hook kvcentric needs is missing
-        return Finding(check, FAIL, got["error"], fix, details)
+    details = {"version": version, "path": where, "tested": list(policy.tested),
+               "support": policy.level(version)}
+    if got["error"] and got["missing_hook"]:  # too old, or a hook kvcentric needs is missing
+        return Finding(check, FAIL, got["error"], policy.advice, details)
     if got["error"]:  # an engine too old or broken to import at all
         return Finding(check, FAIL, f"{name} {version} at {where} lacks the API kvcentric "
-                       f"plugs into ({got['error']})", fix, details)
-    if version.split("+", 1)[0] not in tested:
-        return Finding(check, WARN, f"{name} {version} has every hook kvcentric needs but "
-                       f"is untested (tested: {', '.join(tested)})", fix, details)
-    return Finding(check, OK, f"{name} {version} (tested)", details=details)
+                       f"plugs into ({got['error']})", policy.advice, details)
+    return version_finding(check, policy, version, "", details)
 
 
 def check_vllm_version() -> Finding:
-    return _engine_version("vllm-version", "vLLM", "vllm", TESTED_VLLM,
+    return _engine_version("vllm-version", VLLM, "vllm",
                            "kvcentric.connector.vllm.connector:check_vllm")
 
 
 def check_sglang_version() -> Finding:
-    return _engine_version("sglang-version", "SGLang", "sglang", TESTED_SGLANG,
+    return _engine_version("sglang-version", SGLANG, "sglang",
                            "kvcentric.connector.sglang.storage:check_sglang")
 
 
 def check_engine_url_version(url: str) -> Finding:
-    """The vLLM version the engine at ``url`` reports (``GET /version``)."""
+    """The vLLM version the engine at ``url`` reports (``GET /version``), by the policy
+    the connector's start-up gate applies."""
+    import httpx  # the router extra's; a plain install's doctor never asks an engine
+
     try:
         r = httpx.get(url.rstrip("/") + "/version", timeout=5)
         r.raise_for_status()
@@ -85,13 +137,12 @@ def check_engine_url_version(url: str) -> Finding:
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         return Finding("engine-url-version", FAIL, f"engine at {url} does not answer "
                        f"/version: {exc}", "check --url (the engine's http://host:port)")
-    details = {"url": url, "version": version}
-    if version.split("+", 1)[0] not in TESTED_VLLM:
-        return Finding("engine-url-version", WARN, f"engine at {url} runs vLLM {version}, "
-                       f"untested (tested: {', '.join(TESTED_VLLM)})",
-                       f"run vLLM {' or '.join(TESTED_VLLM)}", details)
-    return Finding("engine-url-version", OK, f"engine at {url} runs vLLM {version}",
-                   details=details)
+    details = {"url": url, "version": version, "support": VLLM.level(version)}
+    if VLLM.level(version) == TOO_OLD:
+        return Finding("engine-url-version", FAIL, f"engine at {url} runs vLLM {version}, "
+                       f"older than {MIN_VLLM}", VLLM.advice, details)
+    return version_finding("engine-url-version", VLLM, version, f"engine at {url} runs ",
+                           details)
 
 
 def check_plugin() -> Finding:

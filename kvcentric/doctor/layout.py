@@ -20,7 +20,6 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcentric.config import EngineEnv, StoreConfig
@@ -64,6 +63,8 @@ def _auth() -> dict[str, str]:
 def engine_info(url: str) -> EngineInfo:
     """Served model names, context length and page size of the engine at ``url``;
     ``httpx.HTTPError`` / ``ValueError`` when it does not answer as vLLM does."""
+    import httpx  # the router extra's; a plain install's doctor never asks an engine
+
     base = url.rstrip("/")
     r = httpx.get(base + "/v1/models", headers=_auth(), timeout=10)
     r.raise_for_status()
@@ -136,6 +137,8 @@ def _candidates(tokens: list[int], page: int, model_ids: Iterable[str], salt: st
 
 
 def _send_probe(info: EngineInfo, tokens: list[int], salt: str) -> None:
+    import httpx
+
     body = {"model": info.models[0], "prompt": tokens, "max_tokens": 1, "temperature": 0.0,
             "cache_salt": salt}
     r = httpx.post(info.url + "/v1/completions", json=body, headers=_auth(), timeout=120)
@@ -188,6 +191,8 @@ def run_probe(cfg: StoreConfig, url: str) -> tuple[ProbeResult | None, list[str]
 
 def check_layout(cfg: StoreConfig, url: str) -> tuple[Finding, ProbeResult | None]:
     """The layout this engine writes against the layouts the store holds for its model."""
+    import httpx
+
     from kvcentric.store import StoreUnavailable
 
     try:

@@ -21,14 +21,17 @@ MAX_SLICES = 1024
 
 
 def check_installed() -> None:
-    """Raise a clear ``ImportError`` when the wheel or its system libraries are missing."""
+    """Raise a clear :class:`~kvcentric.extras.MissingExtra` (an ``ImportError``) when the
+    wheel or its system libraries are missing."""
+    from kvcentric.extras import MissingExtra, install_hint
+
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:  # the wheel, or its RDMA user-space libraries
-        raise ImportError(
-            "the mooncake backend needs the Mooncake wheel (pip install "
-            "'kvcentric[mooncake]') and libibverbs1 librdmacm1 libnl-3-200 "
-            f"libnl-route-3-200 (apt): {exc}") from exc
+        raise MissingExtra(
+            f"the mooncake backend needs the Mooncake wheel ({install_hint('mooncake')}) "
+            "and libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 (apt): "
+            f"{exc}") from exc
 
 
 def join(s: MooncakeSettings, protocol: str, devices: str) -> tuple[Any, Any]:

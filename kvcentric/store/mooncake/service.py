@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcentric.extras import MissingExtra, install_hint
 from kvcentric.store.mooncake.health import tcp_accepts
 
 log = logging.getLogger("kvcentric.store")
@@ -42,8 +43,7 @@ def master_binary() -> Path:
     """Path of the ``mooncake_master`` executable shipped in the Mooncake wheel."""
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the Mooncake wheel is not installed "
-                                "(pip install 'kvcentric[mooncake]')")
+        raise MissingExtra(f"the Mooncake wheel is not installed: {install_hint('mooncake')}")
     path = Path(next(iter(spec.submodule_search_locations))) / "mooncake_master"
     if not path.is_file():
         raise FileNotFoundError(f"no mooncake_master in the Mooncake wheel ({path})")
@@ -202,6 +202,12 @@ def add_mooncake_commands(sub: argparse._SubParsersAction) -> None:  # type: ign
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvcentric.store.mooncake.service mooncake-master|mooncake-node ...``"""
+    from kvcentric.extras import run_cli
+
+    return run_cli("kvcentric store", _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="kvcentric store")
     add_mooncake_commands(ap.add_subparsers(dest="action", required=True))
     args = ap.parse_args(argv)
