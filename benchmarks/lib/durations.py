@@ -127,7 +127,8 @@ def render(run: Run, top: int = 25, files: int = 10) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.lib.durations",
                                  description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("junit", type=Path, help="pytest's --junitxml file (make test: build/junit.xml)")
+    ap.add_argument("junit", type=Path,
+                    help="pytest's --junitxml file (make test: build/junit.xml)")
     ap.add_argument("--top", type=int, default=25, help="slowest tests to list (default 25)")
     ap.add_argument("--files", type=int, default=10, help="slowest files to list (default 10)")
     a = ap.parse_args(argv)
