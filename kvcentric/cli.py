@@ -21,6 +21,10 @@ from kvcentric.config import StoreConfig, parse_size
 from kvcentric.extras import run_cli
 
 
+# a store capacity under this is warned about: it holds at most one block of an 8B model
+TINY_CAPACITY = 64 << 20
+
+
 def _store_cfg(args: argparse.Namespace) -> StoreConfig:
     raw: dict[str, object] = {"name": args.name, "autostart": False}
     if getattr(args, "capacity", None):
@@ -31,9 +35,20 @@ def _store_cfg(args: argparse.Namespace) -> StoreConfig:
         raw["runtime_dir"] = args.runtime_dir
     disk_path, disk_capacity = getattr(args, "disk_path", None), getattr(args, "disk_capacity",
                                                                           None)
-    if disk_path or disk_capacity:  # StoreConfig says what is missing or wrong
+    if disk_path and not disk_capacity:  # name the flags, not the config fields
+        raise ValueError("--disk-path needs --disk-capacity, the disk tier's bound (e.g. "
+                         "--disk-capacity 500gb)")
+    if disk_capacity and not disk_path:
+        raise ValueError("--disk-capacity needs --disk-path, the disk tier's directory")
+    if disk_path or disk_capacity:  # StoreConfig says what else is wrong
         raw["disk"] = {k: v for k, v in (("path", disk_path), ("capacity", disk_capacity)) if v}
-    return StoreConfig.from_dict(raw)
+    cfg = StoreConfig.from_dict(raw)
+    if args.action == "serve" and cfg.capacity_bytes < TINY_CAPACITY:
+        print(f"kvcentric store serve: warning: --capacity {args.capacity} is "
+              f"{cfg.capacity_bytes} bytes; a store holds whole blocks, and one 256-token "
+              f"block of an 8B model is 32 MiB: give it a few GiB (sizes take a unit, e.g. "
+              f"--capacity 8gb)", file=sys.stderr)
+    return cfg
 
 
 def _serve(cfg: StoreConfig) -> int:
