@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +19,28 @@ from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
 from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
+from tests.helpers.hermetic import isolate
 from tests.helpers.skip_policy import (  # noqa: F401 (pytest hooks, registered here)
     pytest_make_collect_report,
     pytest_runtest_makereport,
 )
+
+_HOME = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's own environment before any test module imports vLLM: no usage
+    statistics, caches below a temporary directory removed at the end
+    (tests/helpers/hermetic.py); engines and stores the tests start inherit it."""
+    home = Path(tempfile.mkdtemp(prefix="kvc-test-home-"))
+    config.stash[_HOME] = home
+    isolate(os.environ, home)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    home = config.stash.get(_HOME, None)
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
