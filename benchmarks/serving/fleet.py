@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,15 +64,19 @@ def pinned_threads_env() -> dict[str, str]:
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1" if (os.cpu_count() or 1) <= 2 else "0"}
 
 
-def own_cores_env(instances: int) -> tuple[dict[str, str], ...] | None:
-    """Per instance, worker threads bound to cores of its own (an equal share of this
-    machine's cores but the first, which stays for the API servers, the router, the store
-    and the client): separate processors, as engines on separate GPUs are. None when there
-    are not enough cores for that (fewer than ``instances + 1``): vLLM's automatic binding
-    then puts every instance's worker on the same cores and leaves the rest to the host
-    side. Measured on 2 cores: one engine per core starved those processes (TTFT spikes
-    whenever both engines ran), so a router that used one engine looked best."""
-    cpus = sorted(os.sched_getaffinity(0))
+def own_cores_env(instances: int, cpus: Collection[int] | None = None
+                  ) -> tuple[dict[str, str], ...] | None:
+    """Per instance, worker threads bound to cores of its own (an equal share of ``cpus``,
+    default this process's affinity, but the lowest, which stays for the API servers, the
+    router, the store and the client): separate processors, as engines on separate GPUs
+    are. None when there are not enough cores for that (fewer than ``instances + 1``):
+    vLLM's automatic binding then puts every instance's worker on the same cores and
+    leaves the rest to the host side. Measured on 2 cores: one engine per core starved
+    those processes (TTFT spikes whenever both engines ran), so a router that used one
+    engine looked best. ValueError when ``instances`` < 1."""
+    if instances < 1:
+        raise ValueError(f"instances must be >= 1, got {instances}")
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else set(cpus))
     spare = cpus[1:]
     if len(spare) < instances:
         return None

@@ -471,22 +471,38 @@ def test_trace_sampling_keeps_whole_conversations(src: TokenSource, trace_file: 
 
 
 def test_each_instance_gets_cores_of_its_own() -> None:
-    """``--cores separate``: instance i's worker is bound to its own share of this
-    machine's cores (vLLM's automatic binding would give every instance the same)."""
+    """``--cores separate``: instance i's worker is bound to its own share of the
+    machine's cores, none shared, the lowest kept for the host side (vLLM's automatic
+    binding would give every instance the same); too few cores for that gives None. The
+    assignment is a function of the core set, checked on sets of several sizes whatever
+    this machine has, then on this machine's own."""
     import os
 
     from benchmarks.serving.fleet import FleetSpec, own_cores_env
 
-    envs = own_cores_env(2)
-    if len(os.sched_getaffinity(0)) < 3:  # a core for each and one for the rest, or none
-        assert envs is None
-        envs = ({"X": "0"}, {"X": "1"})
-    else:
-        assert envs is not None
-        cores = [set(e["VLLM_CPU_OMP_THREADS_BIND"].split(",")) for e in envs]
-        assert len(envs) == 2 and all(cores) and not cores[0] & cores[1]
-        first = str(min(os.sched_getaffinity(0)))
-        assert all(first not in c for c in cores)  # the host side keeps its core
+    def cores(envs: tuple[dict[str, str], ...]) -> list[list[int]]:
+        return [[int(c) for c in e["VLLM_CPU_OMP_THREADS_BIND"].split(",")] for e in envs]
+
+    assert own_cores_env(2, {0, 1}) is None  # a core each and one for the rest: 3 at least
+    assert own_cores_env(1, {5}) is None
+    assert cores(own_cores_env(2, {0, 1, 2}) or ()) == [[1], [2]]
+    assert cores(own_cores_env(1, {3, 4}) or ()) == [[4]]
+    assert cores(own_cores_env(2, range(8)) or ()) == [[1, 2, 3], [4, 5, 6]]
+    assert cores(own_cores_env(3, [11, 2, 7, 5, 9, 3, 13]) or ()) == [[3, 5], [7, 9],
+                                                                        [11, 13]]
+    for n, cpus in ((2, range(3)), (2, range(64)), (4, range(17)), (3, [8, 1, 30, 4, 2])):
+        envs = own_cores_env(n, cpus)
+        assert envs is not None and len(envs) == n, (n, cpus)
+        got = cores(envs)
+        flat = [c for cs in got for c in cs]
+        assert all(got) and len(flat) == len(set(flat)), got  # each its own, none shared
+        assert min(cpus) not in flat and set(flat) <= set(cpus), got  # the host keeps one
+        assert len({len(cs) for cs in got}) == 1, got  # equal shares
+    with pytest.raises(ValueError, match="instances"):
+        own_cores_env(0, range(4))
+    mine = os.sched_getaffinity(0)
+    assert own_cores_env(2) == own_cores_env(2, mine)  # the default: this machine's
+    envs = own_cores_env(2, range(4)) or ()
     spec = FleetSpec("m", env={"A": "1"}, instance_env=envs)
     assert spec.env_of(1) == {"A": "1", **envs[1]}
     assert FleetSpec("m", env={"A": "1"}).env_of(1) == {"A": "1"}
