@@ -20,7 +20,6 @@ import sys
 from kvcentric.config import StoreConfig, parse_size
 from kvcentric.extras import run_cli
 
-
 # a store capacity under this is warned about: it holds at most one block of an 8B model
 TINY_CAPACITY = 64 << 20
 

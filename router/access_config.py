@@ -19,7 +19,7 @@ from typing import Any
 
 from kvcentric.config import parse_fields
 from kvcentric.router.chat_template import check_allow_list
-from kvcentric.router.instance_spec import NAME_RE
+from kvcentric.router.instance_spec import NAME_FORM, NAME_RE
 
 ENV_API_KEYS = "KVCENTRIC_ROUTER_API_KEYS"
 ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"
@@ -44,7 +44,8 @@ def check_positive(obj: object, *names: str) -> None:
 class AuthConfig:
     """Who may call the router.
 
-    ``api_keys``: ``(key, tenant)`` pairs (YAML: a mapping ``key: tenant``). With any key
+    ``api_keys``: ``(key, tenant)`` pairs (YAML: a mapping ``key: tenant``); every key,
+    these and the admin and metrics keys, has at least :data:`MIN_KEY` characters. With any key
     set, every ``/v1/*`` request needs ``Authorization: Bearer <key>`` (else 401) and runs
     as the key's tenant: its KV is salted with the tenant (an HMAC of the tenant under
     ``salt_secret``), so tenants never share KV and one tenant's users still share theirs.
@@ -65,17 +66,21 @@ class AuthConfig:
 
     def __post_init__(self) -> None:
         for key, tenant in self.api_keys:
-            if not isinstance(key, str) or len(key) < MIN_KEY or not isinstance(tenant, str) \
-                    or not NAME_RE.fullmatch(tenant):
-                raise ValueError(f"auth.api_keys maps keys of >= {MIN_KEY} characters to "
-                                 f"tenant names matching {NAME_RE.pattern}")
+            if not isinstance(tenant, str) or not NAME_RE.fullmatch(tenant):
+                raise ValueError(f"auth.api_keys: tenant {tenant!r} must be {NAME_FORM}")
+            if not isinstance(key, str) or len(key) < MIN_KEY:
+                size = len(key) if isinstance(key, str) else 0
+                raise ValueError(f"auth.api_keys: the key of tenant {tenant!r} has {size} "
+                                 f"characters; a key needs at least {MIN_KEY}")
         tenant_keys = {k for k, _ in self.api_keys}
         if len(tenant_keys) != len(self.api_keys):
             raise ValueError("auth.api_keys has a key twice")
         for name in ("admin_key", "metrics_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or len(value) < MIN_KEY):
-                raise ValueError(f"auth.{name} must be a string of >= {MIN_KEY} characters")
+                size = len(value) if isinstance(value, str) else 0
+                raise ValueError(f"auth.{name} has {size} characters; it needs at least "
+                                 f"{MIN_KEY}")
             if value in tenant_keys:
                 raise ValueError(f"auth.{name} must differ from every tenant key")
         if self.metrics_key is not None and self.metrics_key == self.admin_key:

@@ -30,13 +30,26 @@ def admin_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """Ready when some instance can prefill and some can decode; ``unhealthy`` lists
+        the instances out of rotation with their ``last_error`` (and URL, unless API keys
+        are set: this endpoint is open, and ``/instances`` shows the operator the URLs)."""
         reg = state.conductor.registry
         pre = len(reg.candidates(cfg.model, prefill=True))
         dec = len(reg.candidates(cfg.model, prefill=False))
         ok = pre > 0 and dec > 0
-        return JSONResponse({"status": "ok" if ok else "unavailable", "prefill": pre,
-                             "decode": dec, "instances": len(reg)},
-                            status_code=200 if ok else 503)
+        body: dict[str, object] = {
+            "status": "ok" if ok else "unavailable", "prefill": pre, "decode": dec,
+            "instances": len(reg),
+            "unhealthy": [{"name": i.name, "role": i.spec.role,
+                           **({} if cfg.auth.enabled else {"url": i.spec.url}),
+                           "last_error": i.down_reason}
+                          for i in reg if not i.healthy]}
+        if not ok:
+            body["reason"] = (f"no healthy instance that can "
+                              f"{'prefill' if not pre else 'decode'}: "
+                              + reg.why_none(cfg.model, prefill=not pre,
+                                             hide_urls=cfg.auth.enabled))
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

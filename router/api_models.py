@@ -41,6 +41,7 @@ default is the whole context).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -54,7 +55,7 @@ from pydantic import (
 )
 
 from kvcentric.router.errors import Refused
-from kvcentric.router.limits import CONTEXT_EXCEEDED, Bounds
+from kvcentric.router.limits import CONTEXT_EXCEEDED, Bounds, too_long
 
 MAX_MESSAGES = 4096  # a long agent loop's history
 INT64 = 2**63
@@ -275,14 +276,93 @@ def normalize(body: dict[str, Any], b: Bounds) -> None:
         body["min_tokens"] = cap
 
 
-def validate(model: type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
+# pydantic error types saying "not this branch's type": in a union (text or token ids, a
+# value or null) the branch the value was meant for has the error worth reporting
+_WRONG_TYPE = frozenset({"string_type", "list_type", "int_type", "float_type", "bool_type",
+                         "none_required", "model_type", "dict_type", "model_attributes_type",
+                         "int_from_float", "union_tag_invalid"})
+# what a pattern-checked field accepts, in words (an error never shows the regex)
+_PATTERN_WORDS = {"cache_salt": "must not contain '@', '/', '\\' or a NUL character"}
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def _where(loc: tuple[Any, ...]) -> tuple[str, ...]:
+    """An error's location as the body names it: union branch tags (``constrained-str``,
+    ``list[...]``, ``int``, a message's role) dropped, list indexes kept."""
+    out: list[str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out.append(str(part))
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "list",
+                                                  "none") and not (
+                part in _ROLES and i >= 2 and loc[i - 2] == "messages"):
+            out.append(part)
+    return tuple(out)
+
+
+def _size(value: Any) -> str:
+    """What was sent, briefly: a text's or a list's length, else the value itself."""
+    if isinstance(value, str):
+        return f"{len(value)} characters"
+    if isinstance(value, list):
+        return f"{len(value)} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} fields"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _limit(err: Any) -> Any:
+    ctx = err.get("ctx") or {}
+    return next((ctx[k] for k in ("max_length", "le", "lt", "ge", "gt", "min_length")
+                 if k in ctx), None)
+
+
+def validate(model: type[BaseModel], body: dict[str, Any], b: Bounds | None = None,
+             context: int | None = None) -> dict[str, Any]:
     """``body`` checked against ``model`` and as the engine should get it (integral floats
-    as ints); :class:`Refused` (400) naming the first bad field."""
+    as ints); :class:`Refused` (400) naming the first bad field, its limit and the size of
+    what was sent (never a pattern). With the bounds ``b`` and the ``context`` the request
+    is held to, a prompt (or message) past the schema's length bounds is
+    ``context_length_exceeded``, as one past the token count is after tokenising, and a
+    token id past the vocabulary says ``invalid token id``."""
     try:
         # strict: "8" is not an integer, true is not 1
         return model.model_validate(body, strict=True).model_dump(exclude_unset=True,
                                                                   by_alias=True)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        raise Refused(400, f"{where}: {err['msg']} ({exc.error_count()} problem(s))") from exc
+        errors = exc.errors()
+        first = _where(errors[0]["loc"])[:1]
+        mine = [e for e in errors if _where(e["loc"])[:1] == first]
+        err = next((e for e in mine if e["type"] not in _WRONG_TYPE), mine[0])
+        path = _where(err["loc"])
+        fields = len({_where(e["loc"])[:1] for e in errors})
+        raise _refusal(err, path, b, context, fields) from exc
+
+
+def _refusal(err: Any, path: tuple[str, ...], b: Bounds | None, context: int | None,
+             fields: int) -> Refused:
+    """The refusal of ``err`` at ``path`` (``fields``: how many fields failed)."""
+    where = ".".join(path) or "body"
+    value, kind = err.get("input"), err["type"]
+    text_field = bool(path) and (path[0] == "prompt" or path[0] == "messages"
+                                 and path[-1] in ("content", "text"))
+    if b is not None and kind in ("too_long", "string_too_long") and text_field:
+        ctx = context or b.max_model_len
+        if isinstance(value, list) and path == ("prompt",):
+            b.check_tokens(len(value), ctx)  # raises context_length_exceeded
+        elif isinstance(value, str):
+            return too_long(ctx, f"(field {where}) contains {len(value)} characters (more "
+                                 f"than {_limit(err)}, the most one text may have)")
+    if kind in ("less_than", "less_than_equal") and b is not None and len(path) >= 2 \
+            and path[0] in ("prompt", "stop_token_ids") and path[-1].isdigit() \
+            and isinstance(value, int):
+        return Refused(400, f"{where}: invalid token id {value}: the vocabulary has ids 0 "
+                            f"to {b.vocab_size - 1}")
+    if kind == "string_pattern_mismatch":
+        msg = _PATTERN_WORDS.get(path[-1] if path else "", "has characters not accepted here")
+    else:
+        msg = err["msg"]
+    got = "" if kind in ("missing", "extra_forbidden") else f"; got {_size(value)}"
+    more = f" (and {fields - 1} more field(s))" if fields > 1 else ""
+    return Refused(400, f"{where}: {msg}{got}{more}")

@@ -235,7 +235,8 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     store holds only on its disk tier; ``affinity``: breaks ties on separate processors by
     rendezvous rank (see the module docstring)."""
     if not prefill:
-        return Rejection("no_instance", 1, math.inf, math.inf, "no healthy prefill instance")
+        return Rejection("no_instance", 1, math.inf, math.inf,
+                         "no healthy instance that can prefill")
     tbt_slo = slo.tbt_ms / 1000.0
     costs = [prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
                           global_tail, disk_only) for p in prefill]

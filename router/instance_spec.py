@@ -38,12 +38,33 @@ PATTERNS = {
 }
 
 
+NAME_FORM = "1 to 64 letters, digits, '_', '.', ':' or '-'"
+_EVENTS_FORM = ("tcp://HOST:PORT (the router binds), tcp://*:PORT (the engine binds), "
+                "ipc:///path or inproc://name")
+# What each field must look like, in words: an error names the field and this, never the
+# pattern (a regex dump tells a user nothing about what to write).
+FORMS = {
+    "url": "http://HOST[:PORT] or https://HOST[:PORT], no path (e.g. http://127.0.0.1:8100)",
+    "name": NAME_FORM,
+    "model": "1 to 256 printable ASCII characters without spaces",
+    "kv_events": _EVENTS_FORM,
+    "kv_events_replay": _EVENTS_FORM,
+    "compute": NAME_FORM,
+}
+
+
 def _check(field: str, value: Any, nullable: bool = True) -> None:
-    """``ValueError`` unless ``value`` is a string matching ``PATTERNS[field]`` (or None)."""
+    """``ValueError`` unless ``value`` is a string matching ``PATTERNS[field]`` (or None);
+    the message names the field and its expected form (:data:`FORMS`)."""
     if value is None and nullable:
         return
     if not isinstance(value, str) or not re.search(PATTERNS[field], value):
-        raise ValueError(f"instance {field} {value!r} must match {PATTERNS[field]}")
+        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:60]}... " \
+            f"({len(value) if isinstance(value, str) else len(repr(value))} characters)"
+        hint = ""
+        if field == "url" and isinstance(value, str) and "://" not in value:
+            hint = f"; did you mean http://{value}?"
+        raise ValueError(f"instance {field} {shown} must be {FORMS[field]}{hint}")
 
 
 @dataclass(frozen=True)

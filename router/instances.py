@@ -37,7 +37,11 @@ class Instance:
     spec: InstanceSpec
     slot: int
     healthy: bool = True  # in rotation (the app adds instances out of it: see Registry.add)
-    failures: int = 0
+    failures: int = 0  # failed checks (or calls) in a row
+    checked: bool = False  # a health check has answered either way
+    # why the latest check (or call) failed, None once one passes: /instances, /health, 503s
+    last_error: str | None = None
+    failure_logged_at: float = float("-inf")  # monotonic time of the last failure logged
     max_model_len: int | None = None  # the engine's context, from its /v1/models
     stats: EngineStats = field(default_factory=EngineStats)
     metrics_at: float = float("-inf")  # monotonic time ``stats`` was last read
@@ -118,19 +122,38 @@ class Instance:
             "kv_event_pages": len(self.translator) if self.translator else 0,
             "correction": round(self.correction, 3),
             "max_model_len": self.max_model_len,
+            "failures": self.failures, "last_error": self.last_error,
         }
+
+    def why_not(self, model: str, *, prefill: bool) -> str | None:
+        """Why this instance cannot take ``model``'s prefill (or decode) now, in words, or
+        None when it can."""
+        if self.spec.model is not None and self.spec.model != model:
+            return f"serves model {self.spec.model!r}"
+        if not (self.spec.can_prefill if prefill else self.spec.can_decode):
+            return f"role {self.spec.role} does not {'prefill' if prefill else 'decode'}"
+        return None if self.healthy else self.down_reason
+
+    @property
+    def down_reason(self) -> str:
+        """Why this instance is out of rotation: its last error, or that no check passed."""
+        if self.last_error is not None:
+            return self.last_error
+        return "no health check passed yet" if self.checked else "not checked yet"
 
 
 class Registry:
     """Instances by name, each with a slot in the prefix index."""
 
     def __init__(self, index: PrefixIndex, default_blocks: int,
-                 sharing: str = "serial") -> None:
+                 sharing: str = "serial", log_interval_s: float = 60.0) -> None:
         """``sharing``: how instances on one ``compute`` share it (``serial`` or ``fair``,
-        :mod:`kvcentric.router.processor`)."""
+        :mod:`kvcentric.router.processor`); ``log_interval_s``: a failing instance's
+        failures are logged on the first and then at most this often."""
         self.index = index
         self.default_blocks = default_blocks
         self.sharing = sharing
+        self.log_interval_s = log_interval_s
         self._by_name: dict[str, Instance] = {}
 
     def __iter__(self) -> Iterator[Instance]:
@@ -174,18 +197,47 @@ class Registry:
                 if i.healthy and (i.spec.model or model) == model
                 and (i.spec.can_prefill if prefill else i.spec.can_decode)]
 
-    def mark_failed(self, inst: Instance, threshold: int, reason: str) -> None:
+    def why_none(self, model: str, *, prefill: bool, hide_urls: bool = False) -> str:
+        """Why no instance can take ``model``'s prefill (or decode): one clause per
+        instance (name, URL unless ``hide_urls``, role, reason)."""
+        if not self._by_name:
+            return "no instances are configured (add them under instances: or POST /instances)"
+        parts = []
+        for i in self._by_name.values():
+            where = i.name if hide_urls else f"{i.name} ({i.spec.url})"
+            parts.append(f"{where}, role {i.spec.role}: "
+                         f"{i.why_not(model, prefill=prefill) or 'excluded for this request'}")
+        return "; ".join(parts)
+
+    def mark_failed(self, inst: Instance, threshold: int, reason: str,
+                    now: float | None = None) -> None:
+        """Count one failed check (or call) of ``inst``: logged on the first of a run of
+        failures and then at most every ``log_interval_s`` (URL and reason), and out of
+        rotation from the ``threshold``-th."""
+        now = time.monotonic() if now is None else now
         inst.failures += 1
+        inst.checked = True
+        inst.last_error = reason
         if inst.healthy and inst.failures >= threshold:
             inst.healthy = False
-            log.warning("instance %s out of rotation: %s", inst.name, reason)
+            inst.failure_logged_at = now
+            log.warning("instance %s (%s) out of rotation: %s", inst.name, inst.spec.url,
+                        reason)
+        elif inst.failures == 1 or now - inst.failure_logged_at >= self.log_interval_s:
+            inst.failure_logged_at = now
+            log.warning("instance %s (%s) failing (%d in a row, %s): %s", inst.name,
+                        inst.spec.url, inst.failures,
+                        "in rotation" if inst.healthy else "out of rotation", reason)
 
     def mark_ok(self, inst: Instance) -> None:
         if not inst.healthy:
-            log.info("instance %s in rotation", inst.name)
+            log.info("instance %s (%s) in rotation", inst.name, inst.spec.url)
             inst.metrics_at = float("-inf")  # a (re)started engine: read its gauges now
             inst.max_model_len = None  # and its context
         inst.failures = 0
+        inst.checked = True
+        inst.last_error = None
+        inst.failure_logged_at = float("-inf")
         inst.healthy = True
 
 
@@ -199,9 +251,9 @@ async def check(inst: Instance, registry: Registry, client: Upstreams | httpx.As
     try:
         r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
         ok = r.status_code == 200
-        reason = f"/health answered {r.status_code}"
+        reason = f"GET /health answered {r.status_code}"
     except httpx.HTTPError as exc:
-        ok, reason = False, f"/health failed: {exc!r}"
+        ok, reason = False, f"GET /health failed: {transport_reason(exc)}"
     if not ok:
         registry.mark_failed(inst, threshold, reason)
         return
@@ -232,6 +284,13 @@ async def _context(inst: Instance, client: Upstreams | httpx.AsyncClient, timeou
     lens = [m.get("max_model_len") for m in data or [] if isinstance(m, dict)]
     found = [n for n in lens if isinstance(n, int) and not isinstance(n, bool) and n > 1]
     return min(found) if found else None
+
+
+def transport_reason(exc: BaseException) -> str:
+    """An HTTP client error in words: its message, else its kind (a timeout's is empty)."""
+    text = str(exc).strip()
+    kind = type(exc).__name__
+    return f"{kind}: {text}" if text else kind
 
 
 def fit_capacity(inst: Instance, index: PrefixIndex, block_size: int) -> None:

@@ -96,14 +96,14 @@ class Bounds:
         """Refuse a rendered prompt of ``chars`` characters before tokenising it."""
         most = min(self.max_prompt_chars, self.prompt_tokens(context) * self.chars_per_token)
         if chars > most:
-            raise _too_long(context, f"contains {chars} characters (more than {most}, the "
+            raise too_long(context, f"contains {chars} characters (more than {most}, the "
                             f"most {self.prompt_tokens(context)} tokens can span)")
 
     def check_tokens(self, tokens: int, context: int) -> None:
         """Refuse a prompt of ``tokens`` tokens: it must leave room for one more."""
         most = self.prompt_tokens(context)
         if tokens > most:
-            raise _too_long(context, f"contains {tokens} input tokens; at most {most} are "
+            raise too_long(context, f"contains {tokens} input tokens; at most {most} are "
                             "accepted (the context less one for the answer)")
 
     def prompt_tokens(self, context: int) -> int:
@@ -121,7 +121,9 @@ class Bounds:
             body["min_tokens"] = left
 
 
-def _too_long(context: int, what: str) -> Refused:
+def too_long(context: int, what: str) -> Refused:
+    """The ``context_length_exceeded`` refusal (vLLM's message) of a prompt that ``what``
+    (e.g. "contains 9000 input tokens; at most 8191 are accepted")."""
     return Refused(400, f"This model's maximum context length is {context} tokens. However, "
                    f"your prompt {what}. Please reduce the length of the prompt.",
                    code=CONTEXT_EXCEEDED)

@@ -105,9 +105,10 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         if model != cfg.model:
             raise Refused(404, f"model {model!r} does not exist; this router serves "
                           f"{cfg.model!r}")
-        body = api_models.validate(state.chat_model if chat else state.completion_model, body)
-        api_models.normalize(body, bounds)
         context = state.context()
+        body = api_models.validate(state.chat_model if chat else state.completion_model, body,
+                                   bounds, context)
+        api_models.normalize(body, bounds)
         tokens = await asyncio.to_thread(_prompt_tokens, body, chat, context)
         bounds.fit_budget(body, len(tokens), context)
         return body, tokens

@@ -48,6 +48,20 @@ class Profiler:
         self.rnd = random.Random(seed)
         self.client = httpx.Client(timeout=timeout_s)
 
+    def models(self) -> list[str]:
+        """The model names ``/v1/models`` lists; ``ValueError`` naming the URL when the
+        engine cannot be reached or answers something else."""
+        try:
+            r = self.client.get(self.url + "/v1/models", timeout=10.0)
+            r.raise_for_status()
+            return [str(m.get("id")) for m in r.json().get("data") or []
+                    if isinstance(m, dict)]
+        except httpx.HTTPError as exc:
+            raise ValueError(f"cannot reach the engine at {self.url}: {_why(exc)}") from exc
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"{self.url}/v1/models is not an OpenAI model list: "
+                             f"{exc}") from exc
+
     def fresh(self, n: int) -> list[int]:
         return [self.rnd.randrange(10, self.vocab) for _ in range(n)]
 
@@ -132,19 +146,35 @@ def disk_bandwidth(path: Path, nbytes: int, reps: int = 3) -> float | None:
     return cold.bandwidth_bps
 
 
+def _why(exc: httpx.HTTPError) -> str:
+    """``exc`` in words: the status of an HTTP error answer, else the transport's reason."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"{exc.request.method} {exc.request.url.path} answered " \
+               f"{exc.response.status_code}: {exc.response.text[:200]}"
+    return str(exc) or type(exc).__name__
+
+
 def run_profile(url: str, model: str, *, lengths: Sequence[int], hits: Sequence[float],
                 repeats: int = 2, page: int = 128, kv_bytes_per_token: int | None = None,
                 block_size: int = 256, store_n: int = 0, disk_path: Path | None = None,
                 disk_probe_bytes: int = 256 << 20) -> Profile:
     """Measure ``url`` (and the disk tier at ``disk_path``) and return the fitted profile
-    (see the module docstring)."""
+    (see the module docstring). ``ValueError`` naming ``url`` when it is no engine URL,
+    cannot be reached, does not serve ``model``, or fails while measured."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url {url!r} must be an engine's http://HOST:PORT")
     prof = Profiler(url, model, page=page)
     try:
+        served = prof.models()
+        if model not in served:
+            raise ValueError(f"the engine at {url} serves {served}, not {model!r} (--model)")
         points = prof.prefill_points(lengths, hits, repeats)
         tbt_base, tbt_slope = prof.tbt()
         bw = None
         if store_n and kv_bytes_per_token:
             bw = prof.store_bandwidth(store_n, kv_bytes_per_token, block_size, repeats)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"profiling the engine at {url} failed: {_why(exc)}") from exc
     finally:
         prof.close()
     disk = disk_bandwidth(disk_path, disk_probe_bytes, repeats) if disk_path else None

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,7 +45,7 @@ class Conductor:
         self.cfg = cfg
         self.index = PrefixIndex()
         self.registry = Registry(self.index, cfg.cache.blocks_per_instance,
-                                 cfg.cost.shared_compute)
+                                 cfg.cost.shared_compute, cfg.health.log_interval_s)
         self.store = store
         self.heat = PrefixHeat(cfg.cache.heat_half_life_s)
         self.profile = profile
@@ -120,6 +121,11 @@ class Conductor:
         now = self.clock()
         result = choose(pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
                         global_tail, disk_only, affinity=hashes[0] if hashes else b"")
+        if isinstance(result, Rejection) and result.reason == "no_instance":
+            # the client's 503 says why, per instance (URLs only where no API keys are
+            # set: keyed clients are tenants, not operators; /instances has them)
+            why = self.registry.why_none(model, prefill=True, hide_urls=self.cfg.auth.enabled)
+            result = replace(result, message=f"{result.message}: {why}")
         if log.isEnabledFor(logging.DEBUG):
             self._log(result, n_tokens, len(hashes), global_run)
         return result
