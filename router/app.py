@@ -82,6 +82,8 @@ class RouterState:
     def context(self) -> int:
         """The context requests are held to now: the smallest the healthy engines report
         (``/v1/models``), at most the configured one."""
+    # (instance, page size) pairs already warned about a pinned keys.block_size
+    block_size_warned: set[tuple[str, int]] = field(default_factory=set)
         return self.bounds.context(i.max_model_len for i in self.conductor.registry
                                    if i.healthy and i.max_model_len)
 
@@ -169,10 +171,37 @@ class RouterState:
             for i in c.registry:
                 inst_mod.fit_capacity(i, c.index, c.block_size)
 
+        elif self.cfg.keys.block_size is not None:
+            self._check_block_size(self.cfg.keys.block_size)
     async def health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health.interval_s)
             await self.check_all()
+    def _check_block_size(self, pinned: int) -> None:
+        """Warn, once per instance, when the pinned ``keys.block_size`` cannot be what an
+        instance stores: not a multiple of its page (no connector can store such blocks),
+        or not the connector's default for its page (right only if the engine's connector
+        sets that ``block_size`` itself, which its ``/metrics`` do not show). Either way
+        the router's store lookups name blocks nobody stored and never match."""
+        for i in self.conductor.registry:
+            page = i.stats.page_size
+            if not page or (i.name, page) in self.block_size_warned:
+                continue
+            default = stored_block_size(page)
+            if pinned % page:
+                why = (f"is not a multiple of the engine's page of {page} tokens: no "
+                       "connector stores such blocks")
+            elif pinned != default:
+                why = (f"differs from the {default}-token blocks the connector stores by "
+                       f"default for the engine's page of {page} tokens (right only if its "
+                       f"kv_connector_extra_config sets block_size: {pinned})")
+            else:
+                continue
+            self.block_size_warned.add((i.name, page))
+            log.warning("keys.block_size %d %s: instance %s (%s); store lookups match only "
+                        "blocks of the size the engines store (keys.block_size: null takes "
+                        "the connector's default)", pinned, why, i.name, i.spec.url)
+
 
 
 def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,

@@ -150,15 +150,19 @@ class HealthConfig:
     instance leaves rotation after ``unhealthy_after`` failed checks), ``/metrics`` at most
     every ``metrics_interval_s`` (its gauges only correct the router's own in-flight
     bookkeeping, and rendering the ~60 KB page costs the engine's API process CPU it
-    shares with decode; read at once when an instance joins or comes back)."""
+    shares with decode; read at once when an instance joins or comes back).
+    ``log_interval_s``: a failing instance is logged (URL and reason) at its first failed
+    check and then at most this often while it keeps failing."""
 
     interval_s: float = 1.0
     metrics_interval_s: float = 5.0
     timeout_s: float = 2.0
     unhealthy_after: int = 2
 
+    log_interval_s: float = 60.0
     def __post_init__(self) -> None:
-        _positive(self, "interval_s", "metrics_interval_s", "timeout_s", "unhealthy_after")
+        _positive(self, "interval_s", "metrics_interval_s", "timeout_s", "unhealthy_after",
+                  "log_interval_s")
 
 
 @dataclass(frozen=True)
