@@ -210,10 +210,16 @@ def test_a_full_tmpfs_refuses_to_start_with_a_clear_message(tmp_path: Path) -> N
         msg = str(exc.value)
         assert f"cannot reserve {capacity} B" in msg and str(cfg.runtime_dir) in msg
         assert "free of" in msg and "No space left on device" in msg
+        # what to do: the filler holds the room; an arena larger than all of /dev/shm
+        assert (("other files hold 16 MiB" in msg and "remove them" in msg) if mounted
+                else "the file system is smaller than the arena" in msg), msg
         assert not launcher.is_running(cfg) and not ownership.generation_files(cfg, "arena")
         late = open_store(cfg, required=False)  # an engine starts without its store
         assert late.batch_exists(["a"]) == 0 and put(late, ["a"]) == [ERR_UNAVAILABLE]
         late.close()
+        if not mounted:  # the claim's second half needs a tmpfs of our own to free
+            pytest.skip("refusal checked on /dev/shm; the start once there is room needs "
+                        "a tmpfs mount (root)")
         if mounted:
             (shm / "filler").unlink()
             with open_store(cfg) as store:
@@ -230,6 +236,32 @@ def test_a_full_tmpfs_refuses_to_start_with_a_clear_message(tmp_path: Path) -> N
             subprocess.run(["umount", str(shm)], check=True)
         else:
             shutil.rmtree(Path("/dev/shm") / shm.name, ignore_errors=True)
+
+
+def test_an_arena_larger_than_its_tmpfs_says_what_to_do(tmp_path: Path) -> None:
+    """The start-up check on a /dev/shm smaller than the configured arena (a container's
+    64 MiB default, say): the coordinator refuses at once, and the message names the
+    arena's path, its size, the file system's, and what to do (shrink the store below
+    the file system's size, or enlarge it: --shm-size, a Memory emptyDir, another
+    runtime_dir)."""
+    shm = tmp_path / "shm"
+    if not _mount_tmpfs(shm, "8m"):
+        pytest.skip("cannot mount a tmpfs here")
+    cfg = StoreConfig(name=f"big{uuid.uuid4().hex[:6]}", capacity_bytes=16 << 20,
+                      runtime_dir=shm, prefault=False)
+    try:
+        with pytest.raises(StoreUnavailable) as exc:
+            open_store(cfg)
+        msg = str(exc.value)
+        assert f"cannot reserve {16 << 20} B (16 MiB) for the store's arena at {shm}/" in msg
+        assert f"free of {8 << 20} B on {shm}" in msg, msg
+        assert "the file system is smaller than the arena: lower the store capacity " \
+               "below 8 MiB or enlarge it" in msg, msg
+        assert "--shm-size" in msg and "medium: Memory" in msg and "runtime_dir" in msg
+        assert not launcher.is_running(cfg) and not ownership.generation_files(cfg, "arena")
+    finally:
+        wait_until(lambda: not coordinators(cfg), 10)
+        subprocess.run(["umount", str(shm)], check=True)
 
 
 def test_a_restart_fits_a_tmpfs_sized_for_one_arena(tmp_path: Path) -> None:

@@ -184,9 +184,9 @@ def reserve(path: Path, size: int, what: str, gid: int | None = None) -> None:
     ``StartRefused`` naming the path, the size and the file system's free space when it
     cannot be (the file is removed then)."""
     def refused(why: str) -> StartRefused:
-        return StartRefused(f"cannot reserve {size} B for the store's {what} at {path}: "
-                            f"{why} ({_space(path.parent)}); lower the store capacity or "
-                            "give that file system more room")
+        return StartRefused(f"cannot reserve {size} B ({_mib(size)}) for the store's {what} "
+                            f"at {path}: {why} ({_space(path.parent)}); "
+                            f"{_advice(path.parent, size, what)}")
 
     with contextlib.suppress(OSError):  # plainly too big: say so without allocating it
         st = os.statvfs(path.parent)
@@ -205,6 +205,32 @@ def reserve(path: Path, size: int, what: str, gid: int | None = None) -> None:
             path.unlink()
         raise refused(exc.strerror or str(exc)) from exc
     os.close(fd)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.1f} GiB"
+
+
+def _advice(directory: Path, size: int, what: str) -> str:
+    """What to do when ``size`` bytes do not fit ``directory``'s file system: it is
+    smaller than the file (shrink the store or enlarge the file system), or other files
+    hold the room (find them: a killed run's arena is one)."""
+    grow = ("a container's /dev/shm: docker run --shm-size, Kubernetes: an emptyDir with "
+            "medium: Memory mounted at /dev/shm; or put the store's runtime_dir, "
+            "KVCENTRIC_RUNTIME_DIR, on a larger tmpfs")
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return f"lower the store capacity or give that file system more room ({grow})"
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    if size > total:
+        return (f"the file system is smaller than the {what}: lower the store capacity "
+                f"below {_mib(total)} or enlarge it ({grow})")
+    return (f"other files hold {_mib(total - free)} of it (see `du -sh {directory}/* "
+            f"{directory.parent}/*`; an arena left by a killed coordinator is a "
+            f"NAME.arena.GENERATION file whose store has no live coordinator): remove "
+            f"them, lower the store capacity below {_mib(free)}, or give it more room "
+            f"({grow})")
 
 
 def _space(directory: Path) -> str:
