@@ -8,9 +8,7 @@ runs the health/metrics poll loop, and stops them on shutdown.
 Endpoints: the OpenAI front (:mod:`kvcentric.router.openai_routes`: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``), the operator's
 (:mod:`kvcentric.router.admin_routes`: ``GET /health``, ``GET /metrics``, ``GET/POST
-/instances``, ``DELETE /instances/{name}``), Mooncake's Conductor indexer API
-(:mod:`kvcentric.router.indexer_routes`: ``POST /register``, ``/unregister``, ``/query``,
-``/query_by_hash``, ``GET /services``, ``/global_view``), ``GET /dashboard``
+/instances``, ``DELETE /instances/{name}``), ``GET /dashboard``
 (:mod:`kvcentric.router.dashboard`) and ``GET /openapi.json``
 (:mod:`kvcentric.router.openapi`).
 """
@@ -38,7 +36,6 @@ from kvcentric.router.auth import CLIENT_SALT_MAX, SALT_MAX, Authenticator
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile, kv_bytes_per_token
 from kvcentric.router.dashboard import dashboard_routes
-from kvcentric.router.indexer_routes import StandardIndexer, indexer_routes
 from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
@@ -75,19 +72,18 @@ class RouterState:
     bounds: limits.Bounds
     completion_model: type[BaseModel]
     chat_model: type[BaseModel]
-    indexer: StandardIndexer
     transport: httpx.AsyncBaseTransport | None = None
     proxy: Proxy | None = None
     replicator: Replicator | None = None
     client: Upstreams | None = None
     zmq_ctx: zmq.asyncio.Context | None = None
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # (instance, page size) pairs already warned about a pinned keys.block_size
+    block_size_warned: set[tuple[str, int]] = field(default_factory=set)
 
     def context(self) -> int:
         """The context requests are held to now: the smallest the healthy engines report
         (``/v1/models``), at most the configured one."""
-    # (instance, page size) pairs already warned about a pinned keys.block_size
-    block_size_warned: set[tuple[str, int]] = field(default_factory=set)
         return self.bounds.context(i.max_model_len for i in self.conductor.registry
                                    if i.healthy and i.max_model_len)
 
@@ -171,16 +167,12 @@ class RouterState:
             page = next((i.stats.page_size for i in c.registry if i.stats.page_size), None)
             if page:  # the connector's own default for this page size
                 c.set_block_size(stored_block_size(page))
+        elif self.cfg.keys.block_size is not None:
+            self._check_block_size(self.cfg.keys.block_size)
         if c.block_size is not None:
             for i in c.registry:
                 inst_mod.fit_capacity(i, c.index, c.block_size)
 
-        elif self.cfg.keys.block_size is not None:
-            self._check_block_size(self.cfg.keys.block_size)
-    async def health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.health.interval_s)
-            await self.check_all()
     def _check_block_size(self, pinned: int) -> None:
         """Warn, once per instance, when the pinned ``keys.block_size`` cannot be what an
         instance stores: not a multiple of its page (no connector can store such blocks),
@@ -206,6 +198,10 @@ class RouterState:
                         "blocks of the size the engines store (keys.block_size: null takes "
                         "the connector's default)", pinned, why, i.name, i.spec.url)
 
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health.interval_s)
+            await self.check_all()
 
 
 def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
@@ -233,8 +229,7 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
     return RouterState(cfg, conductor, tokenizer, RouterMetrics(conductor),
                        Authenticator(cfg.auth), limits.InFlight(cfg.limits), bounds,
                        api_models.completion_model(cfg.model, bounds),
-                       api_models.chat_model(cfg.model, bounds),
-                       StandardIndexer(cfg.indexer), transport)
+                       api_models.chat_model(cfg.model, bounds), transport)
 
 
 def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
@@ -281,7 +276,6 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
             for inst in state.conductor.registry:  # a listener whose task was cancelled
                 if inst.listener is not None:      # before its first step never closed
                     inst.listener.close()          # its socket, and term() would wait on it
-            state.indexer.close()
             state.zmq_ctx.term()
             state.conductor.store.close()
 
@@ -292,7 +286,6 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
     openai_routes(app, state)
     admin_routes(app, state)
     dashboard_routes(app, state)
-    indexer_routes(app, state)
     return app
 
 
