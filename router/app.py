@@ -8,7 +8,9 @@ runs the health/metrics poll loop, and stops them on shutdown.
 Endpoints: the OpenAI front (:mod:`kvcentric.router.openai_routes`: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``), the operator's
 (:mod:`kvcentric.router.admin_routes`: ``GET /health``, ``GET /metrics``, ``GET/POST
-/instances``, ``DELETE /instances/{name}``), ``GET /dashboard``
+/instances``, ``DELETE /instances/{name}``), Mooncake's Conductor indexer API
+(:mod:`kvcentric.router.indexer_routes`: ``POST /register``, ``/unregister``, ``/query``,
+``/query_by_hash``, ``GET /services``, ``/global_view``), ``GET /dashboard``
 (:mod:`kvcentric.router.dashboard`) and ``GET /openapi.json``
 (:mod:`kvcentric.router.openapi`).
 """
@@ -36,6 +38,7 @@ from kvcentric.router.auth import CLIENT_SALT_MAX, SALT_MAX, Authenticator
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile, kv_bytes_per_token
 from kvcentric.router.dashboard import dashboard_routes
+from kvcentric.router.indexer_routes import StandardIndexer, indexer_routes
 from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
@@ -72,6 +75,7 @@ class RouterState:
     bounds: limits.Bounds
     completion_model: type[BaseModel]
     chat_model: type[BaseModel]
+    indexer: StandardIndexer
     transport: httpx.AsyncBaseTransport | None = None
     proxy: Proxy | None = None
     replicator: Replicator | None = None
@@ -229,7 +233,8 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
     return RouterState(cfg, conductor, tokenizer, RouterMetrics(conductor),
                        Authenticator(cfg.auth), limits.InFlight(cfg.limits), bounds,
                        api_models.completion_model(cfg.model, bounds),
-                       api_models.chat_model(cfg.model, bounds), transport)
+                       api_models.chat_model(cfg.model, bounds),
+                       StandardIndexer(cfg.indexer), transport)
 
 
 def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
@@ -276,6 +281,7 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
             for inst in state.conductor.registry:  # a listener whose task was cancelled
                 if inst.listener is not None:      # before its first step never closed
                     inst.listener.close()          # its socket, and term() would wait on it
+            state.indexer.close()
             state.zmq_ctx.term()
             state.conductor.store.close()
 
@@ -286,6 +292,7 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
     openai_routes(app, state)
     admin_routes(app, state)
     dashboard_routes(app, state)
+    indexer_routes(app, state)
     return app
 
 

@@ -41,6 +41,7 @@ from kvcentric.router.access_config import AuthConfig, LimitsConfig
 from kvcentric.router.access_config import check_positive as _positive
 from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.processor import SHARING
+from kvcentric.seq_hash import check_seed
 
 __all__ = ["AuthConfig", "LimitsConfig", "RouterConfig", "load_config"]
 ENV_UPSTREAM_KEY = "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"
@@ -292,6 +293,24 @@ class PeersConfig:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """Mooncake's Conductor indexer API on the router (:mod:`kvcentric.router.indexer_routes`,
+    docs/router.md §Indexer API): ``seed`` of the standard XXH3-64 sequence hashes
+    (:mod:`kvcentric.seq_hash`; publishers and queriers must use the same),
+    ``max_publishers`` registered at once, ``max_blocks_per_publisher`` remembered per
+    publisher (its oldest forgotten first), ``max_query_blocks`` per query."""
+
+    seed: int = 0
+    max_publishers: int = 1024
+    max_blocks_per_publisher: int = 1 << 20
+    max_query_blocks: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed)
+        _positive(self, "max_publishers", "max_blocks_per_publisher", "max_query_blocks")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model: str
     tokenizer: str
@@ -309,6 +328,7 @@ class RouterConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    indexer: IndexerConfig = field(default_factory=IndexerConfig)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -343,7 +363,7 @@ class RouterConfig:
                            ("cost", CostConfig), ("health", HealthConfig),
                            ("upstream", UpstreamConfig), ("cache", CacheConfig),
                            ("replication", ReplicationConfig), ("peers", PeersConfig),
-                           ("memory", MemoryConfig)):
+                           ("memory", MemoryConfig), ("indexer", IndexerConfig)):
             raw[name] = _section(cls_, name, raw.get(name))
         insts = raw.get("instances") or []
         if not isinstance(insts, list):
