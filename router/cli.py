@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli("kvcentric-router", _main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvcentric-router`` parser (its subcommands: ``init``, ``serve``, ``profile``)."""
     ap = argparse.ArgumentParser(prog="kvcentric-router")
     sub = ap.add_subparsers(dest="cmd", required=True)
     i = sub.add_parser("init", help="write a minimal, commented router config",
@@ -205,7 +206,11 @@ def _main(argv: list[str] | None) -> int:
                         "bandwidth (the cost of disk-only blocks)")
     p.add_argument("--disk-probe-mib", type=int, default=256,
                    help="size of the disk probe's scratch file (MiB)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd == "init":
         return _init(args)
     import httpx
