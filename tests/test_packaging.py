@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import venv
@@ -136,3 +137,46 @@ def test_engine_version_check(caplog: pytest.LogCaptureFixture) -> None:
     check_engine("vLLM", "0.99.0", tested, [], kvcentric.compat.MIN_VLLM, checked)
     assert "vLLM 0.99.0 is untested" in caplog.text
     assert kvcentric.compat.release("0.32.0rc1.dev5+cpu") == (0, 32, 0)
+
+
+# versions on each side of every boundary of the policy (kvcentric.compat's docstring)
+POLICY_CASES = {"0.29.9": "too old", "0.30.0": "tested", "0.30.1": "checked",
+                "0.31.1": "checked", "0.32.0+cpu": "tested", "0.32.3": "checked",
+                "0.33.0": "checked", "0.33.1": "checked", "0.33.9": "checked",
+                "0.34.0": "untested", "1.0.0": "untested"}
+
+
+def test_readme_gate_and_doctor_agree_on_the_supported_versions(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One rule: patch releases of a tested or API-checked minor are checked. The README's
+    "Supported" range, the connector's start-up gate and the doctor (for an installed
+    engine or one at a URL) say the same of every version."""
+    from kvcentric.compat import MIN_VLLM, VLLM_SUPPORTED, vllm_support
+    from kvcentric.doctor.engines import VLLM, version_finding
+
+    readme = (ROOT / "README.md").read_text()
+    (said,) = re.findall(r"Supported: \*\*vLLM ([^*]+)\*\*", readme)
+    assert said == VLLM_SUPPORTED == "0.30.0 – 0.33.x"
+    low, high = said.split(" – ")
+    tested, checked = kvcentric.compat.TESTED_VLLM, kvcentric.compat.API_CHECKED_VLLM
+    for version, level in POLICY_CASES.items():
+        assert vllm_support(version) == level, version
+        release = kvcentric.compat.release(version)
+        in_range = (kvcentric.compat.release(low) <= release
+                    and release[:2] <= kvcentric.compat.release(high.removesuffix(".x")))
+        assert in_range == (level in ("tested", "checked")), version  # the README's range
+        caplog.clear()
+        with caplog.at_level("INFO", "kvcentric.compat"):
+            if level == "too old":
+                with pytest.raises(RuntimeError, match=f"older than {MIN_VLLM}"):
+                    check_engine("vLLM", version, tested, [], MIN_VLLM, checked)
+                continue
+            check_engine("vLLM", version, tested, [], MIN_VLLM, checked)
+        gate = {r.levelname for r in caplog.records}
+        finding = version_finding("vllm-version", VLLM, version, "", {})
+        if level == "untested":
+            assert gate == {"WARNING"} and finding.status == "warn", version
+            assert VLLM_SUPPORTED in (finding.fix or ""), finding  # advice: the range
+        else:  # tested: silent; checked: an info line; the doctor is satisfied with both
+            assert gate == (set() if level == "tested" else {"INFO"}), version
+            assert finding.status == "ok" and not finding.fix, (version, finding)
