@@ -252,6 +252,13 @@ def test_a_documented_command_parses(where: str, cmd: str) -> None:
     parser = parser_of(program)
     for variant in _expand(args):
         check(parser, variant, f"{where}: {cmd}")
+        if any(t.startswith("--") for t in variant) and not any(
+                _PLACEHOLDER.fullmatch(t) or t == "..." for t in variant):
+            # written out in full: the program's own parse_args must take it as it stands
+            try:
+                parser.parse_args(variant)
+            except SystemExit:
+                pytest.fail(f"{where}: {parser.prog} refuses {variant} (see its message)")
 
 
 def test_a_wrong_flag_fails() -> None:
