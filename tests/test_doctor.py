@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -97,6 +98,56 @@ def test_decode_instances_are_not_probed(tmp_path: Path, store_cfg: StoreConfig)
     found = {f.check: f for f in doctor.run(doctor.DoctorInputs(None, str(path), url))}
     assert found["layout-signature"].status == "skip"
     assert found["router-instance"].status == "fail"  # and nothing answers there
+
+
+def _files(cfg_path: Path) -> dict[str, Any]:
+    cfg, loaded = router_checks.load_router(str(cfg_path))
+    assert loaded.status == "ok", loaded
+    return {f.check: f for f in router_checks.check_router_files(cfg)}
+
+
+def test_router_files_the_router_would_reject(tmp_path: Path, tiny_dir: str) -> None:
+    """The doctor reads the tokenizer folder, its config.json and cost.profile as the
+    router does at start, and fails exactly where the router would refuse to start."""
+    from kvcentric.router.app import build_state
+    from kvcentric.router.config import load_config
+
+    no_config = tmp_path / "tok"  # a tokenizer without the model's config.json
+    no_config.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_dir) / name, no_config / name)
+    (tmp_path / "bad.json").write_text("{")
+    cases = {
+        "missing": ({"tokenizer": str(tmp_path / "nope")}, "router-tokenizer", "not exist"),
+        "hub id": ({"tokenizer": "Qwen/Qwen3-0.6B"}, "router-tokenizer", "hub id"),
+        "no config.json": ({"tokenizer": str(no_config)}, "router-model-config",
+                           "config.json"),
+        "bad profile": ({"tokenizer": tiny_dir, "cost": {"profile": str(tmp_path / "bad.json")}},
+                        "router-profile", "bad.json"),
+    }
+    for name, (over, check, needle) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"model": "tiny", **over}))
+        f = _files(path)[check]
+        assert f.status == "fail" and needle in f.message and f.fix, (name, f)
+        with pytest.raises(ValueError):  # the router refuses the same config
+            build_state(load_config(path))
+
+
+def test_router_init_config_passes_the_file_checks(tmp_path: Path, tiny_dir: str) -> None:
+    from kvcentric.router.cli import main as router_main
+    from kvcentric.router.config import load_config
+
+    path = tmp_path / "router.yaml"
+    assert router_main(["init", str(path), "--model", "tiny", "--tokenizer", tiny_dir,
+                        "--instance", "http://127.0.0.1:8101", "--port", "8123"]) == 0
+    cfg = load_config(path)
+    assert (cfg.model, cfg.tokenizer, cfg.listen.port) == ("tiny", tiny_dir, 8123)
+    assert [i.url for i in cfg.instances] == ["http://127.0.0.1:8101"] and cfg.store is None
+    found = _files(path)
+    assert {k: f.status for k, f in found.items()} == {"router-tokenizer": "ok",
+                                                       "router-model-config": "ok"}
+    assert router_main(["init", str(path)]) == 2  # never overwrites without --force
 
 
 def test_engine_url_that_is_not_an_engine() -> None:
