@@ -30,6 +30,7 @@ import httpx
 import zmq.asyncio
 from fastapi import FastAPI
 from pydantic import BaseModel
+from starlette.responses import HTMLResponse
 
 from kvcentric.router import api_models, limits
 from kvcentric.router import instances as inst_mod
@@ -45,7 +46,7 @@ from kvcentric.router.kv_events import EventListener, EventTranslator, router_bi
 from kvcentric.router.memory import HeapTrimmer, limit_arenas
 from kvcentric.router.metrics import RouterMetrics
 from kvcentric.router.openai_routes import openai_routes
-from kvcentric.router.openapi import build_openapi
+from kvcentric.router.openapi import build_openapi, docs_page
 from kvcentric.router.peers import PeerSync
 from kvcentric.router.proxy import Proxy
 from kvcentric.router.replication import Replicator
@@ -285,10 +286,15 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
             state.zmq_ctx.term()
             state.conductor.store.close()
 
-    app = FastAPI(title="kvcentric router", lifespan=lifespan)
+    # no Swagger UI or ReDoc from a CDN: /docs is a page of our own (openapi.docs_page)
+    app = FastAPI(title="kvcentric router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = state
     schema = build_openapi(cfg, state.completion_model, state.chat_model)
     app.openapi = lambda: schema  # type: ignore[method-assign]
+    page = docs_page(schema)
+    for path in ("/docs", "/redoc"):
+        app.add_api_route(path, lambda: HTMLResponse(page), methods=["GET"],
+                          include_in_schema=False)
     openai_routes(app, state)
     admin_routes(app, state)
     dashboard_routes(app, state)

@@ -8,10 +8,17 @@ give is listed with its content type: the OpenAI error body for 4xx/5xx, JSON or
 declare bearer security; with any key configured, so do ``/metrics`` and ``/dashboard``
 (bearer or basic: the admin or the metrics key). ``POST /instances`` publishes
 :data:`kvcentric.router.instance_spec.PATTERNS`, the very patterns the router checks.
+
+``GET /docs`` (and ``/redoc``) is a self-contained page listing the operations, never
+FastAPI's Swagger UI: that loads its scripts from a CDN (a blank page offline, and a third
+party's code on the router's origin), and the PyPI package that bundles them
+(``swagger-ui-bundle``) ships Swagger UI 4, which cannot show an OpenAPI 3.1 document.
+The page says so and where the document is.
 """
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from pydantic import BaseModel
@@ -39,7 +46,12 @@ MODELS = {"type": "object", "required": ["data"], "properties": {
 HEALTH = {"type": "object", "required": ["status"], "properties": {
     "status": {"type": "string", "enum": ["ok", "unavailable"]},
     "prefill": {"type": "integer"}, "decode": {"type": "integer"},
-    "instances": {"type": "integer"}}}
+    "instances": {"type": "integer"},
+    "unhealthy": {"type": "array", "items": {
+        "type": "object", "required": ["name", "role", "last_error"], "properties": {
+            "name": {"type": "string"}, "role": {"type": "string", "enum": list(ROLES)},
+            "url": {"type": "string"}, "last_error": {"type": "string"}}}},
+    "reason": {"type": "string"}}}
 INSTANCE = {"type": "object", "required": ["url"], "additionalProperties": False, "properties": {
     "url": {"type": "string", "pattern": PATTERNS["url"]},
     "role": {"type": "string", "enum": list(ROLES)},
@@ -158,3 +170,29 @@ def build_openapi(cfg: RouterConfig, completion: type[BaseModel],
     if watch:
         doc["components"]["securitySchemes"]["basic"] = {"type": "http", "scheme": "basic"}
     return doc
+
+
+def docs_page(doc: dict[str, Any]) -> str:
+    """``GET /docs``: the operations of ``doc`` as plain HTML (no script, nothing loaded
+    from elsewhere), and why there is no interactive explorer (module docstring)."""
+    rows = []
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            codes = ", ".join(sorted(op.get("responses", {})))
+            rows.append(f"<tr><td><code>{method.upper()}</code></td><td><code>"
+                        f"{html.escape(path)}</code></td><td>{html.escape(op['summary'])}"
+                        f"</td><td>{codes}</td></tr>")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>kvcentric router API"
+        "</title><style>body{font-family:sans-serif;margin:2em;max-width:60em}"
+        "td{padding:.2em .8em;border-bottom:1px solid #ddd}</style></head><body>"
+        "<h1>kvcentric router API</h1>"
+        "<p>The OpenAPI 3.1 document is <a href='/openapi.json'>/openapi.json</a>: open it "
+        "in any OpenAPI viewer or client generator.</p>"
+        "<p>No interactive explorer is served here: FastAPI's Swagger UI loads its "
+        "scripts from a CDN (a blank page without internet, and third-party code on this "
+        "router's origin), and the Python package that bundles them for local serving "
+        "(<code>swagger-ui-bundle</code>) ships Swagger UI 4, which cannot show an "
+        "OpenAPI 3.1 document.</p>"
+        "<table><tr><th>Method</th><th>Path</th><th>What</th><th>Statuses</th></tr>"
+        + "".join(rows) + "</table></body></html>")

@@ -254,3 +254,20 @@ def test_short_keys_name_their_field_and_the_minimum(tiny_dir: str, auth: dict[s
         RouterConfig.from_dict({"model": "tiny", "tokenizer": tiny_dir, "auth": auth})
     assert words in str(err.value)
     assert "short" not in str(err.value)  # the key itself is never echoed
+
+
+# ---- /docs: nothing from a CDN; it says why and where the document is ----
+
+def test_docs_load_nothing_from_elsewhere_and_say_why(tiny_dir: str,
+                                                      tokenizer: PromptTokenizer) -> None:
+    async def fn(c: httpx.AsyncClient) -> None:
+        for path in ("/docs", "/redoc"):
+            r = await c.get(path)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+            page = r.text
+            assert "<script" not in page and "cdn" not in page.replace("a CDN", "")
+            assert "href='/openapi.json'" in page and "Swagger UI 4" in page
+            assert "<code>/v1/completions</code>" in page and "<code>POST</code>" in page
+        assert "/docs" not in (await c.get("/openapi.json")).json()["paths"]
+
+    run(make_cfg(tiny_dir, TWO), tokenizer, Upstreams(), fn)
