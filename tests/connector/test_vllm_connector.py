@@ -26,6 +26,7 @@ from kvcentric.store.local.client import LocalStore
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
 from tests.helpers.e2e_store import e2e_store
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 STORED_BLOCK = 128  # the default stored block on CPU: one 128-token page
@@ -238,11 +239,17 @@ def test_concurrent_overlapping_prefixes(servers: dict[str, VllmServer]) -> None
     with ThreadPoolExecutor(32) as pool:
         got = list(pool.map(lambda p: servers["b"].tokens(p, max_tokens=8), prompts))
     assert got == base
-    # and once more from a fresh cache: now loaded from the store, still identical
+    # and once more from a fresh cache: now loaded from the store, still identical. Each
+    # prompt's own 300 tokens can only come from the store (the engine's cache was reset;
+    # its shared 600 may come from a concurrent request's blocks): without store hits the
+    # identical tokens would prove nothing about loading.
     servers["b"].reset_prefix_cache()
+    before = hits(servers["b"])
     with ThreadPoolExecutor(32) as pool:
         again = list(pool.map(lambda p: servers["b"].tokens(p, max_tokens=8), prompts))
     assert again == base
+    loaded = hits(servers["b"]) - before
+    assert loaded >= sum(len(p) - 1 - 600 for p in prompts), loaded
 
 
 def test_aborts_leave_no_leases_or_pending_writes(servers: dict[str, VllmServer],
@@ -252,16 +259,25 @@ def test_aborts_leave_no_leases_or_pending_writes(servers: dict[str, VllmServer]
     b = servers["b"]
     p = prompt(7, 1500)
     servers["a"].tokens(p)  # stored, so b's requests below load (lease) before decoding
+    with open_store(store_x) as st:
+        start = st.stats()
     for _ in range(3):  # client disconnects after the first token: vLLM aborts the request
         b.reset_prefix_cache()
+        before = hits(b)
         body = {"model": b.name, "prompt": p, "max_tokens": 500, "stream": True,
                 "ignore_eos": True, "temperature": 0.0}
         with httpx.stream("POST", b.url + "/v1/completions", json=body, timeout=120) as r:
             next(r.iter_lines())
+        # the request did lease: it loaded its whole prompt from the store (the counter
+        # is published with the step's stats, which may trail its first token)
+        assert wait_until(lambda b0=before: hits(b) - b0 >= len(p) - 1, 30), hits(b) - before
+        assert hits(b) - before == len(p) - 1
     assert b.tokens(p, max_tokens=4) == servers["base"].tokens(p, max_tokens=4)
     with open_store(store_x) as st:
         stats = st.stats()
-    assert stats["leases"] == 0 and stats["pending"] == 0
+    assert stats["gets"] > start["gets"]  # objects were leased to b ...
+    assert stats["leases"] == 0 and stats["pending"] == 0  # ... and every lease let go,
+    assert stats["expired_leases"] == start["expired_leases"]  # released, not timed out
 
 
 def test_unstartable_store_recomputes_with_identical_tokens(
