@@ -380,7 +380,8 @@ class StoreConfig:
         if self.verify_checksums is None:  # the backend's default, fixed here once
             object.__setattr__(self, "verify_checksums", self.backend == "mooncake")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
-            raise ValueError(f"store name {self.name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+            raise ValueError(f"store name {self.name!r} must be 1 to 64 letters, digits, "
+                             "'_', '.' or '-'")
         if self.capacity_bytes <= 0 and self.backend == "local":
             raise ValueError("capacity_bytes must be positive")
         for name in ("idle_timeout_s", "op_timeout_s", "start_timeout_s",

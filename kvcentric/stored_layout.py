@@ -47,7 +47,8 @@ class KVLayout:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not _LAYOUT_RE.fullmatch(self.layout):
-            raise ValueError(f"layout name {self.layout!r} must match {_LAYOUT_RE.pattern}")
+            raise ValueError(f"layout name {self.layout!r} must be 1 to 64 letters, digits, "
+                             "'_', ':', '.', '+' or '-'")
         if _itemsize(self.dtype) <= 0:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
 

@@ -54,3 +54,17 @@ def test_profile_without_a_scheme_says_the_expected_form(
                             "--out", str(tmp_path / "p.json")]) == 2
     assert "--url '127.0.0.1:8100' must be an engine's http://HOST:PORT" \
         in capsys.readouterr().err
+
+
+def test_store_and_layout_names_say_the_form_not_the_pattern() -> None:
+    from kvcentric.config import StoreConfig
+    from kvcentric.stored_layout import KVLayout
+
+    with pytest.raises(ValueError) as err:
+        StoreConfig.from_dict({"name": "my store"})
+    assert str(err.value) == ("store name 'my store' must be 1 to 64 letters, digits, '_', "
+                              "'.' or '-'")
+    with pytest.raises(ValueError) as err:
+        KVLayout(2, 128, 2, 64, "float32", "a b")
+    assert "layout name 'a b' must be 1 to 64 letters" in str(err.value)
+    assert "{1,64}" not in str(err.value)
