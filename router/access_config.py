@@ -32,12 +32,14 @@ INT64 = 2**63
 
 
 def check_positive(obj: object, *names: str) -> None:
-    """``ValueError`` unless each named field of ``obj`` is a positive number."""
+    """``ValueError`` unless each named field of ``obj`` is a positive number; the message
+    names the field as the YAML does (``health.interval_s``: the section is the class name
+    less ``Config``, in lower case)."""
+    section = type(obj).__name__.removesuffix("Config").lower()
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be a positive number, "
-                             f"got {value!r}")
+            raise ValueError(f"{section}.{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,13 @@ class AuthConfig:
     def __post_init__(self) -> None:
         for key, tenant in self.api_keys:
             if not isinstance(tenant, str) or not NAME_RE.fullmatch(tenant):
-                raise ValueError(f"auth.api_keys: tenant {tenant!r} must be {NAME_FORM}")
+                raise ValueError(f"auth.api_keys (or {ENV_API_KEYS}): tenant {tenant!r} "
+                                 f"must be {NAME_FORM}")
             if not isinstance(key, str) or len(key) < MIN_KEY:
                 size = len(key) if isinstance(key, str) else 0
-                raise ValueError(f"auth.api_keys: the key of tenant {tenant!r} has {size} "
-                                 f"characters; a key needs at least {MIN_KEY}")
+                raise ValueError(f"auth.api_keys (or {ENV_API_KEYS}): the key of tenant "
+                                 f"{tenant!r} has {size} characters; a key needs at least "
+                                 f"{MIN_KEY}")
         tenant_keys = {k for k, _ in self.api_keys}
         if len(tenant_keys) != len(self.api_keys):
             raise ValueError("auth.api_keys has a key twice")

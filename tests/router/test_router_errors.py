@@ -241,10 +241,11 @@ def test_the_default_block_size_warns_nothing(tiny_dir: str, tokenizer: PromptTo
 # ---- API keys: the field and the minimum ----
 
 @pytest.mark.parametrize("auth, words", [
-    ({"api_keys": {"short": "team-a"}}, "auth.api_keys: the key of tenant 'team-a' has 5 "
-                                        "characters; a key needs at least 8"),
-    ({"api_keys": {"long-enough-key": "team a"}}, "auth.api_keys: tenant 'team a' must be 1 "
-                                                  "to 64 letters"),
+    ({"api_keys": {"short": "team-a"}}, "auth.api_keys (or KVCENTRIC_ROUTER_API_KEYS): the "
+                                        "key of tenant 'team-a' has 5 characters; a key "
+                                        "needs at least 8"),
+    ({"api_keys": {"long-enough-key": "team a"}}, "auth.api_keys (or KVCENTRIC_ROUTER_API_KEYS)"
+                                                  ": tenant 'team a' must be 1 to 64 letters"),
     ({"admin_key": "adm"}, "auth.admin_key has 3 characters; it needs at least 8"),
     ({"metrics_key": "m"}, "auth.metrics_key has 1 characters; it needs at least 8"),
 ])
@@ -271,3 +272,16 @@ def test_docs_load_nothing_from_elsewhere_and_say_why(tiny_dir: str,
         assert "/docs" not in (await c.get("/openapi.json")).json()["paths"]
 
     run(make_cfg(tiny_dir, TWO), tokenizer, Upstreams(), fn)
+
+
+@pytest.mark.parametrize("section, value, words", [
+    ("health", {"interval_s": -1}, "health.interval_s must be a positive number, got -1.0"),
+    ("slo", {"ttft_ms": 0}, "slo.ttft_ms must be a positive number, got 0.0"),
+    ("limits", {"max_n": 0}, "limits.max_n must be a positive number, got 0"),
+])
+def test_config_numbers_are_named_as_the_yaml_names_them(tiny_dir: str, section: str,
+                                                         value: dict[str, Any],
+                                                         words: str) -> None:
+    with pytest.raises(ValueError) as err:
+        RouterConfig.from_dict({"model": "tiny", "tokenizer": tiny_dir, section: value})
+    assert str(err.value) == words
