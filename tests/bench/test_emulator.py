@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.emulator import events as ev
+from benchmarks.emulator import processors
 from benchmarks.emulator.calibrate import emulator_spec, interference
 from benchmarks.emulator.connector import StoreHits
 from benchmarks.emulator.engine import EngineCore, Request, predict_alone
@@ -37,6 +38,9 @@ from kvcentric.hashing import block_hashes, hash_seed
 from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch
 from kvcentric.store import open_store
 from kvcentric.testing.models import build_model
+from tests.helpers.virtual_time import VirtualClock
+from tests.helpers.virtual_time import run as vrun
+from tests.helpers.waiting import wait_until
 
 PROF = EngineProfile("t", "test", api_s=0.01, step_s=0.02, prefill_token_s=5e-4,
                      prefill_pair_s=1e-7, decode_seq_s=1e-3, decode_ctx_s=1e-6,
@@ -194,56 +198,70 @@ def test_a_late_listener_replays_the_publishers_buffer_then_follows_live() -> No
 
 # ------------------------------------------------------------------ processors, store
 
-def test_engines_on_one_processor_share_it() -> None:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    """Virtual time for the processors (tests/helpers/virtual_time.py): the durations
+    below are exact, whatever the load on this machine or a pause of this process."""
+    c = VirtualClock()
+    monkeypatch.setattr(processors, "time", c.module)
+    return c
+
+
+EXACT = 1e-9  # virtual time: only float rounding between expected and measured
+
+
+def test_engines_on_one_processor_share_it(clock: VirtualClock) -> None:
     async def run(shared: bool) -> float:
         p1 = Processor()
         p2 = p1 if shared else Processor()
-        t0 = time.perf_counter()
+        t0 = clock.now
         await asyncio.gather(p1.run(0.2), p2.run(0.2))
-        return time.perf_counter() - t0
+        return clock.now - t0
 
-    assert run_t(run, False) == pytest.approx(0.2, abs=0.08)
-    assert run_t(run, True) == pytest.approx(0.4, abs=0.08)
+    assert vrun(run(False), clock) == pytest.approx(0.2, abs=EXACT)
+    assert vrun(run(True), clock) == pytest.approx(0.4, abs=EXACT)
 
 
-def test_engines_on_cores_of_one_host_slow_each_other_by_the_interference() -> None:
+def test_engines_on_cores_of_one_host_slow_each_other_by_the_interference(
+        clock: VirtualClock) -> None:
     """Processor(interference=x): two steps of 0.2 s together take 0.2 * (1 + x); once
     one is done the other runs at full speed, so a 0.1 s step next to a 0.3 s one ends
     at 0.1 * (1 + x) and the long one 0.1 * x later than alone."""
     async def run(x: float, a: float, b: float) -> tuple[float, float]:
         p = Processor(interference=x)
-        t0 = time.perf_counter()
+        t0 = clock.now
         ends: list[float] = []
 
         async def one(w: float) -> None:
             await p.run(w)
-            ends.append(time.perf_counter() - t0)
+            ends.append(clock.now - t0)
 
         await asyncio.gather(one(a), one(b))
         return ends[0], ends[1]
 
-    assert asyncio.run(run(0.5, 0.2, 0.2))[1] == pytest.approx(0.3, abs=0.06)
-    assert asyncio.run(run(0.0, 0.2, 0.2))[1] == pytest.approx(0.2, abs=0.06)
-    short, long_ = asyncio.run(run(1.5, 0.1, 0.3))
-    assert short == pytest.approx(0.25, abs=0.06)
-    assert long_ == pytest.approx(0.45, abs=0.06)
+    assert vrun(run(0.5, 0.2, 0.2), clock)[1] == pytest.approx(0.3, abs=EXACT)
+    assert vrun(run(0.0, 0.2, 0.2), clock)[1] == pytest.approx(0.2, abs=EXACT)
+    short, long_ = vrun(run(1.5, 0.1, 0.3), clock)
+    assert short == pytest.approx(0.25, abs=EXACT)
+    assert long_ == pytest.approx(0.45, abs=EXACT)
     with pytest.raises(ValueError):
         Processor(interference=-0.1)
     with pytest.raises(ValueError):
         EngineProfile.from_json({**load("vllm_cpu_bench").to_json(), "host_interference": -1})
 
 
-def test_each_step_draws_its_interference_from_the_measured_samples() -> None:
+def test_each_step_draws_its_interference_from_the_measured_samples(
+        clock: VirtualClock) -> None:
     """Processor(samples=...): every step draws its own x (seeded), so two 0.1 s steps
     together end at 0.1 s each with draws (0, 0), at 0.4 s with (3, 3), and with (0, 3)
     at 0.1 s and 0.175 s (a quarter of the slowed one done while the other ran, the rest
     alone); a lone step is never slowed."""
     async def pair(p: Processor) -> list[float]:
-        t0 = time.perf_counter()
+        t0 = clock.now
 
         async def one() -> float:
             await p.run(0.1)
-            return time.perf_counter() - t0
+            return clock.now - t0
 
         return sorted(await asyncio.gather(one(), one()))
 
@@ -257,15 +275,15 @@ def test_each_step_draws_its_interference_from_the_measured_samples() -> None:
     draws = [tuple(sorted((rnd.choice((0.0, 3.0)), rnd.choice((0.0, 3.0)))))
              for _ in range(6)]
     assert len(set(draws)) > 1
-    for got, d in zip(asyncio.run(pairs(1, 6)), draws):
-        assert got == pytest.approx(ends[d], abs=0.04), (got, d)
+    for got, d in zip(vrun(pairs(1, 6), clock), draws):
+        assert got == pytest.approx(ends[d], abs=EXACT), (got, d)
 
     async def alone() -> float:
-        t0 = time.perf_counter()
+        t0 = clock.now
         await Processor(samples=(3.0,)).run(0.1)
-        return time.perf_counter() - t0
+        return clock.now - t0
 
-    assert asyncio.run(alone()) == pytest.approx(0.1, abs=0.04)
+    assert vrun(alone(), clock) == pytest.approx(0.1, abs=EXACT)
     with pytest.raises(ValueError):
         Processor(samples=(0.5, -1.0))
     prof = EngineProfile.from_json({**load("vllm_cpu_bench").to_json(),
@@ -331,34 +349,31 @@ def test_the_calibration_emulates_own_cores_with_the_profiles_interference(
     assert (shared.compute, shared.discipline) == ("shared", "exclusive")
 
 
-def test_an_exclusive_processor_serves_its_holder_then_hands_over() -> None:
+def test_an_exclusive_processor_serves_its_holder_then_hands_over(clock: VirtualClock
+                                                                  ) -> None:
     """Engine B's step waits for A's busy period and the handoff; A, holding the
     processor, runs its next step first even though B asked before it."""
     async def run() -> dict[str, float]:
         p = ExclusiveProcessor(handoff_s=0.1)
-        t0 = time.perf_counter()
+        t0 = clock.now
         done: dict[str, float] = {}
 
         async def a() -> None:
             await p.run(0.1, "A")
             await p.run(0.1, "A")  # resubmitted at once: A keeps the processor
-            done["A"] = time.perf_counter() - t0
+            done["A"] = clock.now - t0
 
         async def b() -> None:
             await asyncio.sleep(0.02)
             await p.run(0.1, "B")
-            done["B"] = time.perf_counter() - t0
+            done["B"] = clock.now - t0
 
         await asyncio.gather(a(), b())
         return done
 
-    done = asyncio.run(run())
-    assert done["A"] == pytest.approx(0.2, abs=0.05)
-    assert done["B"] == pytest.approx(0.4, abs=0.06)  # 0.2 of A, 0.1 handoff, 0.1 own
-
-
-def run_t(fn: Any, arg: bool) -> float:
-    return float(asyncio.run(fn(arg)))
+    done = vrun(run(), clock)
+    assert done["A"] == pytest.approx(0.2, abs=EXACT)
+    assert done["B"] == pytest.approx(0.4, abs=EXACT)  # 0.2 of A, 0.1 handoff, 0.1 own
 
 
 def test_store_hits_come_from_the_real_store_and_cost_their_load(
@@ -429,7 +444,9 @@ def test_http_streams_counts_hits_and_reports_as_vllm(emulator: EmulatedFleet) -
     recs = httpx.get(url + "/emulator/requests").json()
     assert recs[-1]["request_id"] == "req-1" and recs[-1]["local_hit"] == 256
     since = time.monotonic()
-    time.sleep(0.1)  # the loop's watcher wakes every 10 ms
+    # the loop's watcher wakes every 10 ms: wait for its first sample since then
+    assert wait_until(lambda: emulator.stats(since=since)[0]["loop_lag_max_s"] is not None,
+                      30)
     lag = emulator.stats(since=since)[0]
     assert 0 <= lag["loop_lag_p99_s"] <= lag["loop_lag_max_s"] < 5
     assert emulator.stats(since=time.monotonic() + 60)[0]["loop_lag_max_s"] is None
