@@ -295,3 +295,24 @@ def test_no_port_has_two_uses_across_the_readme_and_configs() -> None:
                if len({u.split(" (")[0] for u in uses}) > 1}
     assert not clashes, clashes
     assert {"kv events replay (README.md)"} <= _port_uses()[5701]
+
+
+def test_the_multi_node_example_router_takes_the_engines_block_size() -> None:
+    """examples/multi-node-mooncake/router.yaml.in, filled as 4-router.sh fills it, leaves
+    the block size to the engines (a pinned 256 never matched their 128-token blocks, and
+    run-one-machine.sh now asserts store hits through the router)."""
+    import yaml
+
+    from kvcentric.router.config import RouterConfig
+
+    text = (ROOT / "examples/multi-node-mooncake/router.yaml.in").read_text()
+    for name, value in (("MODEL", ".models/tiny"), ("ROUTER_HOST", "127.0.0.1"),
+                        ("ROUTER_PORT", "8000"), ("ENGINE1", "http://127.0.0.1:8100"),
+                        ("ENGINE2", "http://127.0.0.1:8101"), ("MASTER", "127.0.0.1:50051"),
+                        ("METADATA", "http://127.0.0.1:8080/metadata")):
+        text = text.replace(f"@{name}@", value)
+    assert not re.search(r"@[A-Z0-9_]+@", text)
+    cfg = RouterConfig.from_dict(yaml.safe_load(text))
+    assert cfg.keys.block_size is None and cfg.store is not None
+    script = (ROOT / "examples/multi-node-mooncake/run-one-machine.sh").read_text()
+    assert "x-kvc-hit-tokens" in script and 'tier="store_dram"' in script
