@@ -1,7 +1,7 @@
 """Shared fixtures: isolated local stores (own runtime dir, stopped after use) and the one
 network namespace every Mooncake cluster of the session runs in; and the skip policy of
 ``make test`` (tests/helpers/skip_policy.py: under ``KVC_NO_SKIPS=1`` only ``gpu`` tests
-may skip)."""
+may skip); and the session's pool of plain vLLM engines (tests/helpers/engines.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
 from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
+from tests.helpers.engines import engine_pool, plain_tiny  # noqa: F401 (session fixtures)
 from tests.helpers.hermetic import isolate
 from tests.helpers.skip_policy import (  # noqa: F401 (pytest hooks, registered here)
     pytest_make_collect_report,

@@ -17,6 +17,16 @@ request of a fault run has a known right answer. Each fault then gets a fresh st
 the same workload, and is injected (SIGKILL, then a supervisor's restart where one would
 restart it) once half the requests are done.
 
+The suite (``tests/e2e/test_faults.py``) runs a reduced matrix the cheap way: one stack per
+backend for all of that backend's rows (the ``-stop`` rows first, then the kills, the engine
+kill last: that engine stays dead), each kill row on prompts of its own
+(``Workload.seed``), its reference from a plain engine (:func:`reference`), and
+:func:`kill_row` per fault. Its rows: local ``coordinator-stop``, ``coordinator``,
+``engine``; Mooncake ``master-stop``, ``node-stop``, ``master``. Only this command runs the
+local ``router`` kill and the Mooncake ``node`` and ``engine`` kills, and only here is each
+kill independent of the others (a fresh stack, a fault-free reference run through the same
+kind of stack): ``--quick`` is the suite's workload over the full matrix.
+
 Clients retry a refused connection (nothing sent; a restarting router) for up to a minute,
 as any HTTP client would; nothing else is retried. Per fault: ``failed`` requests (HTTP
 error or no answer), ``wrong_tokens`` (answers that differ from the reference),
@@ -53,6 +63,7 @@ from kvcentric.testing.models import build_model
 from kvcentric.testing.netns import NetNamespace
 
 CONNECT_RETRY_S = 60.0
+SEED_STRIDE = 1_000_000  # past every per-user and per-turn offset of Workload's generators
 
 
 @dataclass(frozen=True)
@@ -63,15 +74,17 @@ class Workload:
     doc_len: int = 256
     msg_len: int = 96
     answer_len: int = 8
+    # other prompts, same shape: rows that share a stack (the suite's) each get their own
+    seed: int = 0
 
     def opening(self, user: int) -> list[int]:
-        rnd = random.Random(1)
+        rnd = random.Random(1 + SEED_STRIDE * self.seed)
         system = [rnd.randrange(4, 4000) for _ in range(self.system_len)]
-        rnd = random.Random(100 + user)
+        rnd = random.Random(100 + user + SEED_STRIDE * self.seed)
         return system + [rnd.randrange(4, 4000) for _ in range(self.doc_len)]
 
     def message(self, user: int, turn: int) -> list[int]:
-        rnd = random.Random(10_000 + 100 * user + turn)
+        rnd = random.Random(10_000 + 100 * user + turn + SEED_STRIDE * self.seed)
         return [rnd.randrange(4, 4000) for _ in range(self.msg_len)]
 
 
@@ -158,6 +171,30 @@ def drive(stack: Stack, w: Workload, ref: dict[tuple[int, int], list[int]] | Non
     for th in threads:
         th.join()
     return run
+
+
+def reference(url: str, w: Workload) -> dict[tuple[int, int], list[int]]:
+    """``w``'s fault-free answers from one engine (or router) at ``url``: each user's turns
+    in order, one request at a time, every later prompt built from the earlier answers.
+    Greedy float32 tokens are the same from a plain engine as from a stack's, so a plain
+    engine serves as the reference of a stack's run (the suite's shared one does)."""
+    ref: dict[tuple[int, int], list[int]] = {}
+    for user in range(w.users):
+        history = w.opening(user)
+        for t in range(w.turns):
+            history = history + w.message(user, t)
+            ref[(user, t)], _ = request(url, history, w.answer_len)
+            history = history + ref[(user, t)]
+    return ref
+
+
+def kill_row(stack: Stack, fault: str, w: Workload,
+             ref: dict[tuple[int, int], list[int]]) -> dict[str, Any]:
+    """One kill row on a started ``stack``: ``w`` through its router, ``fault`` injected at
+    half load, scored against ``ref`` (from :func:`reference`, or a fault-free run)."""
+    with tqdm(total=w.users * w.turns, desc=fault, disable=True) as bar:
+        run = drive(stack, w, ref, fault, bar)
+    return score(run, ref, fault, stack.backend)
 
 
 def score(run: Run, ref: dict[tuple[int, int], list[int]], fault: str,
