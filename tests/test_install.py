@@ -185,6 +185,8 @@ def test_a_missing_extra_is_one_line_naming_it(plain: Path, tmp_path: Path) -> N
         (["kvcentric", "doctor", "--url", "http://127.0.0.1:9"], router),
         (["kvcentric", "doctor", "--router-config", "router.yaml"], router),
         (["kvcentric", "store", "mooncake-master"], mooncake),
+        (["kvcentric", "store", "mooncake-node", "--segment", "1gb", "--master",
+          "127.0.0.1:9"], mooncake),
         (["python", "-m", "kvcentric.store.mooncake.service", "mooncake-master"], mooncake),
     ]
     for cmd, needle in cases:
