@@ -47,18 +47,19 @@ class MissingExtra(ImportError):
 
 
 def explain(exc: BaseException) -> str | None:
-    """The one-line message for ``exc`` when it (or what caused it) is a missing optional
-    dependency, else ``None``."""
+    """The one-line message for ``exc`` when it (or what it was raised from) is a missing
+    optional dependency, else ``None``."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, MissingExtra):
             return str(seen)
         if isinstance(seen, ModuleNotFoundError) and seen.name:
-            extra = EXTRA_OF.get(seen.name.split(".", 1)[0])
+            top = seen.name.split(".", 1)[0]
+            extra = EXTRA_OF.get(top)
             if extra is not None:
-                return (f"this command needs {seen.name}, which is not installed: "
+                return (f"this command needs {top}, which is not installed: "
                         f"{install_hint(extra)}")
-        seen = seen.__cause__ or seen.__context__
+        seen = seen.__cause__  # raised "from" it; an error merely during another is not
     return None
 
 

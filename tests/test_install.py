@@ -226,6 +226,23 @@ def test_extras_cover_the_imports() -> None:
     assert not bad, bad
 
 
+def test_run_cli_turns_only_missing_extras_into_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcentric.extras import MissingExtra, run_cli
+
+    def needs(name: str) -> int:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    assert run_cli("prog", lambda argv: needs("jinja2.sandbox")) == 2
+    assert capsys.readouterr().err == ("prog: this command needs jinja2, which is not "
+                                       "installed: pip install 'kvcentric[router]'\n")
+    assert run_cli("prog", lambda argv: (_ for _ in ()).throw(MissingExtra("say this"))) == 2
+    assert capsys.readouterr().err == "prog: say this\n"
+    with pytest.raises(ModuleNotFoundError):  # not an optional dependency: a bug, raised
+        run_cli("prog", lambda argv: needs("numpy"))
+    assert run_cli("prog", lambda argv: 7, []) == 7
+
+
 # ---- the README's quickstart ----
 def quickstart_block() -> str:
     text = (ROOT / "README.md").read_text()
