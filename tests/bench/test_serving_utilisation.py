@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.serving import report, utilisation
 from kvcentric.testing.servers import free_port
+from tests.helpers.waiting import wait_until
 
 
 def _row(running: list[Any], waiting: list[Any], kv: list[Any]) -> dict[str, list[Any]]:
@@ -66,11 +67,17 @@ def test_sampler_polls_every_url_and_keeps_the_run_window(tmp_path: Path) -> Non
         with utilisation.Sampler([up, down], interval_s=0.05) as s:
             # entered only once the first round is in: a run starting now is sampled at once
             assert s.samples[up]["t_s"] and s.samples[down]["t_s"]
-            time.sleep(0.3)
+
+            def after(more: int) -> None:
+                """Until ``more`` rounds past the present are in (one may be in flight)."""
+                n = len(s.samples[up]["t_s"])
+                assert wait_until(lambda: len(s.samples[up]["t_s"]) >= n + more, 30)
+
+            after(2)  # rounds before the window
             t0 = time.perf_counter()
-            time.sleep(0.4)
+            after(4)  # at least 3 inside it
             t1 = time.perf_counter()
-            time.sleep(0.2)
+            after(2)  # and after it
     finally:
         server.shutdown()
         server.server_close()

@@ -20,6 +20,8 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from kvcentric.store import open_store  # noqa: E402
 from tests.helpers.payload import payload  # noqa: E402
 
+GATE_WAIT_S = 600.0  # a gated write waits for the test's gate file at most this long
+
 
 def flood(cfg: str, prefix: str, n: int, size: int, batch: int) -> None:
     keys = [f"{prefix}/{i}" for i in range(n)]
@@ -43,7 +45,10 @@ def gated_coordinator(cfg: str, gate: Path) -> None:
 
     class GatedWorker(demoter.DiskWorker):
         def _write_batch(self, jobs: list[demoter.WriteJob]) -> None:
+            deadline = time.monotonic() + GATE_WAIT_S
             while not gate.exists():  # only this I/O thread waits; the loop runs on
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the test never opened {gate}")
                 time.sleep(0.005)
             super()._write_batch(jobs)
 

@@ -91,11 +91,11 @@ def main() -> None:
         (slot,) = store.batch_alloc(args, [size_of(args[0])])
         ctypes.memset(slot.ptr, 0xAB, slot.size // 2)
         print("ready", flush=True)
-        time.sleep(600)
+        time.sleep(600)  # not-sync: a writer that hangs holding its slot, until killed
     elif mode == "hold-read":
         store.batch_acquire(args, [size_of(args[0])])
         print("ready", flush=True)
-        time.sleep(600)
+        time.sleep(600)  # not-sync: a reader that hangs holding its lease, until killed
     elif mode == "stress":
         print(json.dumps(stress(store, float(args[0]), int(args[1]))))
     store.close()

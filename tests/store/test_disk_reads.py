@@ -130,7 +130,7 @@ class SlowPool(ThreadPoolExecutor):
             with self.lock:
                 self.running += 1
             try:
-                time.sleep(0.02)
+                time.sleep(0.02)  # not-sync: the slow disk read this pool models
                 return fn(*args, **kw)
             finally:
                 with self.lock:

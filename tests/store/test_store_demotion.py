@@ -319,15 +319,17 @@ def test_held_reserve_waits_off_the_loop_until_demotion_makes_room(
         assert _put(a, [f"a{i}" for i in range(8)]) == [OK] * 8  # 8 MiB: at the bound
         join = _in_thread(lambda: _put(a, ["next"]))
         assert wait_until(lambda: b.stats()["put_waits"] == 1, 5)
+        waiting = time.monotonic()  # a's reserve waits from (at the latest) now
         t0 = time.monotonic()
         for _ in range(20):  # every other client is served while a's reserve waits
             assert b.batch_exists([f"a{i}" for i in range(8)]) == 8
             assert b.stats()["pending"] == 0
         assert time.monotonic() - t0 < 0.4
-        time.sleep(0.05)
+        opened = time.monotonic()
         (tmp_path / "gate").touch()  # the disk catches up: a's reserve gets its room
         codes, took = join()
-        assert codes == [OK] and 0.05 <= took < 0.5, took
+        # it returned only once the gate opened: it had waited at least since ``waiting``
+        assert codes == [OK] and opened - waiting <= took < 0.5, took
         st = b.stats()
         assert st["dropped_undemoted"] == st["rejected_puts"] == 0 and st["put_wait_ms"] > 0
         assert _read_back(b, [f"a{i}" for i in range(8)] + ["next"], MB)[1] == []

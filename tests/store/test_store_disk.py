@@ -154,7 +154,9 @@ def test_multiprocess_stress_with_disk(disk_cfg: StoreConfig) -> None:
                                "20", str(seed)], stdout=subprocess.PIPE, text=True)
              for seed in range(4)]
     peak = 0
+    deadline = time.monotonic() + 600
     while any(p.poll() is None for p in procs):
+        assert time.monotonic() < deadline, "the stress workers did not finish"
         st = monitor.stats()
         peak = max(peak, st["used_bytes"])
         assert st["disk_used_bytes"] <= st["disk_capacity_bytes"]
