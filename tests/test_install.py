@@ -154,7 +154,9 @@ def _assert_helps(bin_dir: Path, cwd: Path) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_plain_install_runs_every_command(plain: Path, tmp_path: Path) -> None:
+def test_plain_install_runs_every_command(plain: Path, wheel: Path, tmp_path: Path) -> None:
+    # the README's install-from-a-wheel line names the wheel this version builds
+    assert f"pip install 'dist/{wheel.name}[router]'" in (ROOT / "README.md").read_text()
     _assert_helps(plain, tmp_path)
     out = _run(["kvcentric", "doctor", "--json"], plain, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
