@@ -101,10 +101,14 @@ def test_sigkill_mid_write_and_mid_read_leaks_nothing(store: LocalStore,
 
 def test_sigkill_in_a_put_loop_keeps_store_consistent(store: LocalStore,
                                                       store_cfg: StoreConfig) -> None:
-    for delay in (0.3, 0.7, 1.1):
+    for seed, puts in ((3, 1), (7, 16), (11, 64)):  # killed ever further into its loop
+        before = store.stats()["puts"]
         p = subprocess.Popen([sys.executable, str(WORKER), json.dumps(as_dict(store_cfg)),
-                              "stress", "30", str(int(delay * 10))], stdout=subprocess.DEVNULL)
-        time.sleep(delay + 1.0)  # interpreter start-up, then mid-flight
+                              "stress", "30", str(seed)], stdout=subprocess.DEVNULL)
+        # mid-flight: its start-up is over and it has stored ``puts`` objects (its loop
+        # runs for 30 s, so it is still putting when killed)
+        assert wait_until(lambda b=before, n=puts: store.stats()["puts"] >= b + n, 60)
+        assert p.poll() is None
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert _wait(lambda: store.stats()["leases"] == 0 and store.stats()["pending"] == 0)
@@ -123,7 +127,9 @@ def test_multiprocess_stress(store_cfg: StoreConfig) -> None:
                                "20", str(seed)], stdout=subprocess.PIPE, text=True)
              for seed in range(4)]
     peak = 0
+    deadline = time.monotonic() + 600
     while any(p.poll() is None for p in procs):
+        assert time.monotonic() < deadline, "the stress workers did not finish"
         peak = max(peak, monitor.stats()["used_bytes"])
         time.sleep(0.1)
     results = [json.loads(p.communicate()[0]) for p in procs]
@@ -232,7 +238,7 @@ def test_unstartable_coordinator_is_store_unavailable(tmp_path: Path) -> None:
         assert late.batch_exists(["a"]) == 0 and put(late, ["c"]) == [ERR_UNAVAILABLE]
         late.close()
         rt.unlink()
-        time.sleep(0.6)  # past reconnect_interval_s: the next call restarts the coordinator
+        # the first call past reconnect_interval_s restarts the coordinator: poll until one has
         assert _wait(lambda: store.health_check())
         assert put(store, ["b"]) == [OK] and store.stats()["pid"] != pid
     finally:
