@@ -18,6 +18,7 @@ import pytest
 from kvcentric.config import DiskConfig, StoreConfig
 from kvcentric.store import ERR_NO_SPACE, OK, KVStore, open_store
 from kvcentric.store.local import launcher
+from tests.helpers.waiting import wait_until
 
 MB = 1 << 20
 OBJ = 4 * MB  # the store (64 MiB) holds 16
@@ -66,10 +67,20 @@ def test_pinned_handoff_survives_eviction_until_read(store: KVStore) -> None:
 
 
 def test_a_pin_ends_at_its_deadline(store: KVStore) -> None:
-    assert commit(store, ["short"], pin_s=0.3) == [OK]
+    """A pin holds through eviction until its deadline, and not after. The pin is long
+    against a flood timed here (so the first check falls inside it, whatever the load),
+    and the second flood starts only once the deadline has passed on the clock the
+    coordinator uses (``time.monotonic``, one per host)."""
+    t0 = time.monotonic()
+    flood(store, "warm", 20)
+    pin_s = max(1.0, 10 * (time.monotonic() - t0))
+    t0 = time.monotonic()  # the coordinator stamps the pin between t0 and t1
+    assert commit(store, ["short"], pin_s=pin_s) == [OK]
+    t1 = time.monotonic()
     flood(store, "a", 20)
     assert store.batch_exists(["short"]) == 1
-    time.sleep(0.4)
+    assert time.monotonic() < t0 + pin_s, "the check came after the pin's deadline"
+    assert wait_until(lambda: time.monotonic() > t1 + pin_s, pin_s + 10)  # it has passed
     flood(store, "b", 20)
     assert store.batch_exists(["short"]) == 0  # the decode never came: it is a cache again
 
