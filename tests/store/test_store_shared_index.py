@@ -16,14 +16,17 @@ import pytest
 
 from kvcentric.config import StoreConfig
 from kvcentric.store import open_store
+from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
 from kvcentric.store.local.index import ObjectIndex
 from kvcentric.store.local.shared_index import (
+    STALE_AFTER_MS,
     SharedIndexReader,
     SharedIndexWriter,
     fingerprint,
     slots_for,
 )
+from tests.helpers.waiting import wait_until
 from tests.store.store_contract import StoreContract, put
 from tests.store.test_store_local import as_dict
 
@@ -184,7 +187,11 @@ def test_hung_coordinator_turns_lookups_into_misses(store_cfg: StoreConfig) -> N
     pid = s.stats()["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(3.5)
+        # wait for the heartbeat to go stale (the shared index declines to answer), not
+        # for a guess of when it has
+        index = s._link.session.index if s._link.session else None
+        assert index is not None and index.leading_run(keys) == 8
+        assert wait_until(lambda: index.leading_run(keys) is None, STALE_AFTER_MS / 1000 + 10)
         t0 = time.monotonic()
         assert s.batch_exists(keys) == 0
         assert time.monotonic() - t0 < 3.0
@@ -202,7 +209,7 @@ def test_killed_coordinator_is_not_trusted(store_cfg: StoreConfig) -> None:
     put(s, ["a", "b"], [None, "a"])
     pid = s.stats()["pid"]
     os.kill(pid, signal.SIGKILL)
-    time.sleep(0.3)
+    assert wait_until(lambda: not launcher.pid_alive(pid), 10)  # it is dead
     assert s.batch_exists(["a", "b"]) == 0  # a restarted store is empty
     s.close()
 
