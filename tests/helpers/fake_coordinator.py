@@ -6,7 +6,8 @@
 It creates a real arena file of its generation in ``D`` (``--socket`` may put its socket
 elsewhere, e.g. in a directory of another user), prints ``ready`` once it listens, then
 answers every connection on a thread of its own until killed. ``--log`` gets one line per
-connection and per request op, so a test can tell whether a client ever reached it.
+connection, per request op and per connection closed, so a test can tell whether a client
+ever reached it and, once it hung up, all it sent.
 
 Lies (``truthful`` tells none): ``arena-outside`` (the hello's arena is ``--outside``),
 ``arena-symlink`` (the arena's name is a symlink to ``--outside``), ``arena-small`` (a
@@ -151,16 +152,19 @@ class Fake:
 
     def serve_one(self, conn: socket.socket) -> None:
         self.log("connection")
-        with conn:
-            while True:
-                try:
-                    op, *args = wire.decode_request(_read(conn))
-                except (EOFError, OSError, ValueError):
-                    return
-                self.log(op)
-                if op in ("release", "settle"):
-                    continue
-                conn.sendall(wire.encode(self.answer(op, args)))
+        try:
+            with conn:
+                while True:
+                    try:
+                        op, *args = wire.decode_request(_read(conn))
+                    except (EOFError, OSError, ValueError):
+                        return
+                    self.log(op)
+                    if op in ("release", "settle"):
+                        continue
+                    conn.sendall(wire.encode(self.answer(op, args)))
+        finally:  # the client hung up: everything it sent is logged above this line
+            self.log("closed")
 
 
 def _read(conn: socket.socket) -> bytes:
