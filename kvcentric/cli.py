@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _store_parser(sub)
     _doctor_parser(sub)
+    # dispatched before parsing (:func:`_main`): every argument after it is bench_serving's
+    sub.add_parser("bench", add_help=False,
+                   help="load an OpenAI-compatible endpoint: multi-turn, shared-prefix, "
+                        "trace replay (kvcentric bench --help)")
     return ap
 
 
@@ -177,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["bench"]:
+        from kvcentric.bench_serving.loadgen import main as bench
+
+        return bench((sys.argv[1:] if argv is None else argv)[1:], prog="kvcentric bench")
     args = build_parser().parse_args(argv)
     if hasattr(args, "run"):  # doctor and the mooncake service commands
         return int(args.run(args))

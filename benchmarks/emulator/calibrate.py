@@ -61,12 +61,12 @@ from benchmarks.emulator.profile import load as load_profile
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import RESULTS
-from benchmarks.serving.client import Api
 from benchmarks.serving.fleet import SERVED_NAME, SERVER_ARGS, pinned_threads_env, warm_up
-from benchmarks.serving.loadgen import benchmark
-from benchmarks.serving.runner import RunConfig
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import Session, Turn, Workload, WorkloadSpec, build
+from kvcentric.bench_serving.client import Api
+from kvcentric.bench_serving.loadgen import benchmark
+from kvcentric.bench_serving.runner import RunConfig
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import Session, Turn, Workload, WorkloadSpec, build
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer
 

@@ -139,7 +139,7 @@ class Fleet:
     """Every engine of this process and what they share (tokenizer, output words).
 
     Text made only of the tokenizer's word tokens (a space and letters, each its own
-    token: what :class:`benchmarks.serving.tokens.TokenSource` builds prompts from) is
+    token: what :class:`kvcentric.bench_serving.tokens.TokenSource` builds prompts from) is
     tokenised by splitting on spaces and looking the words up (checked at start against
     the tokenizer on a probe text; ~50x cheaper than the BPE on this 2-core machine);
     any other text goes through the tokenizer."""
@@ -186,7 +186,7 @@ class Fleet:
 def _word_index(tok: PromptTokenizer) -> tuple[dict[str, int], list[int]]:
     """Word -> id for the tokenizer's exact word tokens, and the ids it adds in front of
     a prompt; empty when a probe text shows the lookup would differ from the tokenizer."""
-    from benchmarks.serving.tokens import TokenSource
+    from kvcentric.bench_serving.tokens import TokenSource
 
     src = TokenSource(tok.tok.name_or_path)
     if not src.text_exact:

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, ROOT
-from benchmarks.serving.trace import read_trace
+from kvcentric.bench_serving.trace import read_trace
 from kvcentric.hashing import block_hashes, hash_seed
 from kvcentric.router.kv_events import EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex

@@ -56,7 +56,6 @@ from typing import Any
 from benchmarks.lib import results_writer
 from benchmarks.lib.paths import RESULTS, ROOT
 from benchmarks.serving import report
-from benchmarks.serving.client import Api
 from benchmarks.serving.fleet import (
     CPU_PAGE,
     SERVED_NAME,
@@ -71,10 +70,11 @@ from benchmarks.serving.fleet import (
     reset_caches,
 )
 from benchmarks.serving.gateways import PEERS, gateway_for
-from benchmarks.serving.loadgen import benchmark
-from benchmarks.serving.runner import RunConfig
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import Workload, WorkloadSpec, build
+from kvcentric.bench_serving.client import Api
+from kvcentric.bench_serving.loadgen import benchmark
+from kvcentric.bench_serving.runner import RunConfig
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import Workload, WorkloadSpec, build
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
 

@@ -52,8 +52,8 @@ from benchmarks.serving.fleet_runs import (
     summary_row,
     workload_dict,
 )
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import Session, Turn, Workload, WorkloadSpec, build
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import Session, Turn, Workload, WorkloadSpec, build
 from kvcentric.testing.models import build_model
 
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"

@@ -68,8 +68,8 @@ from benchmarks.serving.fleet import Arm
 from benchmarks.serving.fleet_report import aggregate, figure, table
 from benchmarks.serving.fleet_runs import FleetRun, FleetSetup, split_cpus, summary_row
 from benchmarks.serving.gateways import Gateway, gateway_for
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import Workload, WorkloadSpec, build
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import Workload, WorkloadSpec, build
 from kvcentric.router.config import MemoryConfig
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import free_port

@@ -35,13 +35,13 @@ import numpy as np
 from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
 from benchmarks.emulator.profile import load as load_profile
 from benchmarks.lib.procfs import group_cpu_seconds
-from benchmarks.serving.client import Api
 from benchmarks.serving.fleet import Arm
 from benchmarks.serving.gateways import Gateway, gateway_for
-from benchmarks.serving.loadgen import benchmark
-from benchmarks.serving.runner import RunConfig
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import Workload
+from kvcentric.bench_serving.client import Api
+from kvcentric.bench_serving.loadgen import benchmark
+from kvcentric.bench_serving.runner import RunConfig
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import Workload
 from kvcentric.config import StoreConfig
 from kvcentric.store import open_store
 from kvcentric.store.local import launcher

@@ -64,7 +64,6 @@ from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
-from benchmarks.serving.client import Api
 from benchmarks.serving.fleet import (
     CPU_PAGE,
     SERVED_NAME,
@@ -75,10 +74,11 @@ from benchmarks.serving.fleet import (
     fleet,
     pinned_threads_env,
 )
-from benchmarks.serving.loadgen import benchmark
-from benchmarks.serving.runner import RunConfig
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import Session, Turn, Workload, WorkloadSpec, build
+from kvcentric.bench_serving.client import Api
+from kvcentric.bench_serving.loadgen import benchmark
+from kvcentric.bench_serving.runner import RunConfig
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import Session, Turn, Workload, WorkloadSpec, build
 from kvcentric.store import open_store
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import connector_config
@@ -159,7 +159,7 @@ FULL = KneePlan(sessions=8, turns=4, doc_len=1536, turn_input_len=192, output_le
 # --------------------------------------------------------------------------- workload
 
 def workloads(plan: KneePlan, src: TokenSource) -> tuple[Workload, Workload]:
-    """(warm-up, timed): the multi-turn workload of :mod:`benchmarks.serving.workloads`
+    """(warm-up, timed): the multi-turn workload of :mod:`kvcentric.bench_serving.workloads`
     (no system prompt, the document in the first turn), and each session's document alone
     as a one-turn, one-token session."""
     spec = WorkloadSpec(workload="multi-turn", seed=plan.seed, num_users=plan.sessions,

@@ -17,8 +17,7 @@ from kvcentric.bench_serving.loadgen import build_parser, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    ap.prog = "python -m benchmarks.serving.loadgen"
+    ap = build_parser("python -m benchmarks.serving.loadgen")
     args = ap.parse_args(argv)
     result = run(ap, args)
     table = result.pop("table")

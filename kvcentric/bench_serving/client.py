@@ -10,11 +10,12 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from .metrics import RequestRecord
+
+if TYPE_CHECKING:  # httpx comes with the router extra: imported where a request is made
+    import httpx
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_RETRY_AFTER_S = 60.0
@@ -100,6 +101,7 @@ async def send(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
 async def _attempt(client: httpx.AsyncClient, base_url: str, api: Api, prompt: Any,
                    rec: RequestRecord, t0: float) -> tuple[float | None, str]:
     """One try: (seconds to wait before retrying a 429, else None; the generated text)."""
+    import httpx
     chat = api.endpoint == "chat"
     st = _Stream(t0)
     rec.error = ""

@@ -3,9 +3,14 @@
 Serving benchmark for any OpenAI-compatible endpoint: multi-turn, shared-prefix,
 hit-ratio and Mooncake-trace workloads, with ``vllm bench serve``'s metrics.
 
-    python -m benchmarks.serving.loadgen --base-url http://127.0.0.1:8000 \\
+    python -m kvcentric.bench_serving --base-url http://127.0.0.1:8000 \\
         --model NAME --tokenizer MODEL_DIR --workload multi-turn --num-users 8 \\
         --turns-mean 4 --turn-gap 1 --slo-ttft-ms 1000 --out result.json
+
+(also ``kvcentric bench ...``; running needs ``pip install 'kvcentric[router]'`` for
+httpx and transformers, ``--help`` does not). Trace replay takes Mooncake's format
+(``--workload trace --trace FILE.jsonl``: ``timestamp``, ``input_length``,
+``output_length``, ``hash_ids``).
 
 Several ``--base-url`` values are served round-robin per request (``--routing session``
 keeps a user on one URL). Prompts are token-exact: built from the model's own tokenizer
@@ -17,7 +22,7 @@ refused with the reason. The servers' prefix-cache counters are scraped from ``/
 (``--metrics-url``, default the base URLs) before and after the run, and each one's
 running/waiting requests and KV usage every ``--sample-interval`` seconds during it
 (per-instance busy fraction). Prints summary tables; ``--out`` writes the config, the
-summary, every request and the samples, plus a box plot of each instance's load.
+summary, every request and the samples as JSON, with the command and the machine.
 """
 
 from __future__ import annotations
@@ -27,26 +32,23 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import platform
+import shlex
+import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
-from benchmarks.lib import results_writer
-from benchmarks.serving import scrape, utilisation
-from benchmarks.serving.client import ENDPOINTS, Api
-from benchmarks.serving.metrics import format_table, summarize
-from benchmarks.serving.runner import (
-    FORMATS,
-    ROUTINGS,
-    RunConfig,
-    Runner,
-    prompt_kind,
-)
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import WORKLOADS, Workload, WorkloadSpec, build
+from kvcentric import __version__
+from kvcentric.bench_serving import scrape, utilisation
+from kvcentric.bench_serving.client import ENDPOINTS, Api
+from kvcentric.bench_serving.metrics import format_table, summarize
+from kvcentric.bench_serving.runner import FORMATS, ROUTINGS, RunConfig, Runner, prompt_kind
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import WORKLOADS, Workload, WorkloadSpec, build
 
 
 def _rate(text: str) -> float | None:
@@ -111,6 +113,8 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
 
 
 def served_model(base_url: str) -> str:
+    import httpx
+
     r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
     r.raise_for_status()
     return str(r.json()["data"][0]["id"])
@@ -167,12 +171,20 @@ def benchmark(src: TokenSource, workload: Workload, cfg: RunConfig,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = "python -m kvcentric.bench_serving") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog,
+                                 description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_client_args(ap)
     add_workload_args(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """Build the workload ``args`` name and run it; a bad argument exits through
+    ``ap.error``. Returns the result document with its summary ``table``."""
+    import httpx
+
     try:
         spec = workload_spec(args)
         cfg = run_config(args)
@@ -188,17 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(result["summary"])
     if result["utilisation"]:
         table += "\n" + utilisation.format_table(result["utilisation"])
+    result["table"] = table
+    return result
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m kvcentric.bench_serving") -> int:
+    """The command line: prints the summary tables; ``--out`` writes the result JSON
+    (with the command and the machine). Exit 0 when any request completed."""
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
+    result = run(ap, args)
+    print(result["table"])
     if args.out:
-        figs = [results_writer.Figure(
-            "utilisation", "Per-instance load (running + waiting requests) and KV usage",
-            lambda p: utilisation.boxes([result], p, result["label"]))] \
-            if result["utilisation"] else []
-        results_writer.write(args.out, result, table, figs,
-                             results_writer.command_line(__file__, argv))
-    else:
-        print(table)
+        result["command"] = shlex.join([ap.prog, *(sys.argv[1:] if argv is None else argv)])
+        result["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
+                             "cpus": os.cpu_count(), "kvcentric": __version__}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {args.out}")
     return 0 if result["summary"]["completed"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

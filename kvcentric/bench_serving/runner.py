@@ -18,14 +18,15 @@ import itertools
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from .client import Api, send
 from .metrics import RequestRecord
 from .tokens import TokenSource
 from .workloads import Session, Workload
+
+if TYPE_CHECKING:  # httpx comes with the router extra: imported where a request is made
+    import httpx
 
 FORMATS = ("auto", "text", "ids")
 ROUTINGS = ("round-robin", "session")
@@ -135,6 +136,8 @@ class Runner:
         return urls[next(self._rr)]
 
     async def run(self, workload: Workload) -> RunResult:
+        import httpx
+
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(self.cfg.timeout_s, connect=30.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:

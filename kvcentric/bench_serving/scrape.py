@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import httpx
-
 HIT_COUNTERS = {
     "vllm:prefix_cache_hits_total": "local",
     "vllm:external_prefix_cache_hits_total": "external",
@@ -48,6 +46,8 @@ def parse(text: str) -> dict[str, float]:
 
 def scrape(urls: Iterable[str], timeout_s: float = 10.0) -> dict[str, dict[str, float] | None]:
     """``/metrics`` of each base URL (parsed), None where it did not answer 200."""
+    import httpx  # the router extra: imported where a request is made
+
     out: dict[str, dict[str, float] | None] = {}
     for url in urls:
         try:

@@ -23,8 +23,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from benchmarks.serving.client import Api
 from benchmarks.serving.gateways import PEERS, Gateway, gateway_for, peer_python
+from kvcentric.bench_serving.client import Api
 from kvcentric.testing.servers import free_port
 from tests.helpers.waiting import wait_until
 

@@ -17,13 +17,13 @@ import httpx
 import pytest
 
 from benchmarks.lib import plot
-from benchmarks.serving import loadgen, scrape
-from benchmarks.serving.client import Api, send
-from benchmarks.serving.metrics import RequestRecord, summarize
-from benchmarks.serving.runner import RunConfig
-from benchmarks.serving.tokens import TAG_DIGITS, TokenSource
-from benchmarks.serving.trace import Synthesizer, read_trace, scaled_lengths
-from benchmarks.serving.workloads import WorkloadSpec, build
+from kvcentric.bench_serving import loadgen, scrape
+from kvcentric.bench_serving.client import Api, send
+from kvcentric.bench_serving.metrics import RequestRecord, summarize
+from kvcentric.bench_serving.runner import RunConfig
+from kvcentric.bench_serving.tokens import TAG_DIGITS, TokenSource
+from kvcentric.bench_serving.trace import Synthesizer, read_trace, scaled_lengths
+from kvcentric.bench_serving.workloads import WorkloadSpec, build
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer
 
@@ -458,7 +458,7 @@ def test_compare_helpers() -> None:
 
 
 def test_trace_sampling_keeps_whole_conversations(src: TokenSource, trace_file: Path) -> None:
-    from benchmarks.serving.trace import sampled, session_key
+    from kvcentric.bench_serving.trace import sampled, session_key
 
     recs = read_trace(trace_file, 2000)
     kept = {session_key(r) for r in recs if sampled(r, 0.5, seed=5)}

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serving import loadgen
-from benchmarks.serving.runner import prompt_kind
-from benchmarks.serving.tokens import TokenSource
-from benchmarks.serving.workloads import WorkloadSpec, build
+from kvcentric.bench_serving import loadgen
+from kvcentric.bench_serving.runner import prompt_kind
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.workloads import WorkloadSpec, build
 from kvcentric.testing import models
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer

@@ -63,7 +63,7 @@ def test_per_request_joins_client_and_engine_records_on_the_request_id() -> None
 
 def test_a_warmed_hot_prefix_workload_serves_each_prefix_once_first() -> None:
     from benchmarks.serving.fleet_compare import warmed
-    from benchmarks.serving.workloads import Session, Turn, Workload
+    from kvcentric.bench_serving.workloads import Session, Turn, Workload
 
     a, b = (1, 2, 3), (4, 5, 6)
     w = Workload("shared-prefix", [Session(f"s{i}", float(i), (Turn((9, 8, i), 16),), sy)

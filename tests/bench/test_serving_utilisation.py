@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.serving import report, utilisation
+from benchmarks.serving import report
+from benchmarks.serving.utilisation import boxes
+from kvcentric.bench_serving import utilisation
 from kvcentric.testing.servers import free_port
 from tests.helpers.waiting import wait_until
 
@@ -103,7 +105,7 @@ def test_box_plot_and_report_table(tmp_path: Path) -> None:
                 "utilisation": utilisation.summarise(rows, 0.5)}
 
     results = [arm("round-robin", [0, 1, 2]), arm("ours", [1, 1, 1])]
-    path = utilisation.boxes(results, tmp_path / "u.png", "t")
+    path = boxes(results, tmp_path / "u.png", "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = report.utilisation_table(results)
     assert len([x for x in lines if x.startswith("| round-robin |")]) == 2
