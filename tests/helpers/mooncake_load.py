@@ -2,7 +2,10 @@
 
     python tests/helpers/mooncake_load.py CONFIG_JSON SECONDS
 
-Every round puts 4 new objects and reads back 4 random earlier ones, verifying each byte.
+Every round puts 4 new objects and reads back 4 random earlier ones, verifying each byte,
+and prints ``ok`` or ``fail`` (any put refused) on a line of its own, so a test can wait
+for the load's own evidence (steady, outage seen, recovered) instead of for a time. It
+runs until its stdin is closed (EOF) or SECONDS have passed, whichever comes first.
 Reported: how many calls each outcome had, the slowest call, the time of the last failed
 and of the first successful round after a failure (so a test sees outage and recovery),
 and ``bad``: reads that returned wrong bytes (must stay 0, whatever the store does).
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import select
 import sys
 import time
 
@@ -20,6 +24,11 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from kvcentric.store import OK, open_store  # noqa: E402
 from tests.helpers.payload import payload, size_of  # noqa: E402
+
+
+def _stdin_closed() -> bool:
+    """True once the test closed our stdin (readable and at EOF)."""
+    return bool(select.select([sys.stdin], [], [], 0)[0]) and sys.stdin.read(1) == ""
 
 
 def main() -> None:
@@ -34,7 +43,7 @@ def main() -> None:
     store.register_buffer(arena.ctypes.data, arena.nbytes)
     print("ready", flush=True)
     i = 0
-    while time.monotonic() - t_start < seconds:
+    while time.monotonic() - t_start < seconds and not _stdin_closed():
         keys = [f"load/{i}/{j}" for j in range(4)]
         i += 1
         data = [payload(k, size_of(k)) for k in keys]
@@ -59,7 +68,8 @@ def main() -> None:
             last_fail, first_ok_after_fail = now, None
         elif last_fail is not None and first_ok_after_fail is None:
             first_ok_after_fail = now
-        time.sleep(0.02)
+        print("fail" if any(c < 0 for c in put) else "ok", flush=True)
+        time.sleep(0.02)  # not-sync: the load's pace, a round every 20 ms at most
     print(json.dumps({"codes": codes, "bad": bad, "slowest_s": slowest, "rounds": i,
                       "last_fail_s": last_fail, "first_ok_after_fail_s": first_ok_after_fail}))
     store.close()

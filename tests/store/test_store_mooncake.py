@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from kvcentric.store import (
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
 from tests.helpers.mooncake_cluster import ROOT, MooncakeCluster, clean_env, cluster, end
 from tests.helpers.payload import payload, size_of
+from tests.helpers.waiting import wait_until
 from tests.store.store_contract import WORKER, StoreContract, get, put
 
 pytest.importorskip("mooncake.store", reason="the Mooncake wheel is not installed")
@@ -247,20 +249,31 @@ def test_full_store_refuses_puts_cleanly(mc: MooncakeCluster) -> None:
 
 
 def test_master_killed_calls_fail_fast_then_recover(mc: MooncakeCluster) -> None:
+    """The load's own rounds mark each phase (tests/helpers/mooncake_load.py prints ok or
+    fail per round): steady, then the master is killed until the load has seen the
+    outage for a few rounds, then a fresh master until it succeeds again."""
     mc.start_node("steady", "64mb")
-    load = spawn(mc, [sys.executable, str(LOAD), json.dumps(mc.store_config()), "16"],
-                 stdout=subprocess.PIPE)
+    load = spawn(mc, [sys.executable, str(LOAD), json.dumps(mc.store_config()), "300"],
+                 stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    lines: list[str] = []
     try:
         assert load.stdout is not None and load.stdout.readline().strip() == "ready"
-        time.sleep(3)
+        threading.Thread(target=lambda: lines.extend(ln.strip() for ln in load.stdout or ()),
+                         daemon=True).start()
+        assert wait_until(lambda: lines.count("ok") >= 20, 60), lines[-5:]  # steady
         mc.kill_master()
-        time.sleep(4)
+        assert wait_until(lambda: lines.count("fail") >= 5, 60), lines[-5:]  # seen, lasting
         mc.start_master()  # a fresh master: empty, the node remounts its segment
-        out, _ = load.communicate(timeout=60)
+        n = len(lines)
+        assert wait_until(lambda: "ok" in lines[n:], 60), lines[-5:]  # it recovered
+        assert load.stdin is not None
+        load.stdin.close()  # the load ends its round and reports
+        load.wait(timeout=60)
+        assert wait_until(lambda: bool(lines) and lines[-1].startswith("{"), 10)
     finally:
         end(load, signal.SIGKILL)
         mc.kill_node("steady", signal.SIGTERM)
-    res = json.loads(out.strip().splitlines()[-1])
+    res = json.loads(lines[-1])
     assert res["bad"] == 0, res
     assert res["codes"].get(str(ERR_UNAVAILABLE), 0) > 0, res  # the outage was seen
     assert res["slowest_s"] < 6.0, res  # at most one Mooncake reconnect stall, no hang
