@@ -50,7 +50,8 @@ from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS = sorted(PYPROJECT["project"]["scripts"])
-MODULE_FORMS = ("kvcentric.cli", "kvcentric.router.cli", "kvcentric.store.mooncake.service")
+MODULE_FORMS = ("kvcentric.cli", "kvcentric.router.cli", "kvcentric.store.mooncake.service",
+                "kvcentric.bench_serving")
 README_BLOCK = "kvcentric-router init"  # the quickstart's bash block holds this command
 
 
@@ -190,6 +191,10 @@ def test_a_missing_extra_is_one_line_naming_it(plain: Path, tmp_path: Path) -> N
         (["kvcentric", "store", "mooncake-node", "--segment", "1gb", "--master",
           "127.0.0.1:9"], mooncake),
         (["python", "-m", "kvcentric.store.mooncake.service", "mooncake-master"], mooncake),
+        (["kvcentric", "bench", "--base-url", "http://127.0.0.1:9", "--model", "m",
+          "--tokenizer", "model"], router),
+        (["python", "-m", "kvcentric.bench_serving", "--base-url", "http://127.0.0.1:9",
+          "--model", "m", "--tokenizer", "model"], router),
     ]
     for cmd, needle in cases:
         _one_line(_run(cmd, plain, tmp_path), needle)
