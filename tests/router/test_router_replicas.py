@@ -28,6 +28,7 @@ from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.testing.models import build_model
+from tests.helpers.waiting import wait_until
 
 FAST = EngineProfile("fast", "test", api_s=0.001, step_s=0.004, prefill_token_s=2e-5,
                      prefill_pair_s=1e-9, decode_seq_s=1e-4, decode_ctx_s=0.0)
@@ -143,13 +144,16 @@ def test_a_restarted_replica_routes_by_prefix_within_2_s_and_only_in_flight_fail
 
         th = threading.Thread(target=lambda: asyncio.run(load()))
         th.start()
-        time.sleep(1.0)
+        # the load flows through both replicas before the kill
+        assert wait_until(lambda: {x[0] for x in results if x[3] == 200} == {a.url, b.url},
+                          60), results[-3:]
         assert b.proc is not None
         t_kill = time.monotonic()
         os.killpg(os.getpgid(b.proc.pid), signal.SIGKILL)
         b.proc.wait()
         t_dead = time.monotonic()  # requests sent before this may have reached it
-        time.sleep(0.5)
+        # the load has met the dead replica (and failed over) before it comes back
+        assert wait_until(lambda: any(x[0] == b.url and x[1] > t_dead for x in results), 60)
         b.start()
         b.wait_ready(120)
         t_ready = time.monotonic()
@@ -160,7 +164,10 @@ def test_a_restarted_replica_routes_by_prefix_within_2_s_and_only_in_flight_fail
                 t_prefix = time.monotonic()
                 break
             time.sleep(0.05)
-        time.sleep(1.0)
+        # and keeps flowing through the restarted replica for a few more requests
+        assert t_prefix is not None
+        assert wait_until(lambda: sum(x[0] == b.url and x[1] > t_prefix and x[3] == 200
+                                      for x in results) >= 5, 60), results[-3:]
         stop.set()
         th.join(60)
         assert t_prefix is not None and t_prefix - t_ready <= 2.0, t_prefix
@@ -183,13 +190,21 @@ def test_replicas_see_the_same_residency(fleet: tuple[EmulatedFleet, Path]) -> N
             g.wait_ready(120)
         for i in range(6):
             assert complete(gws[i % 2].url, prompt(200 + i, 512)).status_code == 200
-        time.sleep(1.5)
-        views = [{i["name"]: i["resident_blocks"] for i in
-                  httpx.get(g.url + "/instances", timeout=10).json()["instances"]}
-                 for g in gws]
-        assert views[0] == views[1] and sum(views[0].values()) > 0
+
+        def views() -> list[dict[str, int]]:
+            return [{i["name"]: i["resident_blocks"] for i in
+                     httpx.get(g.url + "/instances", timeout=10).json()["instances"]}
+                    for g in gws]
+
         want = set(block_hashes(prompt(200, 512), 128, hash_seed("bench")))
         assert len(want) == 4
+        # the KV events reach both replicas: wait until each holds every prompt's blocks
+        # (6 prompts of 4 blocks: positive evidence that all events arrived) and their
+        # views agree
+        seen: list[list[dict[str, int]]] = []
+        assert wait_until(lambda: seen.append(views()) or (
+            seen[-1][0] == seen[-1][1] and sum(seen[-1][0].values()) >= 6 * len(want)),
+            30, interval=0.2), seen[-1:]
     finally:
         for g in gws:
             g.stop()
