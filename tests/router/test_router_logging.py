@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import yaml
 
 from benchmarks.lib.paths import module_command
 from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http
+from tests.helpers.waiting import wait_until
 
 
 @pytest.mark.parametrize("level,polls_logged", [("info", False), ("debug", True)])
@@ -20,7 +20,7 @@ def test_health_polls_stay_out_of_the_info_log(tiny_dir: str, tmp_path: Path, le
                                                polls_logged: bool) -> None:
     eport, rport = free_port(), free_port()
     cfg = {"model": "tiny", "tokenizer": tiny_dir, "listen": {"port": rport},
-           "log_level": level, "health": {"interval_s": 0.1},
+           "log_level": level, "health": {"interval_s": 0.1, "metrics_interval_s": 0.1},
            "instances": [{"url": f"http://127.0.0.1:{eport}", "role": "both", "name": "e0"}]}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(cfg))
     stub = router = None
@@ -32,7 +32,19 @@ def test_health_polls_stay_out_of_the_info_log(tiny_dir: str, tmp_path: Path, le
                         str(tmp_path / "r.yaml")], tmp_path / "router.log")
         url = f"http://127.0.0.1:{rport}"
         wait_http(url + "/health", router, tmp_path / "router.log")
-        time.sleep(1.5)  # ~15 polls of /health and /metrics
+        # positive evidence that the router polled: the stub counts the /metrics reads
+        # (its counters grow with them; our own reads are counted and taken off)
+        own = 0
+
+        def polled() -> int:
+            nonlocal own
+            own += 1
+            page = httpx.get(f"http://127.0.0.1:{eport}/metrics", timeout=5).text
+            n = next(float(ln.split()[-1]) for ln in page.splitlines()
+                     if ln.startswith("vllm:prompt_tokens_total"))
+            return int(n) // 97 - own
+
+        assert wait_until(lambda: polled() >= 10, 60)  # ~10 polls of /metrics, more of /health
         inst = httpx.get(url + "/instances", timeout=5).json()["instances"]
         assert inst and all(i["healthy"] for i in inst)
     finally:
