@@ -301,8 +301,7 @@ def test_unstartable_store_recomputes_with_identical_tokens(
         with open_store(cfg | {"autostart": False}) as st:
             pid = st.stats()["pid"]
         os.kill(pid, signal.SIGKILL)
-        while launcher.pid_alive(pid):
-            time.sleep(0.05)
+        assert wait_until(lambda: not launcher.pid_alive(pid), 10)
         rt.rename(runtime_dir / "gone-rt.moved")
         rt.write_text("not a directory")
         srv.reset_prefix_cache()
