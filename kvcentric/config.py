@@ -193,6 +193,73 @@ MAX_PUT_WAIT_S = 0.5  # a held-back put must stay well inside any client's op ti
 DEFAULT_DIRTY_LIMIT = 0.5
 
 
+_EVENT_ENDPOINT = re.compile(r"^(tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}"
+                             r"|ipc:///\S+)$")
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """The local store's standard KV events (docs/store.md §KV events): RFC #1527
+    ``stored``/``removed``/``cleared`` for its DRAM (``cpu``) and disk (``disk``) tiers.
+
+    Fields:
+        endpoint: the ZMQ PUB socket the coordinator binds (``tcp://HOST:PORT`` or
+            ``ipc:///path``); subscribers connect.
+        replay_endpoint: the ROUTER socket it binds for replays (vLLM's protocol: a
+            subscriber that missed batches asks for them by sequence number), or ``None``.
+        buffer_batches: batches kept for replay (the oldest dropped first).
+        allow_remote: bind a non-loopback ``tcp`` address (anyone who reaches it sees which
+            prefixes the store holds).
+
+    Needs pyzmq (the ``router`` extra); checked here, once.
+    """
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    buffer_batches: int = 10_000
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        import importlib.util
+
+        for name in ("endpoint", "replay_endpoint"):
+            ep = getattr(self, name)
+            if ep is None and name == "replay_endpoint":
+                continue
+            m = _EVENT_ENDPOINT.match(ep) if isinstance(ep, str) else None
+            if m is None:
+                raise ValueError(f"store.events.{name} must be tcp://HOST:PORT or ipc:///path, "
+                                 f"got {ep!r}")
+            host = (m.group("host") or "").strip("[]")
+            if host and not self.allow_remote and not _loopback_host(host):
+                raise ValueError(f"store.events.{name} {ep} is not a loopback address: set "
+                                 "store.events.allow_remote: true to publish beyond this host")
+        if self.replay_endpoint == self.endpoint:
+            raise ValueError("store.events.replay_endpoint must differ from its endpoint")
+        if not isinstance(self.buffer_batches, int) or self.buffer_batches < 1:
+            raise ValueError("store.events.buffer_batches must be a positive integer")
+        if importlib.util.find_spec("zmq") is None:
+            raise ValueError("store.events needs pyzmq, which is not installed: "
+                             "pip install 'kvcentric[router]'")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | EventsConfig) -> EventsConfig:
+        if isinstance(raw, EventsConfig):
+            return raw
+        return cls(**parse_fields(cls, raw, "store.events"))
+
+
+def _loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class DiskConfig:
     """The local store's optional disk (SSD) tier (docs/store.md §Disk tier).
@@ -349,6 +416,7 @@ class StoreConfig:
             counted ``pins_refused``). ``None``: half the capacity
             (:attr:`pinned_bytes_cap`).
         disk: the local store's disk tier (:class:`DiskConfig`), or ``None`` for DRAM only.
+        events: the local store's standard KV events (:class:`EventsConfig`), or ``None``.
         mooncake: backend-specific settings (see ``kvcentric.store.mooncake``).
     """
 
@@ -372,6 +440,7 @@ class StoreConfig:
     max_pin_s: float = 60.0
     max_pinned_bytes: int | None = None
     disk: DiskConfig | None = None
+    events: EventsConfig | None = None
     mooncake: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -402,6 +471,12 @@ class StoreConfig:
             raise ValueError("min_transfer_rate must be > 0 (bytes per second)")
         if self.disk is not None and not isinstance(self.disk, DiskConfig):
             raise ValueError("disk must be a DiskConfig (parse mappings with from_dict)")
+        if self.events is not None and not isinstance(self.events, EventsConfig):
+            raise ValueError("events must be an EventsConfig (parse mappings with from_dict)")
+        if self.events is not None and self.backend != "local":
+            raise ValueError("store.events is the local store's publisher; a Mooncake master "
+                             "publishes its own (enable_kv_events), registered with the "
+                             "router's indexer as type Mooncake")
         if self.disk is not None and self.backend != "local":
             raise ValueError("store.disk is the local store's SSD tier; for Mooncake set "
                              "mooncake.ssd_offload_path (its own SSD offload)")
@@ -423,6 +498,8 @@ class StoreConfig:
                                  "min_transfer_rate"})
         if kw.get("disk") is not None:
             kw["disk"] = DiskConfig.from_dict(kw["disk"])
+        if kw.get("events") is not None:
+            kw["events"] = EventsConfig.from_dict(kw["events"])
         return cls(**kw)
 
     def with_(self, **changes: Any) -> StoreConfig:

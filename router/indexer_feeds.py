@@ -14,7 +14,7 @@ replays gaps):
   the token ids, each engine hash remembered (bounded) to find a child's parent and to
   resolve removals. A page size other than the registered ``block_size``, an unknown
   parent, or multimodal extra keys make an event unindexable: it is counted, not guessed.
-- ``Mooncake`` (its master's publisher) and ``kvcentric`` (our store's): RFC #1527 maps
+- ``Mooncake`` (its master's publisher, or any pool publishing standard hashes): RFC #1527 maps
   (``event_type`` ``stored``/``removed``/``cleared``, ``seq_hashes``, ``parent_hash``,
   ``base_block_idx``, ``token_ids``, ``medium``, ``tenant_id``, ``backend_id``). These
   are shared pools: their blocks count for every instance of the scope.
@@ -38,7 +38,7 @@ from kvcentric.seq_hash import seq_hashes
 log = logging.getLogger("router.indexer")
 
 ENGINE_TYPES = ("vLLM", "SGLang")
-POOL_TYPES = ("Mooncake", "kvcentric")
+POOL_TYPES = ("Mooncake",)
 PUBLISHER_TYPES = (*ENGINE_TYPES, *POOL_TYPES)
 _U64 = 2**64
 _MEDIA = {"cpu_pinned": "cpu"}  # SGLang's host tier is "CPU_PINNED"

@@ -41,6 +41,7 @@ from kvcentric.store.base import (
     OK,
 )
 from kvcentric.store.local.allocator import ExtentAllocator
+from kvcentric.store.local.events import CPU, DISK, StoreEvents
 from kvcentric.store.local.shared_index import SharedIndexWriter
 
 PENDING, COMMITTED = 0, 1
@@ -110,6 +111,7 @@ class ObjectIndex:
         self._pins: dict[int, dict[str, Entry]] = {}  # owner -> its pinned entries
         self._pinned_bytes: dict[int, int] = {}
         self.shared = shared
+        self.events: StoreEvents | None = None  # the coordinator's KV event publisher
         self.entries: dict[str, Entry] = {}
         self._orphans: dict[str, list[Entry]] = {}  # parent key -> committed, unlinked children
         self._leaves: OrderedDict[str, Entry] = OrderedDict()  # evictable candidates, LRU first
@@ -150,6 +152,8 @@ class ObjectIndex:
                 self._orphans.setdefault(e.parent, []).append(e)
         self._leaves[key] = e
         self._publish(e)
+        if self.events is not None:  # a disk-only object recovered at restart is on disk
+            self.events.stored(e, CPU if e.offset >= 0 else DISK)
         for orphan in self._orphans.pop(key, []):
             self._link(e, orphan)
             self._update_subtree(orphan)
@@ -283,6 +287,11 @@ class ObjectIndex:
 
     def _drop(self, e: Entry) -> None:
         del self.entries[e.key]
+        if self.events is not None:
+            if e.offset >= 0:
+                self.events.removed(e.key, CPU)
+            if e.disk_path is not None:
+                self.events.removed(e.key, DISK)
         if e.pin_owner >= 0:
             self._unpin(e)
         self._leaves.pop(e.key, None)

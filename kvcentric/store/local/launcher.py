@@ -45,6 +45,10 @@ def config_json(cfg: StoreConfig) -> str:
                        "writers": d.writers, "high_watermark": d.high_watermark,
                        "dirty_limit": d.dirty_limit, "put_wait_s": d.put_wait_s,
                        "seal_key": d.seal_key}
+    if cfg.events is not None:
+        ev = cfg.events
+        raw["events"] = {"endpoint": ev.endpoint, "replay_endpoint": ev.replay_endpoint,
+                         "buffer_batches": ev.buffer_batches, "allow_remote": ev.allow_remote}
     return json.dumps(raw)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import gate, trust, wire
 from kvcentric.store.local.demoter import DiskWorker
+from kvcentric.store.local.events import StoreEvents
 from kvcentric.store.local.gate import Forbidden, Gate
 from kvcentric.store.local.holdback import Holdback
 from kvcentric.store.local.index import ObjectIndex
@@ -51,6 +52,7 @@ ONE_WAY = frozenset({"release", "settle"})  # requests that get no reply
 # requests that never write the shared index
 READ_ONLY = frozenset({"exists", "residency", "hello", "stats", "keys", "release"})
 DISK_EVENT = "disk"  # selector data of the disk worker's wake-up pipe
+REPLAY_EVENT = "replay"  # selector data of the KV event replay socket
 
 
 class _Client:
@@ -88,6 +90,7 @@ class Coordinator:
         self._running = True
         self._idle_since = time.monotonic()
         self._sock_ino = -1  # the inode of the socket we listen on (see _reachable)
+        self._events: StoreEvents | None = None
 
     def prepare(self) -> None:
         """Claim the store and reserve its memory (the lifetime lock, a fresh arena and
@@ -131,6 +134,24 @@ class Coordinator:
         self.index.recovering = True
         self._disk.submit("recover")
 
+    def _start_events(self) -> None:
+        """Bind the KV event publisher (after any detaching fork: ZMQ's threads do not
+        survive one). An address that cannot be bound is logged and the store serves
+        without events: they are opt-in metadata, and a store that refused KV over its
+        event port would turn a monitoring problem into recomputes everywhere."""
+        if self.cfg.events is None:
+            return
+        try:
+            self._events = StoreEvents(self.cfg.events, self.cfg.name)
+        except Exception as exc:  # noqa: BLE001 -- zmq.ZMQError, without importing zmq here
+            log.error("store %r: KV events off: cannot bind %s / %s: %s", self.cfg.name,
+                      self.cfg.events.endpoint, self.cfg.events.replay_endpoint, exc)
+            return
+        self.index.events = self._events
+        fd = self._events.replay_fd
+        if fd is not None:
+            self._sel.register(fd, selectors.EVENT_READ, REPLAY_EVENT)
+
     def _disk_turn(self, now: float, woken: bool) -> None:
         """Apply finished disk I/O and queue more demotions (never waits for the disk)."""
         idx = self.index
@@ -165,6 +186,7 @@ class Coordinator:
         assert self.gen is not None and self._shared is not None
         self.gen.record_pid()  # after a detaching fork, the pid is the child's
         self.index.shared = self._shared
+        self._start_events()  # before the disk tier: its recovered files are events too
         self._start_disk()
         lsock = self._listen()
         self._sel.register(lsock, selectors.EVENT_READ, None)
@@ -181,6 +203,8 @@ class Coordinator:
                     if skey.data == DISK_EVENT:
                         woken = True
                         continue
+                    if skey.data == REPLAY_EVENT:
+                        continue  # answered below, after this turn's events are out
                     try:
                         if events & selectors.EVENT_WRITE and not self._flush(skey.data):
                             continue
@@ -192,6 +216,9 @@ class Coordinator:
                 now = time.monotonic()
                 self._disk_turn(now, woken)
                 self._holdback_turn(now)
+                if self._events is not None:
+                    self._events.flush()
+                    self._events.serve_replays()
                 self._shared.beat()
                 if self.cfg.lease_ttl_s > 0 and now - last_sweep >= LEASE_SWEEP_INTERVAL_S:
                     self._expire_leases(now)
@@ -434,6 +461,9 @@ class Coordinator:
         lsock.close()
         if self._disk is not None:
             self._disk.close()  # finishes queued writes; the tier's files stay for a restart
+        if self._events is not None:
+            self._events.flush()
+            self._events.close()
         if self._shared is not None:
             self._shared.disable("coordinator stopped")
             self._shared.close()

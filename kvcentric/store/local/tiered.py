@@ -54,6 +54,7 @@ from typing import Any
 from kvcentric.store.base import ERR_EXISTS, ERR_INVALID, ERR_NO_SPACE, OK
 from kvcentric.store.local import disk
 from kvcentric.store.local.demoter import Recovered, RecoveryDone, WriteDone, WriteJob
+from kvcentric.store.local.events import CPU, DISK
 from kvcentric.store.local.index import Entry, ObjectIndex
 from kvcentric.store.local.shared_index import SharedIndexWriter
 
@@ -195,6 +196,8 @@ class TieredIndex(ObjectIndex):
         return True
 
     def _leave_dram(self, e: Entry) -> None:
+        if self.events is not None:
+            self.events.removed(e.key, CPU)
         del self._clean[e.key]
         self.alloc.free(e.offset, e.size)
         e.offset = -1
@@ -299,6 +302,8 @@ class TieredIndex(ObjectIndex):
             return
         if done.ok:
             self._clean[e.key] = e
+            if self.events is not None:
+                self.events.stored(e, DISK)
         else:
             self._dirty[e.key] = e
             self._dirty.move_to_end(e.key, last=False)
@@ -363,6 +368,8 @@ class TieredIndex(ObjectIndex):
             if code == PROMOTE and live and id(e) in mine:
                 e.offset, e.promo = e.promo, -1
                 self._clean[e.key] = e
+                if self.events is not None:
+                    self.events.stored(e, CPU)
                 self.tiers.promotions += 1
             elif code in (CORRUPT, MISSING) and live:
                 if code == CORRUPT:
