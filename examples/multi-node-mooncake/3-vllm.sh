@@ -14,6 +14,10 @@ kv=$(cat <<JSON
 JSON
 )
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+# Mooncake's transfer engine binds its listener to the first non-loopback address unless
+# told; bind it to the address the connector advertises (local_hostname), which the
+# connector requires of a loopback one
+export MC_TCP_BIND_ADDRESS="${MC_TCP_BIND_ADDRESS:-$host}"
 exec $PY -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name tiny \
   --host "$host" --port "$port" --dtype float32 --max-model-len 4096 --enforce-eager \
   --kv-transfer-config "$kv" "$@"
