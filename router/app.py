@@ -51,6 +51,7 @@ from kvcentric.router.peers import PeerSync
 from kvcentric.router.proxy import Proxy
 from kvcentric.router.replication import Replicator
 from kvcentric.router.scheduler import Conductor
+from kvcentric.router.store_events import StoreFeed
 from kvcentric.router.store_view import StoreView
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.router.upstream import Upstreams
@@ -83,6 +84,7 @@ class RouterState:
     client: Upstreams | None = None
     zmq_ctx: zmq.asyncio.Context | None = None
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    store_listener: EventListener | None = None  # the store's KV events (store_events)
     # (instance, page size) pairs already warned about a pinned keys.block_size
     block_size_warned: set[tuple[str, int]] = field(default_factory=set)
 
@@ -221,7 +223,10 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
                         "`kvcentric-router profile` for predictions worth the name")
             profile = Profile()
     kvb = cfg.cost.kv_bytes_per_token or kv_bytes_per_token(cfg.tokenizer, cfg.cost.kv_dtype)
-    store = StoreView(cfg.store, cfg.model_id, layout_sig=cfg.keys.layout_sig,
+    se = cfg.store_events
+    feed = (StoreFeed(cfg.model_id, cfg.keys.layout_sig, cfg.keys.tp_size, se.max_keys)
+            if se.enabled else None)
+    store = StoreView(cfg.store, cfg.model_id, layout_sig=cfg.keys.layout_sig, feed=feed,
                       tp_size=cfg.keys.tp_size, ttl_s=cfg.cache.store_ttl_s,
                       negative_ttl_s=cfg.cache.store_negative_ttl_s)
     conductor = Conductor(cfg, profile, kvb, store)
@@ -251,6 +256,14 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
                                  state.transport)
         state.proxy = Proxy(state.conductor, state.client, state.metrics)
         state.zmq_ctx = zmq.asyncio.Context()
+        feed = state.conductor.store.feed
+        if feed is not None:
+            se = cfg.store_events
+            assert se.endpoint is not None
+            state.store_listener = EventListener(state.zmq_ctx, se.endpoint, feed.on_events,
+                                                 bind=False, replay=se.replay_endpoint)
+            state.tasks["store-events"] = asyncio.get_running_loop().create_task(
+                state.store_listener.run())
         for spec in cfg.instances:
             state.add_instance(spec)
         await state.check_all()  # instances enter rotation here, or when they answer
@@ -283,6 +296,8 @@ def build_app(cfg: RouterConfig, **kwargs: Any) -> FastAPI:
                 if inst.listener is not None:      # before its first step never closed
                     inst.listener.close()          # its socket, and term() would wait on it
             state.indexer.close()
+            if state.store_listener is not None:
+                state.store_listener.close()
             state.zmq_ctx.term()
             state.conductor.store.close()
 

@@ -292,6 +292,38 @@ class PeersConfig:
         return bool(self.publish or self.connect)
 
 
+_STORE_EVENTS = re.compile(r"^(tcp://[^\s*/:]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:\d{1,5}"
+                           r"|ipc:///\S+)$")
+
+
+@dataclass(frozen=True)
+class StoreEventsConfig:
+    """The store's own KV events as the router's view of it
+    (:mod:`kvcentric.router.store_events`, docs/router.md §Store residency): ``endpoint``
+    the store's PUB socket (a Mooncake master's ``kv_events_bind_endpoint``, or our local
+    store's ``store.events.endpoint``; the store binds, the router connects),
+    ``replay_endpoint`` its replay socket (or null), ``max_keys`` remembered. Off when
+    ``endpoint`` is unset; then the router asks the store (``store``) per request."""
+
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    max_keys: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            ep = getattr(self, name)
+            if ep is not None and (not isinstance(ep, str) or not _STORE_EVENTS.match(ep)):
+                raise ValueError(f"store_events.{name} must be the store's address, "
+                                 f"tcp://HOST:PORT or ipc:///PATH (no wildcard), got {ep!r}")
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise ValueError("store_events.replay_endpoint needs store_events.endpoint")
+        _positive(self, "max_keys")
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
+
+
 @dataclass(frozen=True)
 class IndexerConfig:
     """Mooncake's Conductor indexer API on the router (:mod:`kvcentric.router.indexer_routes`,
@@ -329,6 +361,7 @@ class RouterConfig:
     peers: PeersConfig = field(default_factory=PeersConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
+    store_events: StoreEventsConfig = field(default_factory=StoreEventsConfig)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -363,7 +396,8 @@ class RouterConfig:
                            ("cost", CostConfig), ("health", HealthConfig),
                            ("upstream", UpstreamConfig), ("cache", CacheConfig),
                            ("replication", ReplicationConfig), ("peers", PeersConfig),
-                           ("memory", MemoryConfig), ("indexer", IndexerConfig)):
+                           ("memory", MemoryConfig), ("indexer", IndexerConfig),
+                           ("store_events", StoreEventsConfig)):
             raw[name] = _section(cls_, name, raw.get(name))
         insts = raw.get("instances") or []
         if not isinstance(insts, list):

@@ -15,6 +15,10 @@ for large mooncake deployments, whose ``list_keys`` dumps every key) or discover
 from the keys engines have stored (``list_keys("kvc/v2/{model_id}/")``). Before any engine
 stored a block there is nothing to find, which is also the right answer (0 blocks).
 
+With a :class:`~kvcentric.router.store_events.StoreFeed` (the store's own KV events,
+``store_events`` in the router config) the view answers from the feed alone: no store
+call, no cache, no discovery (the feed learns the layout from the events).
+
 Thread use: store calls run on one worker thread so a slow store never blocks the event
 loop; callers wait at most ``wait_s`` and otherwise use what the cache knows.
 """
@@ -30,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KEY_PREFIX, KeySpace, TailRef
+from kvcentric.router.store_events import StoreFeed
 from kvcentric.store import KVStore, Residency, StoreUnavailable, open_store
 
 log = logging.getLogger("router.store_view")
@@ -42,8 +47,10 @@ class StoreView:
 
     def __init__(self, cfg: StoreConfig | None, model_id: str, *, layout_sig: str | None = None,
                  tp_size: int = 1, ttl_s: float = 2.0, negative_ttl_s: float = 0.25,
-                 wait_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
+                 wait_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
+                 feed: StoreFeed | None = None) -> None:
         self.cfg = cfg
+        self.feed = feed
         self.model_id = model_id
         self.tp_size = tp_size
         self.ttl_s = ttl_s
@@ -64,17 +71,20 @@ class StoreView:
 
     @property
     def enabled(self) -> bool:
-        return self.cfg is not None
+        return self.cfg is not None or self.feed is not None
 
     @property
     def layout_sig(self) -> str | None:
-        return self._keyspace.layout_sig if self._keyspace else None
+        ks = self.feed.keyspace if self.feed is not None else self._keyspace
+        return ks.layout_sig if ks else None
 
     # ---- the cache (event-loop side, never blocks) ----
     def cached_run(self, hashes: Sequence[bytes | TailRef], now: float | None = None
                    ) -> tuple[int, bool]:
         """``(run, final)``: blocks known present, and whether that is the whole answer
         (all present, or the next one known absent) so no store call is needed."""
+        if self.feed is not None:
+            return self.feed.residency(hashes)[0], True
         if self.cfg is None:
             return 0, True
         now = self._clock() if now is None else now
@@ -183,7 +193,9 @@ class StoreView:
     async def residency(self, hashes: Sequence[bytes | TailRef]) -> Residency:
         """Leading items of ``hashes`` (block hashes, then possibly the prompt's tail)
         present in the store, and the positions among them it holds only on disk (cache
-        first, then one store call)."""
+        first, then one store call; the feed alone when there is one)."""
+        if self.feed is not None:
+            return Residency(*self.feed.residency(hashes))
         run, final = self.cached_run(hashes)
         if not final:
             if self._pool is None:
