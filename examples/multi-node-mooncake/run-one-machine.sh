@@ -22,10 +22,14 @@ wait_for() {  # wait_for FILE PATTERN SECONDS
   for _ in $(seq "$3"); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 1; done
   echo "timed out waiting for '$2' in $1" >&2; tail -20 "$1" >&2; return 1
 }
-wait_http() {  # wait_http URL SECONDS
+wait_http() {  # wait_http URL SECONDS [PID LOG]: gives up at once if PID exits
   for _ in $(seq "$2"); do
     $PY -c "import sys,urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" \
       2>/dev/null && return 0
+    if [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null; then
+      echo "the process serving $1 exited; the end of ${4:-its log}:" >&2
+      tail -20 "${4:-/dev/null}" >&2; return 1
+    fi
     sleep 1
   done
   echo "timed out waiting for $1" >&2; return 1
@@ -35,12 +39,12 @@ wait_http() {  # wait_http URL SECONDS
 wait_for "$logs/master.out" "mooncake master ready" 60
 ./2-storage-node.sh > "$logs/node.out" 2>&1 & pids+=($!)
 wait_for "$logs/node.out" "mooncake node ready" 60
-./3-vllm.sh 1 > "$logs/vllm1.log" 2>&1 & pids+=($!)
-./3-vllm.sh 2 > "$logs/vllm2.log" 2>&1 & pids+=($!)
-wait_http "http://$ENGINE1_HOST:$ENGINE1_PORT/health" 600
-wait_http "http://$ENGINE2_HOST:$ENGINE2_PORT/health" 600
+./3-vllm.sh 1 > "$logs/vllm1.log" 2>&1 & pids+=($!); e1=$!
+./3-vllm.sh 2 > "$logs/vllm2.log" 2>&1 & pids+=($!); e2=$!
+wait_http "http://$ENGINE1_HOST:$ENGINE1_PORT/health" 600 "$e1" "$logs/vllm1.log"
+wait_http "http://$ENGINE2_HOST:$ENGINE2_PORT/health" 600 "$e2" "$logs/vllm2.log"
 ./4-router.sh > "$logs/router.log" 2>&1 & pids+=($!)
-wait_http "http://$ROUTER_HOST:$ROUTER_PORT/health" 120
+wait_http "http://$ROUTER_HOST:$ROUTER_PORT/health" 120 "$!" "$logs/router.log"
 
 $PY - <<'PY'
 import os, random, httpx
