@@ -3,7 +3,7 @@
 Store put/get bandwidth against a plain memcpy of the same bytes, in one run.
 
     python -m benchmarks.micro.store [--backend local] [--quick] [--disk-dir DIR]
-                                     [--out FILE.json]
+                                     [--events] [--out FILE.json]
 
 For each object size (256 KiB - 2 MiB) it puts and gets batches of objects from this
 process, then from a second process, and times ``np.copyto`` of the same objects in the
@@ -13,6 +13,11 @@ evicted before every timed copy, so no arm profits from the previous one's cache
 medians over rounds and the ratios store/memcpy. ``--disk-dir`` gives the local store a disk
 tier there (8x a batch): puts then pay for the tier's bookkeeping and, in steady state, wait
 for its demotions (the store writes each batch to disk before DRAM can drop it).
+``--events`` turns on the store's KV events (docs/store.md §KV events) with a subscriber
+draining them in this process: every object is a block key, so every put and eviction
+publishes (keys are block keys in every run, so runs with and without compare).
+``--events-ab N`` measures what they cost: N rounds alternating a run without and a run
+with events, each summary ratio's median and range per side (``store_events_ab*.json``).
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import json
 import os
 import statistics
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
@@ -49,6 +56,47 @@ def cold() -> None:
     _SCRATCH.fill(_SCRATCH[0] + 1)
 
 
+def block_key(*parts: object) -> str:
+    """A block key of the key spec (so the store's KV events publish it), unique per
+    ``parts``."""
+    digest = xxhash.xxh3_128_hexdigest("/".join(map(str, parts)).encode())
+    return f"kvc/v2/bench/00112233445566ff/0of1/{digest}"
+
+
+class Drain:
+    """A subscriber reading every event batch the store publishes (a router's share of
+    the work), on a thread of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 100)
+        self._sock.connect(endpoint)
+        self.batches = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                self._sock.recv_multipart()
+                self.batches += 1
+            except zmq.Again:
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(0)
+        self._ctx.term()
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -64,7 +112,7 @@ def measure(cfg: dict[str, Any], obj_size: int, batch_bytes: int, rounds: int,
     put_t, get_t, cpy_t = [], [], []
     with open_store(cfg) as store:
         for r in range(rounds + 1):  # round 0 warms the arena pages
-            keys = [f"bench/{tag}/{obj_size}/{r}/{i}" for i in range(n)]
+            keys = [block_key(tag, obj_size, r, i) for i in range(n)]
             cold()
             t0 = time.perf_counter()
             codes = store.batch_put_from(keys, sp, sizes)
@@ -93,7 +141,7 @@ def cross_process(cfg: dict[str, Any], obj_size: int, batch_bytes: int, rounds: 
     """Gets in a second process of objects this process put, with its own memcpy baseline."""
     n = batch_bytes // obj_size
     src = [np.random.default_rng(i).integers(0, 255, obj_size, dtype=np.uint8) for i in range(n)]
-    keys = [f"bench/xproc/{obj_size}/{i}" for i in range(n)]
+    keys = [block_key("xproc", obj_size, i) for i in range(n)]
     with open_store(cfg) as store:
         codes = store.batch_put_from(keys, [a.ctypes.data for a in src], [obj_size] * n)
         assert codes == [OK] * n, codes[:3]
@@ -106,7 +154,7 @@ def cross_process(cfg: dict[str, Any], obj_size: int, batch_bytes: int, rounds: 
 
 def child(arg: str) -> None:
     cfg, obj_size, n, rounds = json.loads(arg)
-    keys = [f"bench/xproc/{obj_size}/{i}" for i in range(n)]
+    keys = [block_key("xproc", obj_size, i) for i in range(n)]
     dst = [np.ones(obj_size, np.uint8) for _ in range(n)]
     src = [np.random.default_rng(i).integers(0, 255, obj_size, dtype=np.uint8) for i in range(n)]
     dp, sizes = [a.ctypes.data for a in dst], [obj_size] * n
@@ -125,7 +173,7 @@ def child(arg: str) -> None:
             t3 = time.perf_counter()
             cold()
             t4 = time.perf_counter()
-            codes = store.batch_put_from([f"{k}/child/{r}" for k in keys], sp, sizes)
+            codes = store.batch_put_from([block_key(k, "child", r) for k in keys], sp, sizes)
             t5 = time.perf_counter()
             assert got == sizes and codes == [OK] * n, (got[:3], codes[:3])
             if r:
@@ -145,6 +193,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {"backend": args.backend, "name": name, "capacity_bytes": 4 * batch}
     if args.disk_dir is not None:
         cfg["disk"] = {"path": str(args.disk_dir), "capacity_bytes": 8 * batch}
+    drain = None
+    if args.events:
+        from kvcentric.testing.servers import free_port
+
+        cfg["events"] = {"endpoint": f"tcp://127.0.0.1:{free_port()}",
+                         "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        drain = Drain(cfg["events"]["endpoint"])
     sizes = [256 * KiB, 2 * MiB] if args.quick else [256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB]
     rows = []
     try:
@@ -156,6 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         from kvcentric.config import StoreConfig
         launcher.stop(StoreConfig.from_dict(cfg))
+        if drain is not None:
+            drain.close()
     med = statistics.median
     summary = {
         "put_vs_memcpy": med(r["put_gbps"] / r["memcpy_gbps"] for r in rows),
@@ -164,8 +221,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "xproc_put_vs_memcpy": med(r["xproc_put_gbps"] / r["xproc_memcpy_gbps"] for r in rows),
     }
     return {"benchmark": "store", "backend": args.backend, "quick": args.quick,
-            "disk_tier": args.disk_dir is not None,
+            "disk_tier": args.disk_dir is not None, "events": args.events,
+            "event_batches_received": drain.batches if drain is not None else None,
             "cpus": os.cpu_count(), "rows": rows, "summary": summary}
+
+
+def events_ab(args: argparse.Namespace, rounds: int) -> dict[str, Any]:
+    """Alternate runs without and with KV events; per summary ratio, each side's median
+    and range over the rounds, and with/without."""
+    sides: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for side in ("off", "on"):
+            args.events = side == "on"
+            sides[side].append(run(args)["summary"])
+    med = statistics.median
+    out: dict[str, Any] = {}
+    for k in sides["off"][0]:
+        off = [s[k] for s in sides["off"]]
+        on = [s[k] for s in sides["on"]]
+        out[k] = {"off_median": med(off), "off_range": [min(off), max(off)],
+                  "on_median": med(on), "on_range": [min(on), max(on)],
+                  "on_over_off": med(on) / med(off),
+                  "ranges_overlap": min(on) <= max(off) and min(off) <= max(on)}
+    return {"benchmark": "store_events_ab", "backend": args.backend, "quick": args.quick,
+            "rounds": rounds, "cpus": os.cpu_count(), "runs": sides, "summary": out}
 
 
 def print_table(res: dict[str, Any]) -> None:
@@ -185,6 +264,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--disk-dir", type=Path, default=None,
                     help="give the local store a disk tier in this directory")
+    ap.add_argument("--events", action="store_true",
+                    help="turn on the store's KV events, with a subscriber draining them")
+    ap.add_argument("--events-ab", type=int, default=0, metavar="N",
+                    help="N rounds alternating runs without and with events")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
@@ -198,6 +281,14 @@ def main() -> None:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.child:
         child(args.child)
+        return
+    if args.events_ab:
+        ab = events_ab(args, args.events_ab)
+        for k, v in ab["summary"].items():
+            print(f"{k}: off {v['off_median']:.3f} {v['off_range']}, on {v['on_median']:.3f} "
+                  f"{v['on_range']}, on/off {v['on_over_off']:.3f}")
+        out = args.out or RESULTS / f"store_events_ab{'_quick' if args.quick else ''}.json"
+        rw.write(out, ab, command=rw.command_line(__file__))
         return
     res = run(args)
     print_table(res)
