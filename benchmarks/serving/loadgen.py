@@ -1,4 +1,7 @@
-"""The repository's bench_serving runs: :mod:`kvcentric.bench_serving` with result files.
+"""How does an OpenAI-compatible endpoint serve multi-turn, shared-prefix or trace load?
+
+The repository's runs of the installed load generator, :mod:`kvcentric.bench_serving`,
+with result files.
 
     python -m benchmarks.serving.loadgen --base-url http://127.0.0.1:8000 \\
         --model NAME --tokenizer MODEL_DIR --workload multi-turn --num-users 8 \\
