@@ -1,4 +1,5 @@
-"""The router's config against its engines: reachable, same model, same keys."""
+"""The router's config: the files it names, read as the router reads them, and its
+engines: reachable, same model, same keys."""
 
 from __future__ import annotations
 
