@@ -27,6 +27,7 @@ from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
 
 HOST, RPC_PORT, METRICS_PORT, METADATA_PORT = "127.0.0.1", 50051, 9003, 8080
 ROOT = Path(__file__).resolve().parents[2]
+CLIENT_TTL_S = 5  # the master's client TTL in tests (see MooncakeCluster)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -51,12 +52,21 @@ def end(proc: subprocess.Popen[Any] | None, sig: int = signal.SIGTERM,
 
 
 class MooncakeCluster:
-    """A master (``lease_ttl_ms`` read leases) and named storage nodes in one namespace."""
+    """A master (``lease_ttl_ms`` read leases; a node or client silent for ``client_ttl_s``
+    is dropped with its segment) and named storage nodes in one namespace.
+
+    ``client_ttl_s`` is shorter than Mooncake's default (10 s): tests that kill a node wait
+    for the master to drop it, and that wait is this TTL. It stays well above a heartbeat's
+    delay on a loaded box, above the longest SIGSTOP a test holds a node or the master for
+    (a live node would be dropped), and above the one request a test sends right after a
+    kill to see the dead node's objects still listed (a load error, not a miss)."""
 
     def __init__(self, logdir: Path, lease_ttl_ms: int = 500, http_metadata: bool = False,
-                 ns: NetNamespace | None = None, port_offset: int = 0) -> None:
+                 ns: NetNamespace | None = None, port_offset: int = 0,
+                 client_ttl_s: int = CLIENT_TTL_S) -> None:
         self.logdir = logdir
         self.lease_ttl_ms = lease_ttl_ms
+        self.client_ttl_s = client_ttl_s
         self.http_metadata = http_metadata
         self.own_ns = ns is None
         self.ns = ns or NetNamespace().start()
@@ -77,7 +87,8 @@ class MooncakeCluster:
 
     def start_master(self) -> None:
         cmd = master_command(HOST, self.rpc_port, self.metrics_port,
-                             self.metadata_port if self.http_metadata else 0, self.lease_ttl_ms)
+                             self.metadata_port if self.http_metadata else 0, self.lease_ttl_ms,
+                             extra=[f"--client_ttl={self.client_ttl_s}"])
         log = open(self.logdir / "master.log", "ab")
         self.master = subprocess.Popen(self.ns.wrap(cmd), stdout=log, stderr=log,
                                        start_new_session=True)

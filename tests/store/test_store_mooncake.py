@@ -192,7 +192,7 @@ def test_storage_node_killed_reads_fail_never_wrong(mc: MooncakeCluster) -> None
         assert put(s, keys) == [OK] * 6
         mc.kill_node("doomed")
         # reads fail at once (transfer error); the master drops the dead node's objects
-        # from its index after its client TTL (10 s), and until then they "exist"
+        # from its index after its client TTL (the cluster's client_ttl_s); until then they "exist"
         deadline = time.monotonic() + 40
         while True:
             for k, b in zip(keys, get(s, keys)):
