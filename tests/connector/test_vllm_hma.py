@@ -52,7 +52,11 @@ def hits(server: VllmServer) -> float:
 @contextmanager
 def engines(kind: str, logs: Path, store: dict[str, Any], args: Sequence[str] = (),
             env: dict[str, str] | None = None) -> Iterator[dict[str, VllmServer]]:
-    """``base`` (no connector), ``writer`` and ``reader`` (kv_both on ``store``)."""
+    """``base`` (no connector), ``writer`` and ``reader`` (kv_both on ``store``), fresh for
+    each test: every test is a model (or, for MLA, a TP size) of its own, so no engine could
+    serve two tests; the reader is an instance other than the writer (it loads what another
+    process stored), and the base a plain engine of the same model (the session's plain
+    ``tiny`` engine is another model)."""
     model = str(build_hybrid(kind, Path.cwd() / ".models" / kind))
     made = {name: VllmServer(model, name=kind, args=args, env=env or {},
                              log_path=logs / f"{kind}-{name}.log",

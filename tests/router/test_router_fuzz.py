@@ -158,15 +158,13 @@ class Real:
 
 
 @pytest.fixture(scope="module")
-def real(tiny_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
+def real(plain_tiny: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
+    """This module's router in front of the session's plain engine (tests/helpers/engines.py:
+    an upstream, shared; every request here is one an engine must survive, and the tests
+    check that it did)."""
     tmp = tmp_path_factory.mktemp("fuzz")
-    srv = VllmServer(tiny_dir, log_path=tmp / "vllm.log")
-    try:
-        srv.start().wait_ready()
-        with router(tmp, srv.url, auth=KEYED, limits=TIGHT) as url:
-            yield Real(url, srv.url)
-    finally:
-        srv.stop()
+    with router(tmp, plain_tiny.url, auth=KEYED, limits=TIGHT) as url:
+        yield Real(url, plain_tiny.url)
 
 
 @pytest.mark.vllm
