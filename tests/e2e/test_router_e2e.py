@@ -50,6 +50,7 @@ from kvcentric.testing.servers import (
 )
 from tests.helpers.dashboard import check, read_page, scrape
 from tests.helpers.e2e_store import e2e_store
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 SLO_TTFT_MS = 1500
@@ -419,14 +420,15 @@ def test_dashboard_shows_what_metrics_says(cluster: Cluster, tmp_path: Path) -> 
     for i in range(6):  # each prompt twice: the second lands where its prefix is
         _complete(c.url, token_prompt(600 + i % 3, 2 * BLOCK + 40), stream=i % 2 == 1)
     chat(c.url, [{"role": "user", "content": text(6)}])
-    last: dict[str, int] = {}
-    deadline = time.monotonic() + 10
-    while True:  # KV events trail the answers: wait until residency stops changing
-        now = {n: i["resident_blocks"] for n, i in c.instances().items()}
-        if now == last or time.monotonic() > deadline:
-            break
-        last = now
-        time.sleep(0.5)
+    reads: list[dict[str, int]] = []
+
+    def settled() -> bool:
+        """KV events trail the answers: the router has them (blocks resident) and two
+        reads half a second apart agree; the page and /metrics are compared only then."""
+        reads.append({n: i["resident_blocks"] for n, i in c.instances().items()})
+        return len(reads) >= 2 and reads[-1] == reads[-2] and sum(reads[-1].values()) > 0
+
+    assert wait_until(settled, 30, interval=0.5), f"residency never settled: {reads[-3:]}"
     page = read_page(dump_dom(c.url + "/dashboard"))
     samples = scrape(httpx.get(c.url + "/metrics").text)  # no request in between
     check(page, samples)
