@@ -243,9 +243,26 @@ def test_joined_fields_and_non_json_numbers(tiny_dir: str, tokenizer: PromptToke
 
 # ---- item 3: the in-flight bound comes before the body ----
 
+class HeldUpstreams(Upstreams):
+    """Completions reach the fake engine (``arrived``) and wait there until ``release``
+    is set: a request holds its slot for as long as the test says, not a guessed time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = 0
+        self.release: asyncio.Event | None = None  # made in the test's event loop
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/completions"):
+            self.arrived += 1
+            self.release = self.release or asyncio.Event()
+            await self.release.wait()
+        return await super().handler(request)
+
+
 def test_in_flight_bound_refuses_before_reading_the_body(tiny_dir: str,
                                                          tokenizer: PromptTokenizer) -> None:
-    ups = Upstreams(delay_s=0.5)
+    ups = HeldUpstreams()
     read: list[int] = []
 
     async def body() -> Any:
@@ -254,11 +271,16 @@ def test_in_flight_bound_refuses_before_reading_the_body(tiny_dir: str,
 
     async def fn(c: httpx.AsyncClient) -> None:
         first = asyncio.create_task(c.post("/v1/completions", json=COMPLETION))
-        await asyncio.sleep(0.2)  # the first holds the only slot
-        r = await c.post("/v1/completions", content=body(),
-                         headers={"content-type": "application/json"})
+        deadline = asyncio.get_running_loop().time() + 30
+        while ups.arrived < 1:  # the first holds the only slot: it reached the engine
+            assert asyncio.get_running_loop().time() < deadline, "the first never arrived"
+            await asyncio.sleep(0.01)
+        r = await asyncio.wait_for(c.post("/v1/completions", content=body(),
+                                          headers={"content-type": "application/json"}), 30)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert read == []  # refused from the headers alone
+        assert ups.release is not None
+        ups.release.set()
         assert (await first).status_code == 200
         r = await c.post("/v1/completions", content=body(),
                          headers={"content-type": "application/json"})
