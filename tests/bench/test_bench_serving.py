@@ -1,5 +1,5 @@
 """benchmarks/serving/loadgen.py: workloads, trace synthesis, metrics, and every workload
-against a real vLLM CPU server (tiny model, one server for the module)."""
+against a real vLLM CPU server (tiny model: the session's shared plain engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -294,14 +293,13 @@ def test_scrape_engine_latency_means_over_servers() -> None:
 # ---------------------------------------------------------------- against a real vLLM
 
 @pytest.fixture(scope="module")
-def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("bench-serving") / "vllm.log"
-    srv = VllmServer(tiny_model, log_path=log, args=["--enable-prompt-tokens-details"])
-    try:
-        srv.start().wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+def server(plain_tiny: VllmServer) -> VllmServer:
+    """The session's plain engine (tests/helpers/engines.py: shared, with
+    ``--enable-prompt-tokens-details``), its prefix cache emptied here: the tests count
+    exact hits, which blocks of other modules' prompts must not add to (this module's own
+    tests use prompts of their own, or reset the cache themselves)."""
+    plain_tiny.reset_prefix_cache()
+    return plain_tiny
 
 
 def _run(src: TokenSource, urls: list[str], spec: WorkloadSpec, endpoint: str = "completions",

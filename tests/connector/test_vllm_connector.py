@@ -1,7 +1,8 @@
 """The vLLM connector end to end, on real vLLM CPU server processes and a real local store.
 
 Servers (tiny model, float32 so greedy tokens are comparable across processes):
-``base`` has no connector (the reference tokens); ``a`` and ``b`` are kv_both on store X.
+``base`` has no connector (the reference tokens: the session's shared plain engine);
+``a`` and ``b`` are kv_both on store X.
 ``a`` writes checksums and prefills in chunks of 512 tokens, so its blocks are saved over
 several steps (chunked prefill); more servers are started by the tests that need them.
 """
@@ -57,11 +58,19 @@ def store_x(runtime_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: str, store_x: dict[str, Any],
+def servers(tiny_model: str, store_x: dict[str, Any], plain_tiny: VllmServer,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
+    """``base``: the session's plain engine (tests/helpers/engines.py; its answers only);
+    ``a`` and ``b``: this module's, shared by all its tests, which therefore count their
+    metrics as differences and reset ``b``'s prefix cache before a load they count.
+
+    A test starts an engine of its own where it needs a configuration ``a`` and ``b`` lack
+    or counters from zero: a checksum-verifying ``kv_consumer`` (the corruption test),
+    a producer and a consumer whose totals are exact (disaggregation), an engine on a small
+    store of its own (full store), another dtype and another ``model_id`` (isolation), and
+    engines on a store that cannot start (unstartable store)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    made = {
-        "base": VllmServer(tiny_model, log_path=logs / "base.log"),
+    own = {
         "a": VllmServer(tiny_model, log_path=logs / "a.log",
                         args=("--max-num-batched-tokens", "512"),
                         kv_transfer=connector_config(store_x | {"verify_checksums": True})),
@@ -69,10 +78,10 @@ def servers(tiny_model: str, store_x: dict[str, Any],
                         kv_transfer=connector_config(store_x)),
     }
     try:
-        start_all(*made.values())
-        yield made
+        start_all(*own.values())
+        yield {"base": plain_tiny, **own}
     finally:
-        for s in made.values():
+        for s in own.values():
             s.stop()
 
 
