@@ -63,11 +63,15 @@ $(PEERS_STAMP): $(STAMP) Makefile
 # (`python -m benchmarks.lib.durations build/junit.xml` renders it as a table).
 # .ci/cleanup-run ends what the run started (process groups, detached stores and engines,
 # its /dev/shm names) when it ends or is interrupted.
+# XDIST: two pytest-xdist workers; the modules that start vLLM engines and the
+# timing-sensitive ones run as one unit on one worker, every other module on whichever is
+# free (tests/helpers/xdist_groups.py). `make test XDIST=` runs the suite in one process.
 JUNIT := build/junit.xml
+XDIST ?= -n 2 --dist loadfile
 test: setup peers
 	@mkdir -p $(dir $(JUNIT))
 	KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  -rs --durations=25 --junitxml=$(JUNIT)
+	  -rs --durations=25 --junitxml=$(JUNIT) $(XDIST)
 
 lint: setup
 	$(BIN)/ruff check kvcentric kernels router tests benchmarks examples

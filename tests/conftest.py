@@ -1,7 +1,8 @@
 """Shared fixtures: isolated local stores (own runtime dir, stopped after use) and the one
 network namespace every Mooncake cluster of the session runs in; and the skip policy of
 ``make test`` (tests/helpers/skip_policy.py: under ``KVC_NO_SKIPS=1`` only ``gpu`` tests
-may skip); and the session's pool of plain vLLM engines (tests/helpers/engines.py)."""
+may skip); the session's pool of plain vLLM engines (tests/helpers/engines.py); and
+how make test groups modules over pytest-xdist workers (tests/helpers/xdist_groups.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from tests.helpers.hermetic import isolate
 from tests.helpers.skip_policy import (  # noqa: F401 (pytest hooks, registered here)
     pytest_make_collect_report,
     pytest_runtest_makereport,
+)
+from tests.helpers.xdist_groups import (  # noqa: F401 (pytest hook, registered here)
+    pytest_xdist_make_scheduler,
 )
 
 _HOME = pytest.StashKey[Path]()
