@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcentric.bench_serving import loadgen
+from benchmarks.serving import loadgen  # the repository's runs: result files with figures
 from kvcentric.bench_serving.runner import prompt_kind
 from kvcentric.bench_serving.tokens import TokenSource
 from kvcentric.bench_serving.workloads import WorkloadSpec, build
