@@ -308,7 +308,7 @@ def _size(value: Any) -> str:
         return f"{len(value)} items"
     if isinstance(value, dict):
         return f"an object of {len(value)} fields"
-    text = json.dumps(value)
+    text = json.dumps(value, default=str)
     return text if len(text) <= 40 else text[:40] + "..."
 
 
