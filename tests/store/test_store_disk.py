@@ -311,7 +311,7 @@ def test_store_serve_command_runs_the_disk_tier(store_cfg: StoreConfig, tmp_path
             "--runtime-dir", str(store_cfg.runtime_dir), "--capacity", "16mb"]
     bad = subprocess.run(base + ["--disk-capacity", "1gb"], capture_output=True, text=True,
                          timeout=60)
-    assert bad.returncode == 2 and "store.disk needs path and capacity" in bad.stderr
+    assert bad.returncode == 2 and "--disk-capacity needs --disk-path" in bad.stderr
     assert "Traceback" not in bad.stderr
     proc = subprocess.Popen(base + ["--disk-path", str(tmp_path / "d"), "--disk-capacity",
                                     "256mb"], stderr=subprocess.DEVNULL, start_new_session=True)
