@@ -16,12 +16,13 @@ extra says which to install, and the README's quickstart works as written.
 - **Extras cover the imports.** Every module :data:`kvcentric.extras.EXTRA_OF` names comes
   with the extra it names (``pyproject.toml``, directly or as a dependency of one).
 
-Extras installed here: none and ``[router]`` (everything the console scripts and the
-doctor import); ``[vllm]`` installs nothing. Not installed: ``[mooncake]`` and
-``[mooncake-cpu]`` (the Mooncake wheel and its RDMA libraries), ``[kernels]`` (triton,
-hundreds of MB) and ``[sglang]`` (SGLang's own light deps): engine stacks no console script
-imports except the Mooncake commands, whose missing-extra line the plain venv checks; the
-development venv (``make setup``) installs and tests all of them.
+- **Each engine extra.** The wheel with ``[mooncake-cpu]``, ``[kernels]`` and ``[sglang]``,
+  each in a clean venv of its own: every console script and subcommand answers ``--help``
+  and the doctor runs (what the extra brings must not break what the package carries).
+
+Extras installed here: none, ``[router]``, ``[mooncake-cpu]``, ``[kernels]`` and ``[sglang]``;
+``[vllm]`` installs nothing. Not installed: ``[mooncake]``, Mooncake's CUDA wheel (the
+``[mooncake-cpu]`` venv covers the same commands on a machine without CUDA).
 
 Kept short: pip's cache, one venv per extra, module-scoped fixtures; the plain venv is made
 without pip (the development venv's pip installs into it) and its wheel is built without
@@ -172,6 +173,21 @@ def _one_line(out: subprocess.CompletedProcess[str], *needles: str) -> str:
     assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-2000:])
     assert "Traceback" not in out.stderr and all(n in lines[0] for n in needles), lines
     return lines[0]
+
+
+@pytest.mark.parametrize("extra", ["mooncake-cpu", "kernels", "sglang"])
+def test_each_engine_extra_installs_and_every_command_runs(
+        extra: str, wheel: Path, tmp_path_factory: pytest.TempPathFactory,
+        tmp_path: Path) -> None:
+    venv = tmp_path_factory.mktemp(extra) / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "--quiet", f"{wheel}[{extra}]"], check=True,
+                   capture_output=True, timeout=900)
+    _assert_helps(venv / "bin", tmp_path)
+    out = _run(["kvcentric", "doctor", "--json"], venv / "bin", tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["findings"]
 
 
 def test_a_missing_extra_is_one_line_naming_it(plain: Path, tmp_path: Path) -> None:
