@@ -231,7 +231,7 @@ class EventsConfig:
                 raise ValueError(f"store.events.{name} must be tcp://HOST:PORT or ipc:///path, "
                                  f"got {ep!r}")
             host = (m.group("host") or "").strip("[]")
-            if host and not self.allow_remote and not _loopback_host(host):
+            if host and not self.allow_remote and not is_loopback(host):
                 raise ValueError(f"store.events.{name} {ep} is not a loopback address: set "
                                  "store.events.allow_remote: true to publish beyond this host")
         if self.replay_endpoint == self.endpoint:
@@ -249,7 +249,9 @@ class EventsConfig:
         return cls(**parse_fields(cls, raw, "store.events"))
 
 
-def _loopback_host(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """A host name or address that stays on this machine (``localhost`` or a loopback IP;
+    any other name may resolve elsewhere)."""
     if host == "localhost":
         return True
     import ipaddress

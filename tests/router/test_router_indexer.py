@@ -14,17 +14,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import xxhash
-import zmq
 
-from kvcentric.router.app import build_app
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.seq_hash import seq_hashes
 from kvcentric.testing.servers import free_port
+from tests.helpers.rfc_publisher import RfcPublisher
+from tests.router.test_router_app import Upstreams, run
 
 BS = 16
 PROFILE = Profile(a=0.0, b=1e-5, c=0.001)
@@ -70,15 +69,8 @@ def config(tiny_dir: str, **over: Any) -> RouterConfig:
 
 def serve(cfg: RouterConfig, tok: PromptTokenizer,
           fn: Callable[[httpx.AsyncClient], Awaitable[Any]]) -> Any:
-    app = build_app(cfg, tokenizer=tok, profile=PROFILE)
-
-    async def go() -> Any:
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://router") as client:
-                return await fn(client)
-
-    return asyncio.run(go())
+    """The router app in process (no upstream call is made: the indexer alone)."""
+    return run(cfg, tok, Upstreams(), fn, PROFILE)
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout: float = 20.0,
@@ -155,31 +147,11 @@ class VllmEngine:
         self.pub.shutdown()
 
 
-class PoolPublisher:
-    """A Mooncake master's RFC #1527 publisher: a PUB socket, three-frame batches."""
+class PoolPublisher(RfcPublisher):
+    """A Mooncake master's RFC #1527 publisher: one batch of one event per ``send``."""
 
-    def __init__(self) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(self.endpoint)
-        self.seq = 0
-        self.event_id = 0
-
-    def send(self, event_type: str, **fields: Any) -> None:
-        self.event_id += 1
-        ev = {"event_id": self.event_id, "timestamp": int(time.time() * 1000),
-              "event_type": event_type, "model_name": None, "block_size": None,
-              "additional_salt": None, "lora_name": None, "tenant_id": "default",
-              "backend_id": "pool-node-0", "medium": "cpu", "dp_rank": 0, **fields}
-        payload = msgspec.msgpack.encode([time.time(), [ev], 0])
-        self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
-        self.seq += 1
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+    def send(self, event_type: str, **fields: Any) -> None:  # type: ignore[override]
+        super().send([self.event(event_type, **fields)])
 
 
 def test_the_documented_requests_get_the_documented_answers(

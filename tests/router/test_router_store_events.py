@@ -13,8 +13,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import httpx
-import msgspec
-import zmq
 
 from kvcentric.hashing import KeySpace, block_hashes, hash_seed
 from kvcentric.router.app import build_app
@@ -22,7 +20,7 @@ from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile
 from kvcentric.router.store_events import StoreFeed
 from kvcentric.router.tokenize import PromptTokenizer
-from kvcentric.testing.servers import free_port
+from tests.helpers.rfc_publisher import RfcPublisher
 
 BS = 16
 SIG = "00112233445566ff"
@@ -36,33 +34,15 @@ def prompt(seed: int, blocks: int = 4) -> tuple[list[int], list[str]]:
     return toks, [KS.key(h) for h in block_hashes(toks, BS, hash_seed("tiny"))]
 
 
-class MasterPublisher:
-    """What ``mooncake_master --enable_kv_events`` sends: one event per object, by key."""
+class MasterPublisher(RfcPublisher):
+    """What ``mooncake_master --enable_kv_events`` sends: one event per object, by key (its
+    ``seq_hashes`` empty for keys that are no integers, legacy aliases beside them)."""
 
-    def __init__(self) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(self.endpoint)
-        self.seq = self.event_id = 0
-
-    def send(self, kind: str, keys: list[str], medium: str = "cpu") -> None:
-        events = []
-        for k in keys:
-            self.event_id += 1
-            events.append({"event_id": self.event_id, "timestamp": 0, "event_type": kind,
-                           "tenant_id": "default", "backend_id": "master", "medium": medium,
-                           "seq_hashes": [], "object_key": k,
-                           "type": "BlockStored" if kind == "stored" else "BlockRemoved",
-                           "block_hashes": []})
-        self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"),
-                                  msgspec.msgpack.encode([time.time(), events, 0])])
-        self.seq += 1
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+    def send(self, kind: str, keys: list[str],  # type: ignore[override]
+             medium: str = "cpu") -> None:
+        super().send([self.event(kind, medium=medium, seq_hashes=[], object_key=k,
+                                 type="BlockStored" if kind == "stored" else "BlockRemoved",
+                                 block_hashes=[]) for k in keys])
 
 
 async def engines(request: httpx.Request) -> httpx.Response:

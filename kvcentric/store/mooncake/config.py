@@ -35,7 +35,6 @@ cluster must agree on ``verify_checksums`` (:mod:`kvcentric.store.mooncake.check
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 from collections.abc import Mapping
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcentric.config import parse_bool, parse_fields
+from kvcentric.config import is_loopback, parse_bool, parse_fields
 
 P2P = "P2PHANDSHAKE"
 DEFAULT_MASTER = "127.0.0.1:50051"
@@ -189,15 +188,6 @@ def split_host_port(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected host:port, got {address!r}")
     return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def engine_env(settings: MooncakeSettings) -> dict[str, str]:
