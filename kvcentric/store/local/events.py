@@ -26,7 +26,6 @@ for ZMQ's high-water mark loses batches and finds the gap by sequence number.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -40,18 +39,22 @@ if TYPE_CHECKING:
 
 CPU, DISK = "cpu", "disk"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-# kvc/v2/{model_id}/{layout_sig}/{rank}of{size}/{32 hex}: the model id may hold slashes
-_BLOCK_KEY = re.compile(r"^kvc/v\d+/(?P<model>.+)/(?P<sig>[^/]+)/(?P<rank>\d+of\d+)/"
-                        r"(?P<hash>[0-9a-f]{32})$")
+_STORED, _REMOVED, _CLEARED = 0, 1, 2
+_HEX = frozenset("0123456789abcdef")
 
 
 def block_identity(key: str) -> tuple[str, str, int] | None:
-    """``(model, salt, seq hash)`` of a block key, None for anything else (a tail, a
-    recurrent state, a foreign key)."""
-    m = _BLOCK_KEY.match(key)
-    if m is None:
+    """``(model, salt, seq hash)`` of a block key ``kvc/v2/{model_id}/{layout_sig}/
+    {rank}of{size}/{32 hex}`` (the model id may hold slashes), None for anything else (a
+    tail, a recurrent state, a foreign key)."""
+    parts = key.rsplit("/", 3)
+    if len(parts) != 4 or not parts[0].startswith("kvc/v"):
         return None
-    return m["model"], f"{m['sig']}/{m['rank']}", int(m["hash"][:16], 16)
+    head, sig, rank, last = parts
+    model = head.split("/", 2)[2] if head.count("/") >= 2 else ""
+    if len(last) != 32 or not model or "of" not in rank or not _HEX.issuperset(last):
+        return None
+    return model, f"{sig}/{rank}", int(last[:16], 16)
 
 
 class StoreEvents:
@@ -80,12 +83,13 @@ class StoreEvents:
             raise
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_batches)
         self._seq = 0
-        self._pending: list[dict[str, Any]] = []
+        # what happened this loop turn, as cheap tuples: the events are built at flush,
+        # after the turn's replies went out (so a put never waits for them)
+        self._pending: list[tuple[Any, ...]] = [(_CLEARED, CPU)]  # a new generation's DRAM
         self._ids: dict[tuple[str | None, str | None, str], int] = {}
         self.published = 0  # events
         self.replays = 0
         self._encoder = msgspec.msgpack.Encoder()
-        self._event(CPU, "cleared", None, None)  # a new generation's DRAM holds nothing
 
     @property
     def replay_fd(self) -> int | None:
@@ -96,43 +100,58 @@ class StoreEvents:
     # ---- events ----
     def stored(self, e: Entry, medium: str) -> None:
         """``e`` became readable on ``medium``."""
-        ident = block_identity(e.key)
-        if ident is None:
-            return
-        model, salt, h = ident
-        parent = block_identity(e.parent) if e.parent else None
-        self._event(medium, "stored", model, salt, seq_hashes=[h],
-                    base_block_idx=e.depth if e.complete else None,
-                    parent_hash=parent[2] if parent else None, token_ids=None,
-                    object_key=e.key)
+        self._pending.append((_STORED, medium, e.key, e.parent,
+                              e.depth if e.complete else None))
 
     def removed(self, key: str, medium: str) -> None:
         """The object ``key`` left ``medium``."""
-        ident = block_identity(key)
-        if ident is None:
-            return
-        model, salt, h = ident
-        self._event(medium, "removed", model, salt, seq_hashes=[h], object_key=key)
+        self._pending.append((_REMOVED, medium, key))
 
-    def _event(self, medium: str, kind: str, model: str | None, salt: str | None,
-               **payload: Any) -> None:
-        stream = (model, salt, medium)
-        event_id = self._ids.get(stream, 0) + 1
-        self._ids[stream] = event_id
-        self._pending.append({
-            "event_id": event_id, "timestamp": int(time.time() * 1000), "event_type": kind,
-            "model_name": model, "block_size": None, "additional_salt": salt,
-            "lora_name": None, "tenant_id": "default", "backend_id": self.backend_id,
-            "medium": medium, "dp_rank": 0, **payload})
+    def _build(self, now_ms: int) -> list[dict[str, Any]]:
+        """The queued changes as RFC events (blocks only), ``event_id`` per stream."""
+        out = []
+        ids = self._ids
+        for item in self._pending:
+            kind, medium = item[0], item[1]
+            if kind == _CLEARED:
+                model = salt = None
+                body: dict[str, Any] = {}
+                name = "cleared"
+            else:
+                ident = block_identity(item[2])
+                if ident is None:
+                    continue
+                model, salt, h = ident
+                if kind == _STORED:
+                    parent = block_identity(item[3]) if item[3] else None
+                    body = {"seq_hashes": [h], "base_block_idx": item[4],
+                            "parent_hash": parent[2] if parent else None, "token_ids": None,
+                            "object_key": item[2]}
+                    name = "stored"
+                else:
+                    body = {"seq_hashes": [h], "object_key": item[2]}
+                    name = "removed"
+            stream = (model, salt, medium)
+            ids[stream] = event_id = ids.get(stream, 0) + 1
+            out.append({"event_id": event_id, "timestamp": now_ms, "event_type": name,
+                        "model_name": model, "block_size": None, "additional_salt": salt,
+                        "lora_name": None, "tenant_id": "default",
+                        "backend_id": self.backend_id, "medium": medium, "dp_rank": 0,
+                        **body})
+        return out
 
     # ---- wire ----
     def flush(self) -> None:
         """Publish what was queued since the last flush as one batch (never blocks)."""
         if not self._pending:
             return
-        payload = self._encoder.encode([time.time(), self._pending, 0])
-        self.published += len(self._pending)
+        now = time.time()
+        events = self._build(int(now * 1000))
         self._pending = []
+        if not events:
+            return
+        payload = self._encoder.encode([now, events, 0])
+        self.published += len(events)
         seq = self._seq
         self._seq += 1
         self._ring.append((seq, payload))
