@@ -63,11 +63,13 @@ $(PEERS_STAMP): $(STAMP) Makefile
 # (`python -m benchmarks.lib.durations build/junit.xml` renders it as a table).
 # .ci/cleanup-run ends what the run started (process groups, detached stores and engines,
 # its /dev/shm names) when it ends or is interrupted.
-# XDIST: two pytest-xdist workers; the modules that start vLLM engines and the
-# timing-sensitive ones run as one unit on one worker, every other module on whichever is
-# free (tests/helpers/xdist_groups.py). `make test XDIST=` runs the suite in one process.
+# XDIST: empty, the suite runs in one process (what CI runs). `make test XDIST="-n 2 --dist
+# loadfile"` runs it on two pytest-xdist workers, the engine and timing-sensitive modules
+# as one unit on one worker (tests/helpers/xdist_groups.py): faster, but not yet the
+# default: next to the other worker's store stress tests, tests that assert exact hits or
+# a store's refusal still miss now and then (benchmarks/results/test_durations.md).
 JUNIT := build/junit.xml
-XDIST ?= -n 2 --dist loadfile
+XDIST ?=
 test: setup peers
 	@mkdir -p $(dir $(JUNIT))
 	KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest -q -p no:cacheprovider \

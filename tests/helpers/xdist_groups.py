@@ -1,4 +1,4 @@
-"""How ``make test`` splits the suite over pytest-xdist workers (``-n 2 --dist loadfile``).
+"""How ``make test XDIST="-n 2 --dist loadfile"`` splits the suite over pytest-xdist workers.
 
 Under ``--dist loadfile`` the scheduler below (:func:`pytest_xdist_make_scheduler`) sends
 each test module to a worker as one unit, except that these modules together make one
@@ -20,7 +20,7 @@ and pytest-xdist 3.8 loadgroup ignores the marks (xdist renames the test ids to 
 group, which pytest no longer takes; pytest-xdist issue 1386), so the groups are made here,
 on the controller, from the modules' paths and sources.
 
-Without xdist (``make test XDIST=``, or a plain ``pytest``) nothing here applies.
+Without xdist (plain ``make test``, or a plain ``pytest``) nothing here applies.
 """
 
 from __future__ import annotations
