@@ -59,21 +59,26 @@ $(PEERS_STAMP): $(STAMP) Makefile
 
 # KVC_NO_SKIPS=1: a test that skips for anything but a GPU fails the run
 # (tests/helpers/skip_policy.py): CI runs every test it claims to. -rs lists the skips the
-# policy allowed, --durations the slowest tests, and build/junit.xml every test's time
-# (`python -m benchmarks.lib.durations build/junit.xml` renders it as a table).
-# .ci/cleanup-run ends what the run started (process groups, detached stores and engines,
-# its /dev/shm names) when it ends or is interrupted.
-# XDIST: empty, the suite runs in one process (what CI runs). `make test XDIST="-n 2 --dist
-# loadfile"` runs it on two pytest-xdist workers, the engine and timing-sensitive modules
-# as one unit on one worker (tests/helpers/xdist_groups.py): faster, but not yet the
-# default: next to the other worker's store stress tests, tests that assert exact hits or
-# a store's refusal still miss now and then (benchmarks/results/test_durations.md).
+# policy allowed, --durations the slowest tests, and build/junit*.xml every test's time
+# (`python -m benchmarks.lib.durations build/junit.xml build/junit-serial.xml` renders them).
+# .ci/cleanup-run ends what each pass started (process groups, detached stores and
+# engines, its /dev/shm names) when it ends or is interrupted.
+# Two passes (tests/helpers/xdist_groups.py): every test not marked `serial` on two
+# pytest-xdist workers (XDIST; XDIST= runs that pass in one process), then the `serial`
+# tests alone on the box. Both run; the target fails if either does, and an interrupted
+# first pass ends the target.
 JUNIT := build/junit.xml
-XDIST ?=
+JUNIT_SERIAL := build/junit-serial.xml
+XDIST ?= -n 2 --dist loadfile
+PYTEST := KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest -q -p no:cacheprovider \
+  -rs --durations=25
 test: setup peers
 	@mkdir -p $(dir $(JUNIT))
-	KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  -rs --durations=25 --junitxml=$(JUNIT) $(XDIST)
+	$(PYTEST) --junitxml=$(JUNIT) -m "not serial" $(XDIST); first=$$?; \
+	  [ $$first -lt 128 ] || exit $$first; \
+	  $(PYTEST) --junitxml=$(JUNIT_SERIAL) -m serial; second=$$?; \
+	  echo "make test: parallel pass exit $$first, serial pass exit $$second"; \
+	  [ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 lint: setup
 	$(BIN)/ruff check kvcentric kernels router tests benchmarks examples

@@ -2,7 +2,7 @@
 network namespace every Mooncake cluster of the session runs in; and the skip policy of
 ``make test`` (tests/helpers/skip_policy.py: under ``KVC_NO_SKIPS=1`` only ``gpu`` tests
 may skip); the session's pool of plain vLLM engines (tests/helpers/engines.py); and
-how make test groups modules over pytest-xdist workers (tests/helpers/xdist_groups.py)."""
+how make test runs its parallel and serial passes (tests/helpers/xdist_groups.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from tests.helpers.skip_policy import (  # noqa: F401 (pytest hooks, registered 
     pytest_runtest_makereport,
 )
 from tests.helpers.xdist_groups import (  # noqa: F401 (pytest hook, registered here)
+    bind_worker,
     pytest_xdist_make_scheduler,
 )
 
@@ -40,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     home = Path(tempfile.mkdtemp(prefix="kvc-test-home-"))
     config.stash[_HOME] = home
     isolate(os.environ, home)
+    bind_worker(os.environ)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

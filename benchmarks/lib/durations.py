@@ -1,10 +1,13 @@
-"""Render a pytest junit XML as a markdown table of the slowest tests and the run's totals.
+"""Render pytest junit XMLs as a markdown table of the slowest tests and the run's totals.
 
-Render a pytest junit XML (``make test`` writes ``build/junit.xml``) as a markdown table:
-the slowest tests, the slowest files, and the run's totals (tests, outcomes, wall time and
-where it ran), for the durations table committed with a full run.
+Render the junit XMLs of one run (``make test`` writes ``build/junit.xml`` for its
+parallel pass and ``build/junit-serial.xml`` for its serial one) as a markdown table: the
+slowest tests, the slowest files, and the run's totals (tests, outcomes, wall time and
+where it ran), for the durations table committed with a full run. Several files are one
+run whose passes ran one after another: their cases add up, and so do their wall times.
 
-    python -m benchmarks.lib.durations build/junit.xml [--top 25] [--files 10]
+    python -m benchmarks.lib.durations build/junit.xml [build/junit-serial.xml ...]
+        [--top 25] [--files 10]
 
 A test's time is what pytest recorded for it (setup, call and teardown: ``make test``
 keeps the junit default ``junit_duration_report=total``), so a module- or session-scoped
@@ -86,6 +89,16 @@ def parse(path: Path) -> Run:
                timestamp=suites[0].get("timestamp") or "")
 
 
+def merge(runs: Sequence[Run]) -> Run:
+    """One run of passes that ran one after another: every case, the walls summed, the
+    first pass's host and start time."""
+    if not runs:
+        raise ValueError("no junit file given")
+    return Run(cases=tuple(c for r in runs for c in r.cases),
+               wall_s=sum(r.wall_s for r in runs),
+               hostname=runs[0].hostname, timestamp=runs[0].timestamp)
+
+
 def _mmss(seconds: float) -> str:
     m, s = divmod(seconds, 60.0)
     return f"{int(m)}:{s:04.1f}"
@@ -127,13 +140,14 @@ def render(run: Run, top: int = 25, files: int = 10) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.lib.durations",
                                  description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("junit", type=Path,
-                    help="pytest's --junitxml file (make test: build/junit.xml)")
+    ap.add_argument("junit", type=Path, nargs="+",
+                    help="pytest's --junitxml files of one run, in the order they ran "
+                         "(make test: build/junit.xml build/junit-serial.xml)")
     ap.add_argument("--top", type=int, default=25, help="slowest tests to list (default 25)")
     ap.add_argument("--files", type=int, default=10, help="slowest files to list (default 10)")
     a = ap.parse_args(argv)
     try:
-        sys.stdout.write(render(parse(a.junit), top=a.top, files=a.files))
+        sys.stdout.write(render(merge([parse(p) for p in a.junit]), top=a.top, files=a.files))
     except (OSError, ET.ParseError, ValueError) as e:
         print(f"durations: {e}", file=sys.stderr)
         return 2

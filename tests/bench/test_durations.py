@@ -92,3 +92,14 @@ def test_command_line(junit: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert "no <testsuite>" in capsys.readouterr().err
     with pytest.raises(ValueError, match="top and files"):
         durations.render(durations.parse(junit), top=-1)
+
+
+def test_the_passes_of_one_run_add_up(junit: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """make test's two passes (two junit files) render as one run: cases and walls add."""
+    one = durations.parse(junit)
+    both = durations.merge([one, one])
+    assert len(both.cases) == 2 * len(one.cases) and both.wall_s == 2 * one.wall_s
+    assert durations.main([str(junit), str(junit), "--top", "1", "--files", "0"]) == 0
+    assert capsys.readouterr().out.startswith("12 tests: 8 passed, 2 failed, 2 skipped; ")
+    with pytest.raises(ValueError, match="no junit file"):
+        durations.merge([])

@@ -42,6 +42,9 @@ from tests.helpers.virtual_time import VirtualClock
 from tests.helpers.virtual_time import run as vrun
 from tests.helpers.waiting import wait_until
 
+# serial (tests/helpers/xdist_groups.py): emulated times are held to tens of milliseconds
+pytestmark = pytest.mark.serial
+
 PROF = EngineProfile("t", "test", api_s=0.01, step_s=0.02, prefill_token_s=5e-4,
                      prefill_pair_s=1e-7, decode_seq_s=1e-3, decode_ctx_s=1e-6,
                      page_size=16, max_num_batched_tokens=256, max_num_seqs=8)

@@ -14,6 +14,9 @@ from tests.helpers.waiting import wait_until
 
 # busy for BUSY_S seconds of wall time, then asleep (a vLLM worker polling after a request);
 # it says "busy" on stdout when its spell starts and "idle" when it is over
+# serial (tests/helpers/xdist_groups.py): it measures a process's CPU share against wall time
+pytestmark = pytest.mark.serial
+
 BURN = "import time,sys\nprint('busy', flush=True)\nt=time.time()\n" \
        "while time.time()-t<float(sys.argv[1]): pass\nprint('idle', flush=True)\n" \
        "time.sleep(60)"

@@ -14,6 +14,9 @@ import pytest
 from kvcentric.testing import models
 from kvcentric.testing.models import MARKER_FILE, MODEL_FILES, SPECS, build_model
 
+# serial (tests/helpers/xdist_groups.py): test_idempotent_call_is_fast bounds a call's wall time
+pytestmark = pytest.mark.serial
+
 ENGLISH = "The quick brown fox jumps over the lazy dog. It was a bright cold day in April!"
 
 

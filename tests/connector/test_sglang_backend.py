@@ -33,7 +33,8 @@ CASES = [(False, "page_first"), (False, "layer_first"), (True, "page_first"),
          (True, "layer_first")]
 CASE_IDS = [f"{'mla' if m else 'mha'}-{lay}" for m, lay in CASES]
 STORE_KINDS = [pytest.param("local", id="local"),
-               pytest.param("mooncake", id="mooncake", marks=pytest.mark.mooncake)]
+               pytest.param("mooncake", id="mooncake",
+                            marks=[pytest.mark.mooncake, pytest.mark.serial])]
 
 
 @pytest.fixture(scope="module")

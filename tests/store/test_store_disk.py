@@ -145,6 +145,7 @@ def test_objects_move_to_disk_stream_back_and_promote(store: LocalStore,
     assert store.stats()["dram_hits"] > before_dram  # promoted copies answer from DRAM
 
 
+@pytest.mark.serial  # loads both cores: other tests' bounds break beside it
 def test_multiprocess_stress_with_disk(disk_cfg: StoreConfig) -> None:
     """4 processes put, get, read in place and remove for 20 s over a working set ~6x DRAM;
     every byte read back is checked while objects move between tiers."""

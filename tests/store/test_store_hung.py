@@ -25,6 +25,9 @@ from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import get, put
 
+# serial (tests/helpers/xdist_groups.py): its bounds are tenths of a second
+pytestmark = pytest.mark.serial
+
 DEFAULT_HOT_S = StoreConfig.hot_timeout_s  # what engines run with (0.1 s)
 # The stopped coordinator never answers, so a call ends on one of two bounds: the hot
 # bound it must use, or the op bound (OP_S) it would fall back to. A call that ends

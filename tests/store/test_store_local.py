@@ -119,6 +119,7 @@ def test_sigkill_in_a_put_loop_keeps_store_consistent(store: LocalStore,
         assert b is not None and np.array_equal(b, payload(k, b.nbytes)), k
 
 
+@pytest.mark.serial  # loads both cores: other tests' bounds break beside it
 def test_multiprocess_stress(store_cfg: StoreConfig) -> None:
     """4 processes put, get, read in place and evict for 20 s; every byte is checked."""
     cfg = store_cfg.with_(capacity_bytes=8 << 20)

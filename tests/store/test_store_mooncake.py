@@ -34,7 +34,7 @@ from tests.store.store_contract import WORKER, StoreContract, get, put
 
 pytest.importorskip("mooncake.store", reason="the Mooncake wheel is not installed")
 _NO_NETNS = unavailable_reason()
-pytestmark = [pytest.mark.mooncake,
+pytestmark = [pytest.mark.mooncake, pytest.mark.serial,
               pytest.mark.skipif(_NO_NETNS is not None, reason=f"no netns: {_NO_NETNS}")]
 LOAD = ROOT / "tests" / "helpers" / "mooncake_load.py"
 

@@ -31,7 +31,7 @@ from tests.store.store_contract import get, put
 
 pytest.importorskip("mooncake.store", reason="the Mooncake wheel is not installed")
 _NO_NETNS = unavailable_reason()
-pytestmark = [pytest.mark.mooncake,
+pytestmark = [pytest.mark.mooncake, pytest.mark.serial,
               pytest.mark.skipif(_NO_NETNS is not None, reason=f"no netns: {_NO_NETNS}")]
 HOT_S = 0.1  # the default hot_timeout_s: what engines run with
 SLACK_S = 0.25  # a thread wake-up on a loaded 2-core box

@@ -1,0 +1,68 @@
+"""tests/helpers/xdist_groups.py: how make test's parallel pass pins its workers' engines
+and orders its modules, and that the serial pass has what it is for."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.xdist_groups import BIND_ENV, LONGEST_FIRST, bind_worker, longest_first
+
+ROOT = Path(__file__).resolve().parents[1]
+SERIAL_MODULES = ("tests/store/test_store_hung.py", "tests/store/test_store_mooncake_hung.py",
+                  "tests/store/test_store_mooncake.py", "tests/bench/test_emulator.py",
+                  "tests/bench/test_procfs.py", "tests/connector/test_models.py")
+# collecting every module imports them all (slow): these are the serial pass's own plus
+# the ones it takes single tests from and an engine module it must not take
+SERIAL_PROBE = (*SERIAL_MODULES, "tests/store/test_store_local.py",
+                "tests/connector/test_sglang_backend.py", "tests/connector/test_vllm_tp.py")
+
+
+def test_each_worker_pins_its_engines_to_a_core_of_its_own() -> None:
+    got = {}
+    for worker in ("gw0", "gw1", "gw2"):
+        env = {"PYTEST_XDIST_WORKER": worker}
+        bind_worker(env, cores=[3, 5])
+        got[worker] = env[BIND_ENV]
+    assert got == {"gw0": "3", "gw1": "5", "gw2": "3"}
+
+
+def test_a_binding_already_set_or_no_worker_is_left_alone() -> None:
+    env = {"PYTEST_XDIST_WORKER": "gw1", BIND_ENV: "0|1"}
+    bind_worker(env, cores=[0, 1])
+    assert env[BIND_ENV] == "0|1"
+    plain: dict[str, str] = {}
+    bind_worker(plain, cores=[0, 1])
+    assert plain == {}
+
+
+def test_the_longest_modules_go_first_the_rest_keep_their_order() -> None:
+    rest = ["tests/a/test_x.py", "tests/b/test_y.py"]
+    modules = [rest[0], LONGEST_FIRST[2], rest[1], LONGEST_FIRST[0]]
+    assert longest_first(modules) == [LONGEST_FIRST[0], LONGEST_FIRST[2], *rest]
+
+
+def test_every_named_module_exists() -> None:
+    missing = [m for m in LONGEST_FIRST if not (ROOT / m).is_file()]
+    assert not missing, f"LONGEST_FIRST names modules that are gone: {missing}"
+
+
+def test_the_serial_pass_collects_the_timing_and_stress_tests() -> None:
+    """What `-m serial` collects (make test's second pass): the modules that hold tight
+    wall-clock bounds and the tests that load both cores, and nothing that starts an
+    engine (the engines belong to the parallel pass)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", "-m", "serial", *SERIAL_PROBE],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
+    files = {i.split("::", 1)[0] for i in ids}
+    assert set(SERIAL_MODULES) <= files
+    assert "tests/store/test_store_local.py::test_multiprocess_stress" in ids
+    sglang = [i for i in ids if "test_sglang_backend" in i]
+    assert sglang and all("[mooncake" in i for i in sglang)  # its local-store cases: not
+    assert "tests/connector/test_vllm_tp.py" not in files
+    vllm = re.compile(r"\bpytest\.mark\.vllm\b")
+    assert not [f for f in files if vllm.search((ROOT / f).read_text())]
