@@ -17,6 +17,7 @@ Example (``configs/router.yaml``)::
     store: {backend: local, name: default}
     keys: {block_size: 256, layout_sig: null}
     cost: {profile: profile.json, store_bandwidth_gbps: 5, disk_bandwidth_gbps: 2}
+    policy: algorithm1                 # routing policy (kvcentric.router.policies.POLICIES)
     replication: {enabled: true, min_heat: 4, max_replicas: 4}
     auth: {api_keys: {sk-team-a: team-a}, admin_key: sk-admin, metrics_key: sk-metrics,
            salt_secret_file: /run/secrets/kvc-salt}
@@ -362,9 +363,15 @@ class RouterConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
     store_events: StoreEventsConfig = field(default_factory=StoreEventsConfig)
+    # the routing policy by its registered name (:mod:`kvcentric.router.policies`)
+    policy: str = "algorithm1"
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        # imported here: the policies import this module (SloConfig) for their inputs
+        from kvcentric.router.policies import check_policy
+
+        check_policy(self.policy)
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model (the served model name) is required")
         if not self.tokenizer:

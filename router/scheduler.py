@@ -3,7 +3,8 @@
 Per request: hash the prompt's full blocks once (``kvcentric.hashing``, the connector's
 function, so router and store agree on every block), match them against every instance's
 resident blocks in one walk (:class:`router.prefix_index.PrefixIndex`), ask the store view
-for the global run, and run Algorithm 1 (:func:`router.decision.choose`). After dispatch
+for the global run, and ask the configured routing policy (``policy:``, default Mooncake's
+Algorithm 1: :mod:`kvcentric.router.policies`) for the pair. After dispatch
 the chosen instances' bookkeeping (queued prefill time, running decodes, resident blocks,
 prefix heat) is updated, and corrected again when the real timings come back.
 
@@ -24,9 +25,10 @@ import numpy as np
 from kvcentric.hashing import TailRef, block_hashes, hash_seed, prompt_tail
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost_model import Profile
-from kvcentric.router.decision import CostParams, Decision, Rejection, choose
+from kvcentric.router.decision import CostParams, Decision, Rejection
 from kvcentric.router.heat import PrefixHeat
 from kvcentric.router.instances import Registry
+from kvcentric.router.policies import RouteInput, make_policy
 from kvcentric.router.prefix_index import PrefixIndex
 from kvcentric.router.store_view import StoreView
 
@@ -58,6 +60,7 @@ class Conductor:
         self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
                                  self.disk_bandwidth, cfg.cost.tie_tolerance)
         self.clock = clock
+        self.policy = make_policy(cfg.policy)
         self.peers: PeerSync | None = None  # set by the app when replicas sync
         self._peer_prefills: OrderedDict[str, Instance] = OrderedDict()
         if cfg.keys.block_size is not None:
@@ -105,9 +108,9 @@ class Conductor:
     def decide_local(self, hashes: Sequence[bytes], n_tokens: int, global_run: int,
                      exclude: Collection[str] = (), global_tail: bool = False,
                      disk_only: Sequence[int] = ()) -> Decision | Rejection:
-        """Algorithm 1 given the global run (no I/O); ``global_tail``: the store also holds
-        the prompt's tail after all of its blocks; ``disk_only``: ascending positions of
-        that run (blocks, then the tail) held only on the store's disk tier."""
+        """The routing policy's choice given the global run (no I/O); ``global_tail``: the
+        store also holds the prompt's tail after all of its blocks; ``disk_only``: ascending
+        positions of that run (blocks, then the tail) held only on the store's disk tier."""
         model = self.cfg.model
         pre = [i for i in self.registry.candidates(model, prefill=True) if i.name not in exclude]
         dec = [i for i in self.registry.candidates(model, prefill=False)
@@ -119,8 +122,9 @@ class Conductor:
             mask |= 1 << i.slot
         runs = self.index.match(hashes, mask)
         now = self.clock()
-        result = choose(pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
-                        global_tail, disk_only, affinity=hashes[0] if hashes else b"")
+        result = self.policy.choose(RouteInput(
+            pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
+            global_tail, disk_only, hashes[0] if hashes else b""))
         if isinstance(result, Rejection) and result.reason == "no_instance":
             # the client's 503 says why, per instance (URLs only where no API keys are
             # set: keyed clients are tenants, not operators; /instances has them)
@@ -133,9 +137,9 @@ class Conductor:
     async def decide(self, hashes: Sequence[bytes], n_tokens: int,
                      exclude: Collection[str] = (), tail: TailRef | None = None
                      ) -> Decision | Rejection:
-        """Algorithm 1 with the store asked (through its TTL cache) for the global run of
-        the prompt's blocks and, after them, its tail, and for which of them it holds only
-        on disk (one lookup)."""
+        """The routing policy's choice with the store asked (through its TTL cache) for the
+        global run of the prompt's blocks and, after them, its tail, and for which of them
+        it holds only on disk (one lookup)."""
         if not self.store.enabled:
             return self.decide_local(hashes, n_tokens, 0, exclude)
         items: list[bytes | TailRef] = [*hashes, *([tail] if tail is not None else [])]
