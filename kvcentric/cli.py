@@ -114,9 +114,11 @@ def _store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         if name == "exporter":
             p.add_argument("--host", default="127.0.0.1", help="address to serve /metrics on")
             p.add_argument("--port", type=int, default=9464)
-    from kvcentric.store.mooncake.service import add_mooncake_commands
+    from kvcentric.store.backends import BACKENDS
 
-    add_mooncake_commands(ssub)
+    for backend in BACKENDS.values():  # e.g. mooncake-master, mooncake-node
+        if backend.add_commands is not None:
+            backend.add_commands(ssub)
 
 
 def _doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -242,6 +242,10 @@ class EventsConfig:
             raise ValueError("store.events needs pyzmq, which is not installed: "
                              "pip install 'kvcentric[router]'")
 
+    def to_mapping(self) -> dict[str, Any]:
+        """Every field, as :meth:`from_dict` reads it back."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | EventsConfig) -> EventsConfig:
         if isinstance(raw, EventsConfig):
@@ -329,6 +333,11 @@ class DiskConfig:
         return self.dirty_limit if self.dirty_limit is not None else max(
             DEFAULT_DIRTY_LIMIT, self.high_watermark)
 
+    def to_mapping(self) -> dict[str, Any]:
+        """Every field (the seal key too), as :meth:`from_dict` reads it back."""
+        return {f.name: str(getattr(self, f.name)) if f.name == "path" else getattr(self, f.name)
+                for f in fields(self)}
+
     @classmethod
     def from_dict(cls, raw: Any) -> DiskConfig:
         if isinstance(raw, DiskConfig):
@@ -363,12 +372,21 @@ class DiskConfig:
                              f"space at {str(self.path)!r} ({free + mine} B)")
 
 
+def section_names() -> list[str]:
+    """The store backends with a config section of their own (``store.<name>``), in
+    ``kvcentric.store.backends.BACKENDS``."""
+    from kvcentric.store.backends import BACKENDS  # imported late: it imports this module
+
+    return [name for name, spec in BACKENDS.items() if spec.settings is not None]
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Which KV store to open and how.
 
     Fields:
-        backend: ``"local"`` (embedded shared-memory store) or ``"mooncake"``.
+        backend: ``"local"`` (embedded shared-memory store), ``"mooncake"``, or another
+            registered backend (``kvcentric.store.backends``).
         name: local store instance name; processes with the same name and runtime dir share it.
         capacity_bytes: hard bound on stored bytes (local backend).
         runtime_dir: directory for the local store's socket, lock and arena.
@@ -419,7 +437,13 @@ class StoreConfig:
             (:attr:`pinned_bytes_cap`).
         disk: the local store's disk tier (:class:`DiskConfig`), or ``None`` for DRAM only.
         events: the local store's standard KV events (:class:`EventsConfig`), or ``None``.
-        mooncake: backend-specific settings (see ``kvcentric.store.mooncake``).
+        sections: each backend's own section, by backend name, as given (``store.mooncake``
+            is the Mooncake backend's, read by ``kvcentric.store.mooncake.config``); the
+            backend parses it into its typed settings when it opens
+            (``kvcentric.store.backends``). In a mapping the sections are top-level keys.
+
+    ``backend`` names an entry of ``kvcentric.store.backends.BACKENDS``, which also supplies
+    the ``verify_checksums`` default and the backend's own checks of these fields.
     """
 
     backend: str = "local"
@@ -443,18 +467,17 @@ class StoreConfig:
     max_pinned_bytes: int | None = None
     disk: DiskConfig | None = None
     events: EventsConfig | None = None
-    mooncake: Mapping[str, Any] = field(default_factory=dict)
+    sections: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.backend not in ("local", "mooncake"):
-            raise ValueError(f"unknown store backend {self.backend!r}; use 'local' or 'mooncake'")
+        from kvcentric.store.backends import get_backend  # the registry imports this module
+
+        spec = get_backend(self.backend)
         if self.verify_checksums is None:  # the backend's default, fixed here once
-            object.__setattr__(self, "verify_checksums", self.backend == "mooncake")
+            object.__setattr__(self, "verify_checksums", spec.verify_checksums)
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
             raise ValueError(f"store name {self.name!r} must be 1 to 64 letters, digits, "
                              "'_', '.' or '-'")
-        if self.capacity_bytes <= 0 and self.backend == "local":
-            raise ValueError("capacity_bytes must be positive")
         for name in ("idle_timeout_s", "op_timeout_s", "start_timeout_s",
                      "reconnect_interval_s", "lease_ttl_s"):
             if getattr(self, name) < 0:
@@ -475,13 +498,16 @@ class StoreConfig:
             raise ValueError("disk must be a DiskConfig (parse mappings with from_dict)")
         if self.events is not None and not isinstance(self.events, EventsConfig):
             raise ValueError("events must be an EventsConfig (parse mappings with from_dict)")
-        if self.events is not None and self.backend != "local":
-            raise ValueError("store.events is the local store's publisher; a Mooncake master "
-                             "publishes its own (enable_kv_events), registered with the "
-                             "router's indexer as type Mooncake")
-        if self.disk is not None and self.backend != "local":
-            raise ValueError("store.disk is the local store's SSD tier; for Mooncake set "
-                             "mooncake.ssd_offload_path (its own SSD offload)")
+        unknown = set(self.sections) - set(section_names())
+        if unknown:
+            raise ValueError(f"store sections {sorted(unknown)} name no store backend with "
+                             f"settings; known: {section_names()}")
+        spec.check(self)
+
+    @property
+    def mooncake(self) -> Mapping[str, Any]:
+        """The Mooncake backend's section as given (``{}`` when absent)."""
+        return self.sections.get("mooncake") or {}
 
     @property
     def disk_dir(self) -> Path | None:
@@ -495,9 +521,22 @@ class StoreConfig:
             return raw
         if raw is not None and "capacity" in raw and "capacity_bytes" in raw:
             raise ValueError("store: give capacity or capacity_bytes, not both")
-        kw = parse_fields(cls, raw, "store", aliases={"capacity": "capacity_bytes"},
-                          sizes={"capacity_bytes", "max_pinned_bytes",
-                                 "min_transfer_rate"})
+        names = section_names()
+        if raw is not None:  # a backend's section is a top-level key named after it
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"store must be a mapping, got {type(raw).__name__}")
+            known = {f.name for f in fields(cls) if f.init} - {"sections"} | {"capacity",
+                                                                              *names}
+            unknown = set(raw) - known
+            if unknown:
+                raise ValueError(f"unknown keys in store: {sorted(unknown)}; known: "
+                                 f"{sorted(known)}")
+        sections = {k: v for k, v in (raw or {}).items() if k in names}
+        kw = parse_fields(cls, {k: v for k, v in (raw or {}).items() if k not in names},
+                          "store", aliases={"capacity": "capacity_bytes"},
+                          sizes={"capacity_bytes", "max_pinned_bytes", "min_transfer_rate"})
+        if sections:
+            kw["sections"] = sections
         if kw.get("disk") is not None:
             kw["disk"] = DiskConfig.from_dict(kw["disk"])
         if kw.get("events") is not None:
@@ -506,6 +545,26 @@ class StoreConfig:
 
     def with_(self, **changes: Any) -> StoreConfig:
         return replace(self, **changes)
+
+    def to_mapping(self, *, sections: bool = True) -> dict[str, Any]:
+        """Every field as plain JSON-able values that :meth:`from_dict` parses back to an
+        equal config (the launcher hands a coordinator its config this way). Holds the disk
+        tier's seal key: pass it on a pipe, never on a command line. ``sections=False``
+        leaves the backends' own sections out."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "sections":
+                if sections:
+                    out |= {k: dict(v) if isinstance(v, Mapping) else v
+                            for k, v in value.items()}
+            elif value is None:
+                continue  # every field that may be None defaults to None
+            elif isinstance(value, (DiskConfig, EventsConfig)):
+                out[f.name] = value.to_mapping()
+            else:
+                out[f.name] = str(value) if isinstance(value, Path) else value
+        return out
 
     @property
     def socket_path(self) -> Path:

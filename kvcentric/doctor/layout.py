@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcentric.config import EngineEnv, StoreConfig
 from kvcentric.doctor.findings import FAIL, OK, WARN, Finding
-from kvcentric.doctor.stores import diagnosis_config
 from kvcentric.hashing import KEY_PREFIX, block_hashes, hash_seed, prompt_tail
 from kvcentric.stored_layout import stored_block_size
 
@@ -92,27 +91,17 @@ def split_key(key: str) -> tuple[str, str, str, str] | None:
 
 
 def list_keys(cfg: StoreConfig, prefix: str = KEY_PREFIX + "/") -> list[str]:
-    """Keys under ``prefix`` (local: the coordinator; Mooncake: the master's key dump)."""
-    if cfg.backend == "local":
-        from kvcentric.store import open_store
+    """Keys under ``prefix``, as the store's backend lists them (local: the coordinator;
+    Mooncake: the master's key dump)."""
+    from kvcentric.store.backends import BACKENDS
 
-        with open_store(diagnosis_config(cfg)) as store:
-            return store.list_keys(prefix, KEY_LIMIT)
-    from kvcentric.store.mooncake.config import MooncakeSettings
-    from kvcentric.store.mooncake.http import fetch_keys
-
-    settings = MooncakeSettings.load(cfg.mooncake)
-    return [k for k in fetch_keys(settings.metrics_url) if k.startswith(prefix)]
+    return BACKENDS[cfg.backend].list_keys(cfg, prefix, KEY_LIMIT)
 
 
 def _remove(cfg: StoreConfig, keys: Iterable[str]) -> None:
-    if cfg.backend != "local":
-        return  # no Mooncake client here: the probe's few objects age out
-    from kvcentric.store import open_store
+    from kvcentric.store.backends import BACKENDS
 
-    with open_store(diagnosis_config(cfg)) as store:
-        for k in keys:
-            store.remove(k, force=True)
+    BACKENDS[cfg.backend].remove_keys(cfg, list(keys))
 
 
 def probe_tokens(n: int) -> list[int]:

@@ -148,14 +148,7 @@ def check_transport(settings: Any) -> Finding:
 
 
 def store_findings(cfg: StoreConfig) -> list[Finding]:
-    if cfg.backend == "local":
-        reach, stats = check_local_store(cfg)
-        return [reach, check_shm(cfg, stats)]
-    from kvcentric.store.mooncake.config import MooncakeSettings
+    """The store's findings: its backend's ``doctor_checks`` (``kvcentric.store.backends``)."""
+    from kvcentric.store.backends import BACKENDS
 
-    try:
-        settings = MooncakeSettings.load(cfg.mooncake)
-    except ValueError as exc:
-        return [Finding("mooncake-config", FAIL, f"Mooncake settings: {exc}",
-                        "fix the store's mooncake mapping or the MOONCAKE_* variables")]
-    return [check_mooncake_master(settings), check_transport(settings)]
+    return BACKENDS[cfg.backend].doctor_checks(cfg)

@@ -1,4 +1,5 @@
-"""KV stores: one interface (:class:`KVStore`), backends ``local`` and ``mooncake``."""
+"""KV stores: one interface (:class:`KVStore`), backends ``local`` and ``mooncake``
+(the table of backends: :mod:`kvcentric.store.backends`)."""
 
 from __future__ import annotations
 
@@ -34,17 +35,15 @@ __all__ = [
 def open_store(config: Mapping[str, Any] | StoreConfig | None = None, *,
                required: bool = True) -> KVStore:
     """Open the store ``config`` names (a dict like the connector's ``store`` extra config,
-    or a :class:`StoreConfig`). The ``local`` backend starts its coordinator if needed.
+    or a :class:`StoreConfig`) through its backend's entry in
+    :data:`kvcentric.store.backends.BACKENDS`. The ``local`` backend starts its coordinator
+    if needed.
 
     ``required=False`` (engines): a store that cannot be reached or started now is not an
     error; the client's calls fail (``StoreUnavailable`` / negative codes: the engine
     recomputes) until it can be. The ``mooncake`` backend always joins in the background.
     """
     cfg = StoreConfig.from_dict(config)
-    if cfg.backend == "local":
-        from kvcentric.store.local.client import LocalStore
+    from kvcentric.store.backends import BACKENDS
 
-        return LocalStore(cfg, required)
-    from kvcentric.store.mooncake.store import MooncakeStore  # type: ignore[import-not-found]
-
-    return MooncakeStore(cfg)  # type: ignore[no-any-return]
+    return BACKENDS[cfg.backend].open(cfg, required)  # the name was checked at parse time

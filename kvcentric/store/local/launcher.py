@@ -31,25 +31,9 @@ from kvcentric.store.local import gate, ownership, trust
 
 
 def config_json(cfg: StoreConfig) -> str:
-    """Serialise what the coordinator needs of ``cfg``."""
-    raw: dict[str, object] = {
-        "name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-        "runtime_dir": str(cfg.runtime_dir), "idle_timeout_s": cfg.idle_timeout_s,
-        "lease_ttl_s": cfg.lease_ttl_s, "peer_group": cfg.peer_group,
-        "max_pin_s": cfg.max_pin_s}
-    if cfg.max_pinned_bytes is not None:
-        raw["max_pinned_bytes"] = cfg.max_pinned_bytes
-    if cfg.disk is not None:
-        d = cfg.disk
-        raw["disk"] = {"path": str(d.path), "capacity_bytes": d.capacity_bytes,
-                       "writers": d.writers, "high_watermark": d.high_watermark,
-                       "dirty_limit": d.dirty_limit, "put_wait_s": d.put_wait_s,
-                       "seal_key": d.seal_key}
-    if cfg.events is not None:
-        ev = cfg.events
-        raw["events"] = {"endpoint": ev.endpoint, "replay_endpoint": ev.replay_endpoint,
-                         "buffer_batches": ev.buffer_batches, "allow_remote": ev.allow_remote}
-    return json.dumps(raw)
+    """Serialise ``cfg`` for the coordinator (:meth:`StoreConfig.to_mapping`; it parses the
+    JSON back with :meth:`StoreConfig.from_dict`). Holds the seal key: a pipe's payload."""
+    return json.dumps(cfg.to_mapping(sections=False))
 
 
 def is_running(cfg: StoreConfig) -> bool:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,17 @@ class MooncakeSettings:
             merged |= _read_file(Path(path))
         merged |= raw
         return cls.from_dict(merged)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+                     ) -> MooncakeSettings:
+        """The store registry's name for :meth:`load` (``kvcentric.store.backends``)."""
+        return cls.load(raw, env)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Every field, as :meth:`from_dict` (and so :meth:`load` with ``use_env: false``)
+        reads it back to an equal object."""
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> MooncakeSettings:

@@ -147,7 +147,7 @@ def run_node(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stop = _stop_event()
-    cfg = StoreConfig(backend="mooncake", mooncake=node_config(args))
+    cfg = StoreConfig(backend="mooncake", sections={"mooncake": node_config(args)})
     settings = MooncakeSettings.load(cfg.mooncake)
     os.environ.update(engine_env(settings))  # a command's own process: set before the engine
     os.environ.update(offload_env(settings))

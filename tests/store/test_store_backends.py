@@ -1,0 +1,206 @@
+"""The store backend registry (kvcentric.store.backends): a backend defined here, in new
+code only, joins with one registration line and passes the shared store contract; the
+built-in backends' configs round-trip through their own dataclasses."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcentric.config import StoreConfig, parse_fields
+from kvcentric.store import ERR_INVALID, ERR_NO_SPACE, ERR_NOT_FOUND, OK, KVStore, open_store
+from kvcentric.store.backends import BACKENDS, StoreBackend, get_backend, register_backend
+from tests.store.store_contract import StoreContract, put
+
+# ---- a whole backend, as a new package would hold it ----
+
+
+@dataclass(frozen=True)
+class ToySettings:
+    """The toy backend's ``store.toy`` section."""
+
+    capacity_bytes: int = 32 << 20
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError("store.toy.capacity must be positive")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None,
+                     env: Mapping[str, str] | None = None) -> ToySettings:
+        return cls(**parse_fields(cls, raw, "store.toy", aliases={"capacity": "capacity_bytes"},
+                                  sizes={"capacity_bytes"}))
+
+    def to_mapping(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ToyStore(KVStore):
+    """A process-local LRU dict of byte strings, bounded by its capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+        self.objs: OrderedDict[str, bytes] = OrderedDict()
+        self.counts = dict.fromkeys(("hits", "misses", "puts", "gets", "evictions"), 0)
+
+    @classmethod
+    def open(cls, cfg: StoreConfig, required: bool) -> ToyStore:
+        return cls(BACKENDS["toy"].load_settings(cfg).capacity_bytes)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        return next((i for i, k in enumerate(keys) if k not in self.objs), len(keys))
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                       parents: Sequence[str | None] | None = None) -> list[int]:
+        out = []
+        for k, p, s in zip(keys, ptrs, sizes):
+            if k in self.objs or s > self.capacity:
+                out.append(OK if k in self.objs else ERR_NO_SPACE)
+                continue
+            while self.used + s > self.capacity:
+                self.used -= len(self.objs.popitem(last=False)[1])
+                self.counts["evictions"] += 1
+            self.objs[k] = ctypes.string_at(p, s)
+            self.used += s
+            self.counts["puts"] += 1
+            out.append(OK)
+        return out
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
+                       sizes: Sequence[int]) -> list[int]:
+        out = []
+        for k, p, s in zip(keys, ptrs, sizes):
+            self.counts["gets"] += 1
+            v = self.objs.get(k)
+            self.counts["hits" if v is not None else "misses"] += 1
+            if v is None or len(v) > s:
+                out.append(ERR_NOT_FOUND if v is None else ERR_INVALID)
+                continue
+            self.objs.move_to_end(k)
+            ctypes.memmove(p, v, len(v))
+            out.append(len(v))
+        return out
+
+    def remove(self, key: str, force: bool = False) -> int:
+        v = self.objs.pop(key, None)
+        self.used -= len(v or b"")
+        return ERR_NOT_FOUND if v is None else OK
+
+    def stats(self) -> dict[str, Any]:
+        return {"used_bytes": self.used, "capacity_bytes": self.capacity,
+                "keys": len(self.objs), **self.counts}
+
+    def close(self) -> None:
+        self.objs.clear()
+
+    def list_keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
+        return [k for k in self.objs if k.startswith(prefix)][:limit]
+
+
+# ---- the one registration line (undone after each test) ----
+
+@pytest.fixture(autouse=True)
+def toy_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(BACKENDS, "toy", StoreBackend("toy", ToyStore.open, settings=ToySettings))
+
+
+TOY = {"backend": "toy", "toy": {"capacity": "16mb"}}
+
+
+@pytest.fixture
+def store() -> Iterator[KVStore]:
+    s = open_store(TOY)
+    assert isinstance(s, ToyStore)
+    yield s
+    s.close()
+
+
+class TestToyContract(StoreContract):
+    @pytest.mark.skip(reason="the toy backend is registered in this process only; another "
+                             "process could not name it")
+    def test_another_process_reads_and_writes(self, store: KVStore,
+                                              store_config: dict[str, Any]) -> None:
+        raise AssertionError("skipped")
+
+
+def test_toy_section_is_parsed_by_its_own_dataclass() -> None:
+    cfg = StoreConfig.from_dict(TOY)
+    assert cfg.sections == {"toy": {"capacity": "16mb"}} and not cfg.verify_checksums
+    assert BACKENDS["toy"].load_settings(cfg) == ToySettings(16 << 20)
+    with pytest.raises(ValueError, match=r"unknown keys in store\.toy: \['size'\]"):
+        open_store({"backend": "toy", "toy": {"size": 1}})
+    with pytest.raises(ValueError, match="store.toy.capacity must be positive"):
+        open_store({"backend": "toy", "toy": {"capacity": 0}})
+
+
+def test_unknown_backends_and_sections_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"unknown store backend 'nope'; use 'local', "
+                                         r"'mooncake' or 'toy'"):
+        StoreConfig.from_dict({"backend": "nope"})
+    monkeypatch.delitem(BACKENDS, "toy")
+    with pytest.raises(ValueError, match=r"unknown keys in store: \['toy'\]"):
+        StoreConfig.from_dict(TOY)
+    with pytest.raises(ValueError, match="unknown keys in store: \\['local'\\]"):
+        StoreConfig.from_dict({"local": {}})  # local takes no section: its fields are top-level
+    with pytest.raises(ValueError, match="unknown store backend 'nope'; use 'local' or "
+                                         "'mooncake'"):
+        get_backend("nope")
+
+
+def test_register_backend_refuses_a_taken_or_bad_name() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend(StoreBackend("toy", ToyStore.open))
+    with pytest.raises(ValueError, match="must be 1 to 32 lower-case"):
+        StoreBackend("Toy-2", ToyStore.open)
+
+
+def test_the_doctor_reaches_a_new_backend_through_its_defaults() -> None:
+    from kvcentric.doctor.layout import list_keys
+    from kvcentric.doctor.stores import store_findings
+
+    cfg = StoreConfig.from_dict(TOY)
+    (finding,) = store_findings(cfg)
+    assert finding.check == "store-reachable" and finding.status == "ok", finding
+    assert list_keys(cfg) == []  # a fresh toy store per open: nothing under the prefix
+
+
+def test_toy_store_holds_what_it_was_given() -> None:
+    with open_store(TOY) as s:
+        assert put(s, ["a", "b"]) == [OK, OK] and s.list_keys() == ["a", "b"]
+
+
+# ---- the built-in backends' configs, written out and read back by their own functions ----
+
+def test_local_config_round_trips_through_the_launcher(tmp_path: Path) -> None:
+    from kvcentric.store.local.launcher import config_json
+
+    cfg = StoreConfig.from_dict({
+        "name": "rt", "capacity": "64mb", "runtime_dir": str(tmp_path), "idle_timeout_s": 3,
+        "lease_ttl_s": 9, "max_pin_s": 5, "max_pinned_bytes": "8mb", "peer_group": "0",
+        "hot_timeout_s": 0.5, "shared_index": False,
+        "disk": {"path": str(tmp_path / "d"), "capacity": "1mb", "writers": 2,
+                 "high_watermark": 0.25, "dirty_limit": 0.75, "put_wait_s": 0.01,
+                 "seal_key": "k" * 16}})
+    raw = json.loads(config_json(cfg))
+    assert StoreConfig.from_dict(raw) == cfg
+    assert StoreConfig.from_dict(json.loads(config_json(StoreConfig()))) == StoreConfig()
+    assert raw["disk"]["seal_key"] == "k" * 16  # the launcher sends it on a pipe
+
+
+def test_mooncake_config_round_trips_through_its_dataclass() -> None:
+    cfg = StoreConfig.from_dict({"backend": "mooncake", "mooncake": {
+        "use_env": False, "master_server_address": "10.0.0.1:5000", "protocol": "RDMA",
+        "global_segment_size": "32mb", "preferred_segment": "local"}})
+    assert cfg.verify_checksums and cfg.mooncake["protocol"] == "RDMA"
+    settings = BACKENDS["mooncake"].load_settings(cfg, env={"MOONCAKE_REPLICA_NUM": "3"})
+    assert settings.protocol == "rdma" and settings.replica_num == 1  # use_env: false
+    again = StoreConfig.from_dict(cfg.to_mapping())
+    assert again == cfg and again.mooncake == cfg.mooncake
+    assert type(settings).from_mapping(settings.to_mapping(), env={}) == settings
