@@ -1,4 +1,5 @@
-"""Discrete-event model of a P/D cluster with per-instance KV caches and a global store.
+"""Discrete-event model of a P/D cluster with per-instance KV caches and a global store,
+routed by the router's own policies (:mod:`kvcentric.router.policies`).
 
 Used by :mod:`benchmarks.sim.routing`. Units: seconds, tokens, blocks of ``BLOCK`` = 512 tokens
 (the Mooncake traces' hash_ids granularity).
@@ -17,6 +18,12 @@ Physics, the same for every policy:
   admission; first token one TBT after admission. TTFT = first token - arrival.
 - A request meets the SLO when TTFT <= ``slo_ttft`` and TBT <= ``slo_tbt``. Refused
   requests count as misses.
+
+Routing is the router's code, not a copy: each arm (:data:`ARMS`) names a registered
+policy, which sees what the Conductor would (:meth:`Cluster.choose`): every prefill
+instance's engine-cache run and the store's run, the prefill queues as the router's
+bookkeeping predicts them (not the true, noisy ones), the decoders' running sequences and
+KV usage; it picks the prefill instance and the decoder the KV goes to, or refuses.
 """
 
 from __future__ import annotations
@@ -27,6 +34,13 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvcentric.router.config import SloConfig
+from kvcentric.router.cost_model import Profile
+from kvcentric.router.decision import CostParams, Decision, Rejection
+from kvcentric.router.instance_spec import InstanceSpec
+from kvcentric.router.instances import Instance
+from kvcentric.router.policies import RouteInput, make_policy
 
 BLOCK = 512
 
@@ -99,10 +113,7 @@ class LRU:
 @dataclass
 class Prefiller:
     cache: LRU
-    busy_until: float = 0.0
-
-    def queue(self, now: float) -> float:
-        return max(0.0, self.busy_until - now)
+    busy_until: float = 0.0  # the true queue, which the router only predicts
 
 
 @dataclass
@@ -129,82 +140,83 @@ class Outcome:
     met: bool
 
 
-class Cluster:
-    """One policy's run over a trace."""
+@dataclass(frozen=True)
+class Arm:
+    """One compared arm: ``policy``, a routing policy of the router's registry
+    (:data:`kvcentric.router.policies.POLICIES`), on a cluster with the global store
+    (``store``; without it each prefill instance gets the store's share as private cache)
+    and refusing predicted SLO misses (``reject``, the router's ``slo.reject``)."""
 
-    def __init__(self, cfg: SimConfig, policy: str) -> None:
+    policy: str
+    store: bool = True
+    reject: bool = False
+
+
+ARMS = {
+    "random": Arm("random"),
+    "round_robin": Arm("round_robin"),
+    "least_load": Arm("least_loaded"),
+    "local_cache_aware": Arm("engine_cache", store=False),
+    "kvcentric": Arm("algorithm1", reject=True),
+    "kvcentric_noreject": Arm("algorithm1"),
+}
+
+
+@dataclass
+class Pending:
+    """A dispatched request until its KV reaches its decoder."""
+
+    decision: Decision
+    dispatched: float
+    hit_tokens: int
+    local_tokens: int
+
+
+class Cluster:
+    """One arm's run over a trace: the router's policy decides on the router's view of the
+    cluster, the physics above serves what it decided."""
+
+    def __init__(self, cfg: SimConfig, arm: str) -> None:
         self.cfg = cfg
-        self.policy = policy
-        self.rnd = random.Random(cfg.seed)
+        self.arm = ARMS[arm]
+        self.policy = make_policy(self.arm.policy, random.Random(cfg.seed))
         self.noise = random.Random(cfg.seed + 1)
-        self.use_store = policy != "local_cache_aware"
+        self.use_store = self.arm.store
         local = cfg.local_blocks
         if not self.use_store:  # equal total capacity: the store's share, but private
             local += cfg.store_blocks // cfg.prefill
         self.pre = [Prefiller(LRU(local)) for _ in range(cfg.prefill)]
         self.dec = [Decoder() for _ in range(cfg.decode)]
         self.store = LRU(cfg.store_blocks)
-        self.rr = 0
-        self.rr_d = 0
+        # the router's view: its cost model is the physics' own (its TBT counts the batch
+        # from 1: tbt(batch) here is tbt_base_s + tbt_per_seq_s * (batch - 1) there)
+        profile = Profile(a=cfg.a, b=cfg.b, c=cfg.c, tbt_base_s=cfg.tbt_base + cfg.tbt_per_seq,
+                          tbt_per_seq_s=cfg.tbt_per_seq)
+        self.params = CostParams(profile, BLOCK, BLOCK * cfg.kv_bytes_per_token, cfg.store_bw)
+        self.slo = SloConfig(ttft_ms=cfg.slo_ttft * 1000, tbt_ms=cfg.slo_tbt * 1000,
+                             reject=self.arm.reject)
+        self.p_inst = [_instance(f"p{k}", k, "prefill") for k in range(cfg.prefill)]
+        self.d_inst = [_instance(f"d{j}", cfg.prefill + j, "decode") for j in range(cfg.decode)]
+        self.to_admit = [0] * cfg.decode  # routed to decoder j, KV not there yet
 
-    # ---- policy: which prefill instance (None: refuse) ----
-    def choose(self, r: Request, now: float) -> int | None:
-        pol, pre = self.policy, self.pre
-        if pol == "random":
-            return self.rnd.randrange(len(pre))
-        if pol == "round_robin":
-            self.rr = (self.rr + 1) % len(pre)
-            return self.rr
-        if pol == "least_load":
-            return min(range(len(pre)), key=lambda i: pre[i].queue(now))
-        if pol == "local_cache_aware":
-            return self._cache_aware(r, now)
-        return self._algorithm1(r, now, reject=pol == "kvcentric")
-
-    def _cache_aware(self, r: Request, now: float) -> int:
-        """SGLang-router style: longest local prefix unless loads are imbalanced or the
-        best match is short, then the least loaded instance."""
-        pre = self.pre
-        loads = [p.queue(now) for p in pre]
-        least = min(range(len(pre)), key=loads.__getitem__)
-        if max(loads) - min(loads) > self.cfg.slo_ttft / 2:
-            return least
-        runs = [p.cache.run(r.blocks) for p in pre]
-        best = max(range(len(pre)), key=lambda i: (runs[i], -loads[i]))
-        if not r.blocks or runs[best] < 0.5 * len(r.blocks):
-            return least
-        return best
-
-    def _algorithm1(self, r: Request, now: float, reject: bool) -> int | None:
+    # ---- the router: its policy over its view of the cluster ----
+    def choose(self, r: Request, now: float) -> Decision | Rejection:
+        """The router's decision for ``r``: engine-cache runs and the store's run as the
+        prefix view, prefill queues as the router's bookkeeping predicts them (enqueued at
+        dispatch, done when the prefill ends, as the Conductor does), decoders' running
+        sequences and KV usage as an engine's gauges report them."""
         cfg = self.cfg
-        g = self.store.run(r.blocks)
-        best, best_t, best_q = 0, math.inf, 0.0
-        for i, p in enumerate(self.pre):
-            local = p.cache.run(r.blocks)
-            q = p.queue(now)
-            t = q + cfg.load_s(max(0, g - local)) + cfg.prefill_s(r.n, max(local, g) * BLOCK)
-            if t < best_t:
-                best, best_t, best_q = i, t, q
-        if reject:
-            # refuse only what load makes late: a request too long for the SLO even on an
-            # idle instance is served (refusing it would not help, and retrying never would)
-            ttft = best_t + cfg.load_s(len(r.blocks)) + min(
-                cfg.tbt(d.batch(now) + 1) for d in self.dec)
-            if ttft > cfg.slo_ttft and ttft - best_q <= cfg.slo_ttft:
-                return None
-        return best
-
-    def choose_decode(self, need: int, now: float) -> int:
-        if self.policy == "random":
-            return self.rnd.randrange(len(self.dec))
-        if self.policy == "round_robin":
-            self.rr_d = (self.rr_d + 1) % len(self.dec)
-            return self.rr_d
-        for d in self.dec:
-            d.purge(now)
-        fits = [i for i, d in enumerate(self.dec) if d.tokens + need <= self.cfg.decode_tokens]
-        pool = fits or list(range(len(self.dec)))
-        return min(pool, key=lambda i: (self.dec[i].batch(now), self.dec[i].tokens))
+        runs = {inst.slot: p.cache.run(r.blocks) for inst, p in zip(self.p_inst, self.pre)}
+        for j, (inst, d) in enumerate(zip(self.d_inst, self.dec)):
+            running = d.batch(now)
+            inst.stats.running = running
+            inst.stats.kv_usage = d.tokens / cfg.decode_tokens
+            inst.decodes = running + self.to_admit[j]
+        g = self.store.run(r.blocks) if self.use_store else 0
+        # the first block's id stands for its hash (the router's affinity)
+        affinity = str(r.blocks[0]).encode() if r.blocks else b""
+        return self.policy.choose(RouteInput(self.p_inst, self.d_inst, runs, g, r.n,
+                                             self.params, self.slo, now, affinity=affinity))
 
     # ---- the run ----
     def run(self, reqs: Sequence[Request]) -> list[Outcome]:
@@ -214,22 +226,24 @@ class Cluster:
         for i, r in enumerate(reqs):
             heapq.heappush(events, (r.t, 2, i, i))  # arrivals after same-time completions
         seq = len(reqs)
-        pending: dict[int, tuple[int, int]] = {}  # req -> (hit tokens, local tokens)
+        pending: dict[int, Pending] = {}
         while events:
             now, kind, _, i = heapq.heappop(events)
             r = reqs[i]
             if kind == 0:  # prefill done: commit its blocks to the store
                 if self.use_store:
                     self.store.add(r.blocks)
+                self._prefill_done(pending[i], str(i), now)
                 continue
             if kind == 1:  # KV reached decode: admit, first token
-                out[i] = self._admit(r, i, now, pending.pop(i))
+                out[i] = self._admit(r, now, pending.pop(i))
                 continue
-            p_idx = self.choose(r, now)
-            if p_idx is None:
+            d = self.choose(r, now)
+            if isinstance(d, Rejection):
                 out[i] = Outcome(None, 0.0, 0, 0, r.n, False)
                 continue
-            p = self.pre[p_idx]
+            k = d.prefill.slot
+            p = self.pre[k]
             local = p.cache.run(r.blocks)
             g = self.store.run(r.blocks) if self.use_store else 0
             if g:
@@ -240,15 +254,29 @@ class Cluster:
             start = max(now, p.busy_until)
             p.busy_until = start + dur
             p.cache.add(r.blocks)
+            d.prefill.enqueue(str(i), d.prefill_s, now)
+            self.to_admit[d.decode.slot - cfg.prefill] += 1
             heapq.heappush(events, (p.busy_until, 0, seq, i))
             heapq.heappush(events, (p.busy_until + cfg.load_s(len(r.blocks)), 1, seq + 1, i))
             seq += 2
-            pending[i] = (min(hit * BLOCK, r.n), min(local * BLOCK, r.n))
+            pending[i] = Pending(d, now, min(hit * BLOCK, r.n), min(local * BLOCK, r.n))
         return [o for o in out if o is not None]
 
-    def _admit(self, r: Request, i: int, now: float, hits: tuple[int, int]) -> Outcome:
+    def _prefill_done(self, pend: Pending, rid: str, now: float) -> None:
+        """What the Conductor does when a prefill's answer comes back: its queued work
+        leaves, and with nothing predicted ahead of it its time corrects the profile."""
+        d = pend.decision
+        p = d.prefill
+        p.prefill_done(rid, now)
+        own = next((c for c in d.candidates if c.name == p.name), None)
+        if own is not None and own.queue_s == 0.0:
+            p.observe(own.load_s + own.prefill_s / p.correction, now - pend.dispatched)
+
+    def _admit(self, r: Request, now: float, pend: Pending) -> Outcome:
         need = r.n + r.out
-        d = self.dec[self.choose_decode(need, now)]
+        j = pend.decision.decode.slot - self.cfg.prefill
+        self.to_admit[j] -= 1
+        d = self.dec[j]
         d.purge(now)
         t = now
         while d.active and d.tokens + need > self.cfg.decode_tokens:
@@ -260,4 +288,8 @@ class Cluster:
         d.tokens += need
         ttft = t + tbt - r.t
         met = ttft <= self.cfg.slo_ttft and tbt <= self.cfg.slo_tbt
-        return Outcome(ttft, tbt, hits[0], hits[1], r.n, met)
+        return Outcome(ttft, tbt, pend.hit_tokens, pend.local_tokens, r.n, met)
+
+
+def _instance(name: str, slot: int, role: str) -> Instance:
+    return Instance(InstanceSpec(url=f"http://{name}:1", role=role, name=name), slot)

@@ -10,15 +10,20 @@ github.com/kvcache-ai/Mooncake: ``conversation_trace.jsonl``, ``synthetic_trace.
 
 Every policy replays the same requests on the same cluster model (``benchmarks.sim.cluster``):
 same instances, same per-instance cache capacity, same store capacity and bandwidth, same
-prefill profile and the same noise on real prefill times. Policies:
+prefill profile and the same noise on real prefill times. Each arm runs one of the router's
+own policies (:mod:`kvcentric.router.policies`, named in :data:`benchmarks.sim.cluster.ARMS`)
+on the router's view of the cluster:
 
-- ``random``, ``round_robin``, ``least_load`` (shortest predicted prefill queue): with the
-  global store (any instance can load any stored prefix), routing blind to where KV lives;
-- ``local_cache_aware``: SGLang-router-style cache-aware routing over per-instance caches
-  only, no global store; to keep total capacity equal each instance gets the store's share
-  as private cache, and hits in it are free (generous to this baseline);
-- ``kvcentric``: Mooncake Algorithm 1 with the global store (queue + load from the store +
-  prefill on the uncached part), refusing requests predicted to miss the SLO;
+- ``random``, ``round_robin``, ``least_load`` (the router's ``least_loaded``: least
+  predicted prefill queue): with the global store (any instance can load any stored
+  prefix), routing blind to where KV lives;
+- ``local_cache_aware``: the router's ``engine_cache`` (SGLang-router-style cache-aware
+  routing over per-instance caches only) with no global store; to keep total capacity
+  equal each instance gets the store's share as private cache, and hits in it are free
+  (generous to this baseline);
+- ``kvcentric``: the router's ``algorithm1`` (Mooncake's Algorithm 1: queue + load from
+  the store + prefill on the uncached part, and the decoder) with the global store,
+  refusing requests predicted to miss the SLO;
 - ``kvcentric_noreject``: the same choice without refusing, to show what comes from the
   placement alone.
 
@@ -44,10 +49,9 @@ from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
-from benchmarks.sim.cluster import BLOCK, Cluster, Outcome, Request, SimConfig
+from benchmarks.sim.cluster import ARMS, BLOCK, Cluster, Outcome, Request, SimConfig
 
-POLICIES = ("random", "round_robin", "least_load", "local_cache_aware", "kvcentric",
-            "kvcentric_noreject")
+POLICIES = tuple(ARMS)
 
 
 def load_trace(path: Path, limit: int | None) -> list[Request]:
