@@ -213,7 +213,14 @@ def get_backend(name: str) -> StoreBackend:
 
 
 def register_backend(spec: StoreBackend) -> None:
-    """Add ``spec`` to :data:`BACKENDS`; ``ValueError`` when its name is taken."""
+    """Add ``spec`` to :data:`BACKENDS`; ``ValueError`` when its name is taken, by another
+    backend or by a ``StoreConfig`` key (its section is a top-level key of the store config)."""
+    from dataclasses import fields
+
+    from kvcentric.config import StoreConfig
+
     if spec.name in BACKENDS:
         raise ValueError(f"store backend {spec.name!r} is already registered")
+    if spec.name in {f.name for f in fields(StoreConfig)} | {"capacity"}:
+        raise ValueError(f"store backend {spec.name!r} would shadow the store key of that name")
     BACKENDS[spec.name] = spec

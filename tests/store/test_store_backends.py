@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import subprocess
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -157,8 +159,21 @@ def test_unknown_backends_and_sections_are_named(monkeypatch: pytest.MonkeyPatch
 def test_register_backend_refuses_a_taken_or_bad_name() -> None:
     with pytest.raises(ValueError, match="already registered"):
         register_backend(StoreBackend("toy", ToyStore.open))
+    with pytest.raises(ValueError, match="would shadow the store key"):
+        register_backend(StoreBackend("name", ToyStore.open))
     with pytest.raises(ValueError, match="must be 1 to 32 lower-case"):
         StoreBackend("Toy-2", ToyStore.open)
+
+
+def test_the_registry_imports_no_backend() -> None:
+    """Naming backends costs nothing: no wheel, no torch, no local client until opened."""
+    code = ("import sys, kvcentric.store.backends as b; from kvcentric.config import "
+            "StoreConfig; StoreConfig.from_dict({'backend': 'mooncake'}); "
+            "print(sorted(m for m in ('torch', 'mooncake', 'kvcentric.store.local.client', "
+            "'kvcentric.store.mooncake.store', 'kvcentric.doctor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_doctor_reaches_a_new_backend_through_its_defaults() -> None:
