@@ -258,6 +258,11 @@ OUR_ROUTER_NOTE = ("kvcentric-router: told the instances' processors (`compute`:
                    "warmed on idle instances). kvcentric-admission: `slo.reject: true`, the "
                    "benchmark's SLO as the router's; its clients resend a 429 after its "
                    "Retry-After up to 4 times, TTFT counting the waits.")
+# Our router running its baseline policies (kvcentric.router.policies) instead of
+# Algorithm 1, everything else as OUR_ROUTER: on request (--arms), not in the defaults.
+POLICY_ARMS = [Arm(f"kvcentric-{p}", gateway="kvcentric",
+                   gateway_opts={**OUR_ROUTER.gateway_opts, "policy": p})
+               for p in ("round_robin", "random", "least_loaded", "engine_cache")]
 # The peer routers' cache-aware policies, each with its defaults otherwise.
 PEER_CACHE_AWARE = [Arm("sglang-cache_aware", gateway="sglang:cache_aware"),
                     Arm("smg-cache_aware", gateway="smg:cache_aware"),

@@ -13,7 +13,10 @@ processor, as engines on separate GPUs) that share one local store (every arm ge
 store's hits, as with the kvcentric connector on every engine). Every arm runs the
 workload ``--reps`` times (3 by default; arms' order rotated each repetition, seed
 ``--seed + rep``, caches emptied before every run). Per arm the result keeps every
-repetition's numbers and their median and range.
+repetition's numbers and their median and range. ``--arms`` also takes our router
+running one of its baseline policies (:mod:`kvcentric.router.policies`):
+``kvcentric-round_robin``, ``kvcentric-random``, ``kvcentric-least_loaded``,
+``kvcentric-engine_cache``.
 
 Workloads (request rates scale with the fleet): ``hotprefix``: a few long shared
 prefixes, Zipf-popular, each request a prefix and its own question (each prefix served
@@ -42,7 +45,7 @@ from benchmarks.emulator.launch import EmulatorSpec
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.lifetime import stop_on_sigterm
 from benchmarks.lib.paths import LOGS, RESULTS, ROOT
-from benchmarks.serving.compare import OUR_ARMS, OUR_ROUTER, PEER_CACHE_AWARE
+from benchmarks.serving.compare import OUR_ARMS, OUR_ROUTER, PEER_CACHE_AWARE, POLICY_ARMS
 from benchmarks.serving.fleet import Arm
 from benchmarks.serving.fleet_report import aggregate, figure, per_request, table
 from benchmarks.serving.fleet_runs import (
@@ -106,7 +109,7 @@ def arms_for(args: argparse.Namespace) -> list[Arm]:
         return [Arm("round-robin"), OUR_ROUTER, OUR_ARMS[1], *pd]
     if args.arms:
         names = args.arms.split(",")
-        return [a for a in ARMS if a.name in names]
+        return [a for a in [*ARMS, *POLICY_ARMS] if a.name in names]
     return ARMS
 
 

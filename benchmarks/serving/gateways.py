@@ -187,14 +187,16 @@ def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
                      compute: str | None = None, reject: bool = True,
                      replication: bool = False, health_s: float | None = None,
                      instances: Sequence[dict[str, Any]] | None = None,
-                     extra: dict[str, Any] | None = None, tag: str = "") -> Gateway:
+                     extra: dict[str, Any] | None = None, tag: str = "",
+                     policy: str = "algorithm1") -> Gateway:
     """Our router over ``worker_urls`` (role ``both``, on one ``compute`` when they share
     a processor) sharing ``store``; the router's SLO is the benchmark's, so what it
     refuses (``reject``) is what it predicts would miss it anyway; ``replication``: hot
     prefixes warmed on idle instances; ``health_s``: its health and metrics poll interval
     (its defaults otherwise). ``instances``: the config's instance entries instead
     (roles, KV event endpoints); ``extra``: config sections merged over the rest;
-    ``tag``: tells several routers' files apart."""
+    ``tag``: tells several routers' files apart; ``policy``: its routing policy
+    (:data:`kvcentric.router.policies.POLICIES`)."""
     port = free_port()
     cfg: dict[str, Any] = {
            "model": model, "tokenizer": tokenizer, "listen": {"host": "127.0.0.1", "port": port},
@@ -203,7 +205,7 @@ def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
            "slo": {"ttft_ms": slo_ttft_ms, "tbt_ms": slo_tpot_ms, "reject": reject},
            "store": dict(store) if store is not None else None,
            "cost": {"profile": profile, "kv_dtype": dtype},
-           "replication": {"enabled": replication}}
+           "replication": {"enabled": replication}, "policy": policy}
     if health_s is not None:
         cfg["health"] = {"interval_s": health_s}
     for section, values in (extra or {}).items():
