@@ -183,3 +183,38 @@ def test_engines_inherit_no_telemetry_and_caches_of_their_own() -> None:
     enabled, cache, config = r.stdout.split()[-3:]
     assert enabled == "False"
     assert cache == os.environ["VLLM_CACHE_ROOT"] and config == os.environ["VLLM_CONFIG_ROOT"]
+
+
+def test_engines_start_with_the_sessions_small_kv_cache(tmp_path: Path) -> None:
+    """An engine a test starts gets the session's KV size as vLLM's flag, with the
+    legacy variable (which vLLM's CPU platform lets override the flag) removed; one that
+    sets VLLM_CPU_KVCACHE_SPACE itself keeps it. Shown with a stand-in interpreter that
+    records the command and environment it was started with."""
+    import json
+
+    from kvcentric.testing.servers import KV_BYTES_ENV, VllmServer
+    from tests.helpers.hermetic import ENGINE_KV_BYTES
+    from tests.helpers.waiting import wait_until
+
+    assert os.environ[KV_BYTES_ENV] == ENGINE_KV_BYTES[KV_BYTES_ENV]
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    "open(os.environ['OUT'] + '.tmp', 'w').write(json.dumps("
+                    "[sys.argv, dict(os.environ)]))\n"
+                    "os.rename(os.environ['OUT'] + '.tmp', os.environ['OUT'])\n")
+    fake.chmod(0o755)
+
+    def started(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        out = tmp_path / f"seen-{len(list(tmp_path.glob('seen-*')))}"
+        srv = VllmServer("m", python=str(fake), env={"OUT": str(out), **env}).start()
+        assert wait_until(out.exists, 60), "the stand-in never ran"
+        srv.stop()
+        argv, seen = json.loads(out.read_text())
+        return argv, seen
+
+    argv, seen = started({})
+    i = argv.index("--kv-cache-memory-bytes")
+    assert argv[i + 1] == ENGINE_KV_BYTES[KV_BYTES_ENV]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in seen
+    argv, seen = started({"VLLM_CPU_KVCACHE_SPACE": "2"})
+    assert "--kv-cache-memory-bytes" not in argv and seen["VLLM_CPU_KVCACHE_SPACE"] == "2"

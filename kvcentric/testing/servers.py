@@ -153,13 +153,20 @@ def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: i
     return first, toks
 
 
+# bytes of KV cache per engine (rank), where the caller's environment sets it (the test
+# session does: tests/helpers/hermetic.py); otherwise VLLM_CPU_KVCACHE_SPACE, 1 GiB unless set
+KV_BYTES_ENV = "KVC_ENGINE_KV_CACHE_BYTES"
+
+
 @dataclass
 class VllmServer:
     """One vLLM OpenAI server process.
 
     ``kv_transfer`` is the connector config (None: no connector); ``env`` adds to the
     environment (e.g. thread pinning); ``args`` are extra server flags; ``python`` is the
-    interpreter whose vLLM runs (a peer's own venv in comparisons).
+    interpreter whose vLLM runs (a peer's own venv in comparisons). Its KV cache is
+    ``$KVC_ENGINE_KV_CACHE_BYTES`` bytes per rank where that is set (and ``env`` sets no
+    ``VLLM_CPU_KVCACHE_SPACE``), else ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1).
     """
 
     model: str
@@ -186,8 +193,14 @@ class VllmServer:
                "--disable-uvicorn-access-log", *self.args]
         if self.kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
-            "VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        kv_bytes = env.get(KV_BYTES_ENV, "")
+        if kv_bytes and "VLLM_CPU_KVCACHE_SPACE" not in self.env:
+            # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE (whole GiB) override the flag
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            cmd += ["--kv-cache-memory-bytes", kv_bytes]
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with open(self.log_path or os.devnull, "ab") as out:  # the child keeps its own fd
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,5 +1,5 @@
 """The test session's own environment: no usage statistics, caches in a directory of its
-own (not under ``$HOME``), set before any engine starts.
+own (not under ``$HOME``), engines with a small KV cache, set before any engine starts.
 
 :func:`isolate` is called from ``pytest_configure`` (tests/conftest.py), before test
 modules are imported, so vLLM, torch and Hugging Face read it in this process, and every
@@ -28,6 +28,13 @@ def cache_dirs(home: Path) -> dict[str, str]:
             "TRITON_CACHE_DIR": str(home / "cache" / "triton")}
 
 
+# KV cache of each engine a test starts (kvcentric.testing.servers.KV_BYTES_ENV): a tiny
+# model's 4 KiB a token gives 65,536 tokens, sixteen of the longest context the tests use;
+# vLLM's CPU default of a GiB per rank, with several engines up on each of make test's two
+# workers, pushed the box past its memory and into reclaim
+ENGINE_KV_BYTES = {"KVC_ENGINE_KV_CACHE_BYTES": str(256 << 20)}
+
+
 def isolate(environ: MutableMapping[str, str], home: Path) -> None:
     """Turn telemetry off and point the caches below ``home`` (created) in ``environ``.
 
@@ -38,6 +45,8 @@ def isolate(environ: MutableMapping[str, str], home: Path) -> None:
         xdg = environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
         environ["HF_HOME"] = str(Path(xdg) / "huggingface")
     environ.update(NO_TELEMETRY)
+    for k, v in ENGINE_KV_BYTES.items():
+        environ.setdefault(k, v)
     dirs = cache_dirs(home)
     for d in dirs.values():
         Path(d).mkdir(parents=True, exist_ok=True)
