@@ -1,0 +1,71 @@
+""".ci/cleanup-run ends what a run started when the run is interrupted: here a server in
+a session of its own whose child renamed itself the way vLLM's engine processes do
+(setproctitle, which overwrites the environment /proc shows, so the run's marker in it is
+gone), mounted for real and interrupted with SIGTERM as CI cancels a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SERVER = '''
+import json, os, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", """
+import os, signal, setproctitle
+setproctitle.setproctitle("VLLM::EngineCore")
+open(os.environ["OUT"] + ".child", "w").write(str(os.getpid()))
+signal.pause()
+"""])
+open(os.environ["OUT"] + ".server", "w").write(json.dumps([os.getpid(), child.pid]))
+signal.pause()
+'''
+
+RUN = '''
+import os, signal, subprocess, sys
+subprocess.Popen([sys.executable, "-c", os.environ["SERVER"]], start_new_session=True)
+signal.pause()
+'''
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_an_interrupted_run_ends_renamed_engine_processes(tmp_path: Path) -> None:
+    out = tmp_path / "pids"
+    env = {**os.environ, "OUT": str(out), "SERVER": SERVER}
+    run = subprocess.Popen([str(ROOT / ".ci" / "cleanup-run"), sys.executable, "-c", RUN],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server_file, child_file = Path(f"{out}.server"), Path(f"{out}.child")
+    try:
+        assert wait_until(lambda: server_file.exists() and child_file.exists(), 60), \
+            "the server and its child never started"
+        server, child = json.loads(server_file.read_text())
+        # the premise: the server is marked, its renamed child no longer shows the marker
+        assert b"KVC_TEST_RUN=kvc-run-" in Path(f"/proc/{server}/environ").read_bytes()
+        assert b"KVC_TEST_RUN=" not in Path(f"/proc/{child}/environ").read_bytes()
+        assert os.getpgid(child) == os.getpgid(server) == server  # its own session
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=60)
+        assert wait_until(lambda: not alive(server) and not alive(child), 30), \
+            f"left running after cleanup: server {alive(server)}, child {alive(child)}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        if server_file.exists():  # what a failed cleanup left: not for the next test
+            for pid in json.loads(server_file.read_text()):
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
