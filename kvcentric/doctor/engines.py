@@ -117,7 +117,7 @@ def _engine_version(check: str, policy: _Policy, module: str, probe: str) -> Fin
 
 def check_vllm_version() -> Finding:
     return _engine_version("vllm-version", VLLM, "vllm",
-                           "kvcentric.connector.vllm.connector:check_vllm")
+                           "kvcentric.connector.vllm.boundary:check_vllm")
 
 
 def check_sglang_version() -> Finding:

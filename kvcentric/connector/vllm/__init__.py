@@ -3,6 +3,7 @@
 Owns everything that runs inside a vLLM process:
 
 - ``connector``: the facade vLLM instantiates; routes each call to one side.
+- ``boundary``: the typed vLLM boundary: vLLM's hook types, the hook list, the version gate.
 - ``scheduler``: scheduler side (store lookups, what to load per step); ``save_plan``:
   what to save per step.
 - ``worker``: worker side (leases, layer-wise loads and saves); ``commits``: publishing
@@ -12,7 +13,7 @@ Owns everything that runs inside a vLLM process:
   hybrid model's KV cache groups (``SupportsHMA``).
 - ``settings``: ``kv_connector_extra_config`` parsed once; ``metadata``: the per-step
   scheduler → worker message; ``stats``: counters and Prometheus metrics;
-  ``plugin``: the ``vllm.general_plugins`` entry point (version checks: ``kvcentric.compat``).
+  ``plugin``: the ``vllm.general_plugins`` entry point (version policy: ``kvcentric.compat``).
 
 ``kv_connector_module_path: kvcentric.connector.vllm`` keeps working: the class is resolved
 on first attribute access, so importing a submodule (the router imports ``settings``)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -39,8 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcentric.compat import API_CHECKED_VLLM, MIN_VLLM, TESTED_VLLM, check_engine, missing_attrs
 from kvcentric.connector.vllm.affinity import spare_thread
+from kvcentric.connector.vllm.boundary import check_vllm
 from kvcentric.connector.vllm.engine_layout import engine_layout, model_revision
 from kvcentric.connector.vllm.metadata import KVCentricMetadata
 from kvcentric.connector.vllm.scheduler import KVCentricScheduler
@@ -49,26 +49,25 @@ from kvcentric.connector.vllm.stats import KVCentricPromMetrics, KVCentricStats
 from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.store import open_store
 
+if TYPE_CHECKING:
+    import torch
+
+    from kvcentric.connector.vllm.boundary import (
+        AttentionMetadata,
+        ForwardContext,
+        KVCacheBlocks,
+        KVCacheConfig,
+        KVConnectorOutput,
+        PromMetric,
+        PromMetricT,
+        Request,
+        SchedulerOutput,
+        VllmConfig,
+    )
+
+__all__ = ["KVCentricConnector", "check_vllm", "layer_hooks_run"]
+
 log = logging.getLogger("kvcentric.connector")
-
-
-# Hooks whose absence would break a promise silently (no recompute after a failed load,
-# no stats); vLLM versions without them are refused at start.
-_HOOKS = ("get_block_ids_with_load_errors", "get_kv_connector_stats", "build_kv_connector_stats",
-          "build_prom_metrics", "bind_connector_metadata", "request_finished",
-          "register_kv_caches", "wait_for_layer_load", "save_kv_layer")
-
-
-def check_vllm() -> None:
-    """The installed vLLM against :data:`kvcentric.compat.TESTED_VLLM` and :data:`_HOOKS`."""
-    import vllm
-    from vllm.config import KVTransferConfig
-
-    missing = missing_attrs(KVConnectorBase_V1, _HOOKS, "KVConnectorBase_V1")
-    if "kv_load_failure_policy" not in getattr(KVTransferConfig, "__dataclass_fields__", {}):
-        missing.append("KVTransferConfig.kv_load_failure_policy")
-    check_engine("vLLM", str(vllm.__version__), TESTED_VLLM, missing, MIN_VLLM,
-                 API_CHECKED_VLLM)
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
@@ -92,7 +91,7 @@ def _describe_groups(layout: Any) -> str:
     return f", KV cache groups ({kinds}), {'async' if layout.async_loads else 'sync'} loads"
 
 
-def layer_hooks_run(forward_context: Any) -> bool:
+def layer_hooks_run(forward_context: ForwardContext | None) -> bool:
     """True only when this step's attention layers will call ``wait_for_layer_load`` and
     ``save_kv_layer``: ``start_load_kv`` runs inside the forward's own context (attention
     metadata bound) and the step does not replay a full CUDA graph (whose captured
@@ -106,16 +105,16 @@ def layer_hooks_run(forward_context: Any) -> bool:
 class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
     """Layer-wise streaming save and load of prefix KV through a kvcentric store."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole,
-                 kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         check_vllm()
+        if kv_cache_config is None:
+            raise ValueError("KVCentricConnector needs vLLM's kv_cache_config")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tcfg = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(tcfg.kv_connector_extra_config)
         if tcfg.kv_role == "kv_producer":
             self.settings = replace(self.settings, async_commit=False)
-        if kv_cache_config is None:
-            raise ValueError("KVCentricConnector needs vLLM's kv_cache_config")
         model_id = self.settings.model_id or str(vllm_config.model_config.served_model_name)
         page = int(vllm_config.cache_config.block_size)
         self.layout = engine_layout(vllm_config, kv_cache_config,
@@ -179,35 +178,35 @@ class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
         return not ConnectorSettings.from_extra_config(extra_config).full_cudagraphs
 
     # ---- scheduler side ----
-    def get_num_new_matched_tokens(self, request: Any,
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.sched.build_connector_meta(scheduler_output)
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         self.sched.register_request(request)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.sched.loads_failed(getattr(connector_output, "failed_recving", None))
 
-    def request_finished(self, request: Any,
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.sched.request_finished(request)
         return False, None  # saves finish within the step: blocks can be freed now
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """``SupportsHMA``: the same as :meth:`request_finished`, for every group."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ---- worker side ----
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -215,7 +214,7 @@ class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(connector_metadata, KVCentricMetadata)
         self.worker.plan_saves(connector_metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVCentricMetadata)
         self.worker.start_load(meta, hooks_run=layer_hooks_run(forward_context))
@@ -223,7 +222,8 @@ class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         self.worker.save_layer(layer_name, kv_layer)
 
@@ -261,7 +261,9 @@ class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
         return KVCentricStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]
                            ) -> KVCentricPromMetrics:
         return KVCentricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
