@@ -83,6 +83,7 @@ test: setup peers
 lint: setup
 	$(BIN)/ruff check kvcentric kernels router tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 demo: setup
 	$(BIN)/python -m examples.demo

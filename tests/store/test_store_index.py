@@ -1,7 +1,7 @@
 """Unit tests of the coordinator's bookkeeping (no processes, no memory)."""
 
+from kvcentric.store.allocator import ExtentAllocator
 from kvcentric.store.base import ERR_EXISTS, ERR_HAS_LEASE, ERR_NO_SPACE, ERR_NOT_FOUND, OK
-from kvcentric.store.local.allocator import ExtentAllocator
 from kvcentric.store.local.index import ObjectIndex
 
 KB = 1024

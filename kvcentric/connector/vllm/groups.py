@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcentric.connector.vllm.mover import SKIP
+from kvcentric.connector.vllm.transfers import SKIP
 
 NULL_BLOCK = 0  # vLLM's BlockPool hands block 0 out as the null block, never as a page
 FULL, SLIDING, STATE = "full", "sliding", "state"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcentric import kernels
+from kvcentric.connector.vllm.transfers import SKIP
 from kvcentric.integrity import HEADER_BYTES
 from kvcentric.kernels.staged import (
     staged_pack,
@@ -37,8 +38,6 @@ from kvcentric.kernels.staged import (
     staged_unpack,
     staged_unpack_layers,
 )
-
-SKIP = -1  # a page id that must not be written (already computed by the engine)
 
 
 @dataclass(frozen=True)

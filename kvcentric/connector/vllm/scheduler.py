@@ -43,9 +43,9 @@ from kvcentric.connector.vllm.counters import Counters
 from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.extra_keys import ExtraKeys, Unkeyable, has_extras
 from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
-from kvcentric.connector.vllm.mover import SKIP
 from kvcentric.connector.vllm.save_plan import ReqState, SavePlanner, SaveTracker
 from kvcentric.connector.vllm.settings import ConnectorSettings
+from kvcentric.connector.vllm.transfers import SKIP
 from kvcentric.hashing import block_hashes, hash_seed, prompt_tail
 from kvcentric.integrity import ObjectRef
 from kvcentric.store import KVStore, StoreUnavailable

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from kvcentric.integrity import ObjectRef
 
+SKIP = -1  # a page id that must not be written (already computed by the engine)
+
 
 @dataclass
 class TransferSpec:

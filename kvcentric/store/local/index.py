@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcentric.store.allocator import ExtentAllocator
 from kvcentric.store.base import (
     ERR_EXISTS,
     ERR_HAS_LEASE,
@@ -40,7 +41,6 @@ from kvcentric.store.base import (
     ERR_NOT_FOUND,
     OK,
 )
-from kvcentric.store.local.allocator import ExtentAllocator
 from kvcentric.store.local.events import CPU, DISK, StoreEvents
 from kvcentric.store.local.shared_index import SharedIndexWriter
 

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcentric.store.local.allocator import ExtentAllocator, align_up
+from kvcentric.store.allocator import ExtentAllocator, align_up
 
 
 class StagingArena:
