@@ -36,7 +36,7 @@ class Profile:
     ``tbt_per_seq_s``: time per output token at batch size 1 and its growth per running
     sequence. ``store_bandwidth_bps``: measured store read bandwidth (bytes/s) or ``None``;
     ``disk_bandwidth_bps``: measured cold-read bandwidth of the store's disk tier (bytes/s,
-    :mod:`kvcentric.store.local.disk_probe`) or ``None``.
+    :mod:`kvcentric.disk_probe`) or ``None``.
     """
 
     a: float = 1e-9

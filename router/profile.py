@@ -15,7 +15,7 @@ is the tier's effective bandwidth.
 Disk bandwidth (optional, a local store with a disk tier): engines cannot be made to read
 from the disk tier on demand, so :func:`disk_bandwidth` measures what bounds a disk hit,
 a cold sequential read on the tier's own file system
-(:func:`kvcentric.store.local.disk_probe.cold_read`), and records it only when the read
+(:func:`kvcentric.disk_probe.cold_read`), and records it only when the read
 really reached a block device (a tmpfs or page-cache read would promise memory speed).
 """
 
@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 
+from kvcentric.disk_probe import cold_read
 from kvcentric.router.cost_model import Profile, fit
-from kvcentric.store.local.disk_probe import cold_read
 
 log = logging.getLogger("kvcentric.router.profile")
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcentric.store.local import disk_probe
+from kvcentric import disk_probe
 
 
 def group_pids(pgid: int) -> list[int]:

@@ -59,9 +59,10 @@ from tqdm import tqdm
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
 from benchmarks.lib.procfs import device_read_bytes, group_pids
+from kvcentric import disk_probe
 from kvcentric.config import StoreConfig
 from kvcentric.store import OK, KVStore
-from kvcentric.store.local import disk_probe, launcher
+from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config

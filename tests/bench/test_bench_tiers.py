@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks.serving import tiers as bt
-from kvcentric.store.local import disk_probe
+from kvcentric import disk_probe
 from tests.helpers.disk import device_dir
 
 BPT = 8192  # the bench model: 8 layers x 4 KV heads x 64 x bf16 x (K, V)

@@ -19,7 +19,7 @@ import pytest
 from kvcentric.store.base import checksum
 from kvcentric.store.local.disk import DATA_OFFSET
 from kvcentric.store.local.disk_reads import DiskReads
-from kvcentric.store.local.tiered import CORRUPT, PROMOTE
+from kvcentric.store.local.wire import CORRUPT, PROMOTE
 
 SIZE = 64 << 10  # an object of 4 "layers" of 16 KiB
 LAYER = SIZE // 4

@@ -42,7 +42,7 @@ import numpy as np
 
 from kvcentric.store.base import StoreUnavailable, checksum
 from kvcentric.store.local.disk import DATA_OFFSET
-from kvcentric.store.local.tiered import CORRUPT, MISSING, PROMOTE
+from kvcentric.store.local.wire import CORRUPT, MISSING, PROMOTE
 
 READ_THREADS = 8  # 8 and 16 read alike on the measured disk; 4 and 1 slower
 

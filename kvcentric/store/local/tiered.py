@@ -57,8 +57,8 @@ from kvcentric.store.local.demoter import Recovered, RecoveryDone, WriteDone, Wr
 from kvcentric.store.local.events import CPU, DISK
 from kvcentric.store.local.index import Entry, ObjectIndex
 from kvcentric.store.local.shared_index import SharedIndexWriter
+from kvcentric.store.local.wire import CORRUPT, MISSING, PROMOTE  # settle codes
 
-PROMOTE, CORRUPT, MISSING = 1, 2, 3  # settle codes, per leased object
 HOLD = -201  # reserve: wait for the demoter; the coordinator's own, never sent to a client
 MAX_IN_FLIGHT = 32  # demotions queued at once: pinned bytes cannot be evicted meanwhile
 VICTIM_SCAN = 64  # clean copies looked at for a chain leaf before taking any clean copy

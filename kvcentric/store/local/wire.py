@@ -26,6 +26,9 @@ import msgspec
 
 MAX_FRAME = 64 << 20  # a 100k-key request is ~10 MiB
 HEADER = struct.Struct("<I")
+# settle codes a client reports per leased object of a disk read (the coordinator's
+# tiered index acts on them); here so the client need not import the coordinator's modules
+PROMOTE, CORRUPT, MISSING = 1, 2, 3
 
 Scalar = str | int | float | bool | None
 Request = list[Scalar | list[Scalar]]  # [op, *args]; an arg is a scalar or a list of them
