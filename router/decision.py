@@ -31,8 +31,8 @@ first for it by rendezvous hashing: several router replicas, each seeing only pa
 fleet's load, then agree where a prefix not yet resident anywhere goes, instead of each
 computing it on a different instance. Once some tied instance holds it, load decides
 again: ranking every tie sent each hot prefix's requests to the same few engines, whose
-running decodes then waited on the newcomers' prefill chunks (emulated hot-prefix run on
-8 engines: TPOT mean 48.8 ms vs round-robin's 24.4 ms).
+running decodes then waited on the newcomers' prefill chunks (TPOT far worse than
+round-robin's in the emulated hot-prefix runs, benchmarks/results/).
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).

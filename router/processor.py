@@ -9,8 +9,8 @@ it. How members share it (``cost.shared_compute``):
 * ``serial``: one FIFO over the processor: a prefill waits for all work dispatched
   before it, whichever member it went to. Engines time-sliced on one device (a GPU
   without MPS, CPU engines whose spinning OpenMP workers share cores) behave so, or
-  worse: on the 2-core CPU comparison two engines on one core ran their turns 2-10x
-  slower than a fair split predicted.
+  worse (spinning workers steal each other's time slices, so turns run slower than a
+  fair split predicts).
 * ``fair``: egalitarian processor sharing: each member runs its own prefills one after
   another and the members with work split the processor equally, so a prefill on an idle
   member is slowed by its busy peers but does not wait behind them (engines sharing a

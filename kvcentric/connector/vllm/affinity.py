@@ -4,8 +4,8 @@ vLLM's CPU worker pins its process to the cores its OpenMP compute threads use (
 ``VLLM_CPU_NUM_OF_RESERVED_CPU``, the others are left to the API server and the engine
 core). Every thread the worker creates inherits that mask, so without care our copy
 and commit threads, and a Mooncake client's transfer threads, would take turns with the
-forward pass on the compute cores -- measured on a 2-core box, all of them shared core 0
-while core 1 idled through the forward. Threads started through :func:`spare_thread`
+forward pass on the compute cores, while the cores vLLM reserved for others idle through
+the forward. Threads started through :func:`spare_thread`
 (or a pool whose initializer is :func:`pin_to_spare`) run on the other cores instead.
 On a GPU worker nothing is pinned and these are no-ops.
 """

@@ -50,9 +50,9 @@ class ConnectorSettings:
             off for ``kv_producer`` (a P/D decode must find the prefill's blocks at once).
         min_fetch_bytes: a streamed load (Mooncake ``ranged_reads``) fetches the ranges of
             consecutive layers together until a call moves at least this many bytes: every
-            store call has a fixed cost (measured ~5 ms over TCP on the 2-core box, where
-            one call per layer cost 26-42 ms per request against 15-23 ms for one whole
-            get), and the first group is all the forward waits for.
+            store call has a fixed cost, which one call per layer pays once per layer
+            (slower than one whole get when layers are small), and the first group is all
+            the forward waits for.
         spare_cpu_threads: on a CPU engine whose worker is pinned to its compute cores, run
             the copy and commit threads and the store client's threads on the other cores
             (:mod:`kvcentric.connector.vllm.affinity`); no effect on GPU workers.

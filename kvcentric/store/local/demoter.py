@@ -6,7 +6,7 @@ coordinator's read-only mapping of the arena; the index pins those bytes until t
 result is applied (the loop, woken through a pipe, applies results in order).
 
 Writers run in parallel: a device with a queue takes several fdatasync'd writes at once
-(4 threads wrote 1 MiB objects 1.5-1.8x faster than 1 on this box's virtio disk). Each
+(fdatasync waits on the device, not the CPU, so parallel writers overlap). Each
 thread takes at most its share of the queued writes as one batch, so one thread never
 holds the whole queue while the others idle, and a batch's results (which free DRAM for
 held-back writers) come back after a few writes, not after ``BATCH``.
