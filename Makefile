@@ -63,13 +63,15 @@ $(PEERS_STAMP): $(STAMP) Makefile
 # (`python -m benchmarks.lib.durations build/junit.xml build/junit-serial.xml` renders them).
 # .ci/cleanup-run ends what each pass started (process groups, detached stores and
 # engines, its /dev/shm names) when it ends or is interrupted.
-# Two passes (tests/helpers/xdist_groups.py): every test not marked `serial` on two
-# pytest-xdist workers (XDIST; XDIST= runs that pass in one process), then the `serial`
-# tests alone on the box. Both run; the target fails if either does, and an interrupted
-# first pass ends the target.
+# Two passes (tests/helpers/xdist_groups.py): every test not marked `serial`, then the
+# `serial` tests alone on the box. Both run; the target fails if either does, and an
+# interrupted first pass ends the target. XDIST: empty, the first pass runs in one process
+# (what CI runs); `make test XDIST="-n 2 --dist loadfile"` runs it on two pytest-xdist
+# workers, not yet the default: on the 2-core box two workers' engine starts contend
+# for the cores and memory instead of overlapping (benchmarks/results/test_durations.md).
 JUNIT := build/junit.xml
 JUNIT_SERIAL := build/junit-serial.xml
-XDIST ?= -n 2 --dist loadfile
+XDIST ?=
 PYTEST := KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest -q -p no:cacheprovider \
   -rs --durations=25
 test: setup peers

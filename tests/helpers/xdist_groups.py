@@ -1,11 +1,12 @@
-"""How ``make test`` runs the suite: a parallel pass, then a serial pass.
+"""How ``make test`` runs the suite: a first pass (parallel on request), then a serial pass.
 
 ``make test`` runs pytest twice (Makefile):
 
-1. ``-m "not serial" -n 2 --dist loadfile``: two pytest-xdist workers, each test module a
+1. ``-m "not serial"``, in one process by default. With ``XDIST="-n 2 --dist loadfile"``
+   (not yet the default: on the 2-core box two workers' engine starts contend for the
+   cores and the memory rather than overlap): two pytest-xdist workers, each test module a
    unit sent whole to one worker (its module-scoped fixtures made once, its tests in their
-   order). Most tests wait (on engines, subprocesses, sockets, deadlines), so two workers
-   fill the two cores of the CI box. :func:`pytest_xdist_make_scheduler` hands out the
+   order). :func:`pytest_xdist_make_scheduler` hands out the
    longest modules first (:data:`LONGEST_FIRST`), so that no long engine module starts
    last and leaves the other worker idle while it runs. Each worker has its own session:
    its own plain engine pool (tests/helpers/engines.py) and Mooncake namespace.
@@ -16,8 +17,8 @@
    breaks beside it (the store stress tests; the Mooncake store's put and set tests, whose
    transfers failed next to them). Each marks itself with ``pytest.mark.serial``.
 
-Without xdist (``make test XDIST=``, or a plain ``pytest``) nothing here applies, and a
-plain ``pytest`` runs serial and parallel tests together in one process.
+Without xdist (plain ``make test``, or a plain ``pytest``) the scheduler and the binding
+do not apply, and a plain ``pytest`` runs serial and other tests together in one process.
 """
 
 from __future__ import annotations
