@@ -72,14 +72,15 @@ $(PEERS_STAMP): $(STAMP) Makefile
 JUNIT := build/junit.xml
 JUNIT_SERIAL := build/junit-serial.xml
 XDIST ?=
-PYTEST := KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest -q -p no:cacheprovider \
-  -rs --durations=25
+PYTEST_ARGS := -q -p no:cacheprovider -rs --durations=25
 test: setup peers
 	@mkdir -p $(dir $(JUNIT))
-	$(PYTEST) --junitxml=$(JUNIT) -m "not serial" $(XDIST); first=$$?; \
+	KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest $(PYTEST_ARGS) \
+	  --junitxml=$(JUNIT) -m "not serial" $(XDIST); first=$$?; \
 	  [ $$first -lt 128 ] || exit $$first; \
-	  $(PYTEST) --junitxml=$(JUNIT_SERIAL) -m serial; second=$$?; \
-	  echo "make test: parallel pass exit $$first, serial pass exit $$second"; \
+	KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest $(PYTEST_ARGS) \
+	  --junitxml=$(JUNIT_SERIAL) -m serial; second=$$?; \
+	  echo "make test: first pass exit $$first, serial pass exit $$second"; \
 	  [ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 lint: setup
