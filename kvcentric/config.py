@@ -274,7 +274,7 @@ class DiskConfig:
         path: directory of the tier's files; the store keeps them in ``path/{name}/``.
         capacity_bytes: hard bound on the bytes the tier's files take.
         writers: demotion threads (each writes and fsyncs whole objects; several keep a
-            device's queue busy: 4 wrote 1 MiB objects ~1.5-1.8x faster than 1 here).
+            device's queue busy, which one writer waiting on each fsync does not).
         high_watermark: demotion runs while DRAM holds more than this fraction of its
             capacity in objects with no disk copy, so a DRAM eviction finds a clean copy
             to drop. 0 (the default) writes every object back as soon as a writer is free:

@@ -1,9 +1,9 @@
 """Token ids of prompt texts seen before, kept by text prefix, so a prompt that starts
 with a known long prefix is tokenised only from near its end.
 
-Why: the router tokenises every prompt to hash its blocks, and tokenising costs about
-1 µs per token on a core (a 128k-token prompt: ~0.1 s of router CPU, most of it the
-pre-tokenizer's regex over the whole text); prompts that share a long prefix (system
+Why: the router tokenises every prompt to hash its blocks, and tokenising costs router
+CPU in proportion to the prompt's length (most of it the pre-tokenizer's regex over the
+whole text); prompts that share a long prefix (system
 prompts, documents, a conversation's history) would pay it again each time.
 
 How it stays exact: a byte-level BPE tokenizer splits text into pre-tokens by a regex and

@@ -8,9 +8,9 @@ On a CUDA engine (:meth:`DevicePath.open`):
 2. pages move *staged* (:mod:`kvcentric.kernels.staged`): gathered/scattered in HBM
    through a scratch buffer by one torch index op, crossing PCIe as one 2-D DMA
    per layer over the objects' spans. Page by page across PCIe (Triton over UVA,
-   per-page DMA, torch into strided host rows) measured 5-30x slower on an H100, and
-   the generic validating kernels cost ~0.3 ms of Python per layer
-   (``benchmarks/bench_gpu_path.py``); a ``copy_impl`` other than ``auto`` makes the
+   per-page DMA, torch into strided host rows) is several times slower on an H100, and
+   the generic validating kernels spend Python per layer on every step
+   (``benchmarks/micro/gpu_path.py`` and its results); a ``copy_impl`` other than ``auto`` makes the
    HBM side use that kernel;
 3. copies are ordered by events on a copy stream (:class:`kvcentric.cuda.CopyOrdering`).
 """

@@ -27,8 +27,8 @@ class ConnectorSettings:
         block_size: tokens per stored object; a multiple of the engine's page size.
             ``None``: the page size when it is >= 128 tokens (vLLM CPU), else the smallest
             page multiple >= 256 (GPU pages of 16). A hit always recomputes the partial
-            last stored block, so a block coarser than the page costs TTFT (measured: 256
-            on 128-token pages made a 2k-token hit 1.8x slower than the engine's own hit).
+            last stored block, so a block coarser than the page costs TTFT (up to a
+            block of tokens recomputed on every hit, which the engine's own hit does not).
         model_id: namespace of the keys; ``None`` uses the served model name.
         model_revision: names the model's weights in the keys; ``None`` uses a digest of
             the model directory's weights and configs when it is local

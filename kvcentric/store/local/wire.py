@@ -12,7 +12,7 @@ the decoder. Each side decodes against a typed schema instead (:data:`Request`, 
 ``[op, [keys...]]``; :data:`Reply`, 3 levels: ``[lease, [[offset, size, ...], ...]]``, or a
 flat map): msgspec checks every value's type before it descends, so a deeper value fails
 at the first level past the schema with a ``ProtocolError``, at the cost of an untyped
-decode (measured equal). Nothing else about a frame can raise anything but
+decode (no slower than the typed one). Nothing else about a frame can raise anything but
 ``ProtocolError`` here.
 """
 

@@ -20,7 +20,7 @@ Contract of :meth:`CallRunner.run`:
   :attr:`CallRunner.outstanding` while it runs and in :attr:`CallRunner.abandoned` for
   good.
 - **Abandoned calls yield the CPU.** Mooncake's TCP transfer polls while it waits for a
-  stopped node: measured, each call blocked on a SIGSTOPped storage node kept a core
+  stopped node: each call blocked on a SIGSTOPped storage node keeps a core
   busy, which on a small CPU host slows the very forward pass that gave up on it. So an
   abandoned call's thread drops to ``SCHED_IDLE`` (else nice 19): it runs only on cores
   nothing else wants. An unprivileged thread cannot climb back, so that thread ends when

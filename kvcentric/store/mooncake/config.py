@@ -226,8 +226,8 @@ def offload_bucket_problem(settings: MooncakeSettings,
     Mooncake's offload writes objects to disk in buckets and keeps a queued object in
     memory, unevictable, until its bucket fills (``OFFLOAD_BUCKET_ENV``, 256 MiB by
     default, read by Mooncake from the environment). A segment smaller than a few buckets
-    then fills with queued objects and refuses every put (measured on the CPU wheel with
-    a 16 MiB segment), so such a client must set a smaller bucket first.
+    then fills with queued objects and refuses every put (the CPU wheel does, with a
+    16 MiB segment), so such a client must set a smaller bucket first.
     """
     if not settings.ssd_offload_path:
         return None

@@ -51,7 +51,7 @@ def master_binary() -> Path:
 
 
 # Offload at PutEnd (not --offload_on_evict, which defers the disk write to eviction time
-# and, measured on the CPU wheel, refused puts while the deferred writes waited).
+# and refused puts while the deferred writes waited, as the CPU wheel does).
 OFFLOAD_FLAGS = ("--enable_offload=true", "--promotion_on_hit=true")
 
 

@@ -1,7 +1,7 @@
 """Registered staging memory for the Mooncake backend's in-place writes and reads.
 
 Mooncake moves bytes only between *registered* buffers at full speed (an unregistered
-source is bounced through the client's local buffer: ~5x slower puts, measured). The
+source is bounced through the client's local buffer, a copy more per put). The
 connector's ``batch_alloc``/``batch_acquire`` hand out pointers, so the backend owns one
 anonymous, prefaulted mapping, registers it once, and carves extents out of it.
 

@@ -8,7 +8,7 @@ indexes, allocates, evicts (asynchronously, at its high watermark) and leases re
 Hot path, all batched, no Python ``bytes``: ``batch_is_exist``, ``batch_put_from`` (after
 skipping stored keys), ``batch_get_into``; caller buffers are registered once
 (:meth:`register_buffer`; unregistered sources bounce through Mooncake's local buffer,
-~5x slower). :meth:`batch_alloc`/:meth:`batch_commit` write through extents of one
+a copy more). :meth:`batch_alloc`/:meth:`batch_commit` write through extents of one
 registered staging arena, so an object becomes visible whole; :meth:`batch_acquire` gets
 objects into it until :meth:`release`, or (``ranged_reads``) :meth:`batch_acquire_streamed`
 + :meth:`fetch_range` stream them layer by layer (docs/store.md §Mooncake).
