@@ -125,11 +125,9 @@ def store() -> Iterator[KVStore]:
 
 
 class TestToyContract(StoreContract):
-    @pytest.mark.skip(reason="the toy backend is registered in this process only; another "
-                             "process could not name it")
-    def test_another_process_reads_and_writes(self, store: KVStore,
-                                              store_config: dict[str, Any]) -> None:
-        raise AssertionError("skipped")
+    # the contract's cross-process test does not apply: the toy backend is registered in
+    # this process only, so another process could not name it (not collected: None)
+    test_another_process_reads_and_writes = None  # type: ignore[assignment]
 
 
 def test_toy_section_is_parsed_by_its_own_dataclass() -> None:
