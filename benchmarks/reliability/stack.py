@@ -37,6 +37,7 @@ from kvcentric.testing.servers import (
     stop_group,
     wait_http,
 )
+from kvcentric.testing.signals import sigstop_group
 
 FAULTS = {"local": ("coordinator", "engine", "router", "coordinator-stop"),
           "mooncake": ("master", "node", "engine", "master-stop", "node-stop")}
@@ -152,7 +153,10 @@ class Stack:
     def pause(self, pgid: int) -> None:
         """SIGSTOP the process group ``pgid`` (from :meth:`victim`)."""
         self._paused.add(pgid)
-        self._signal(pgid, signal.SIGSTOP)
+        try:
+            sigstop_group(pgid)  # returns once it has stopped, not when the signal is queued
+        except ProcessLookupError:
+            pass
 
     def resume(self, pgid: int) -> None:
         self._signal(pgid, signal.SIGCONT)

@@ -1,3 +1,10 @@
-"""Test and benchmark helpers, never used at serving time: synthetic models and
-tokenizers built on disk (``models``), vLLM server processes (``servers``), private network
-namespaces for servers that bind every interface (``netns``)."""
+"""Test and benchmark helpers, never used at serving time.
+
+- :mod:`.models`: deterministic random-weight Llama checkpoints and tokenizers;
+  :mod:`.hybrid_models`: tiny sliding-window, short-conv, Mamba2 and MLA checkpoints;
+  :mod:`.adapters`: random LoRA adapters for those models, in PEFT's format.
+- :mod:`.servers`: start, query and stop real vLLM OpenAI servers.
+- :mod:`.netns`: a private loopback-only network namespace for servers that bind every
+  interface (Mooncake on one machine).
+- :mod:`.signals`: a SIGSTOP that returns once every thread of its target has stopped.
+"""

@@ -25,6 +25,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_NOT_FOUND, ERR_UNAVAILABLE, OK, StoreUnavailable, open_store
 from kvcentric.store.local import launcher, ownership
 from kvcentric.store.local.client import LocalStore
+from kvcentric.testing.signals import sigstop
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import get, put, run_worker
@@ -63,7 +64,7 @@ def stopped(store_cfg: StoreConfig) -> Iterator[tuple[LocalStore, int]]:
     s = open_store(store_cfg)
     assert isinstance(s, LocalStore)
     pid = s.stats()["pid"]
-    os.kill(pid, signal.SIGSTOP)
+    sigstop(pid)
     try:
         yield s, pid
     finally:

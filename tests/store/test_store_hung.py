@@ -21,6 +21,7 @@ from kvcentric.store import ERR_UNAVAILABLE, OK, StoreUnavailable, open_store
 from kvcentric.store.local import launcher, ownership
 from kvcentric.store.local.client import LocalStore
 from kvcentric.store.local.shared_index import STALE_AFTER_MS
+from kvcentric.testing.signals import sigstop
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import get, put
@@ -82,7 +83,7 @@ def test_sigstop_bounds_hot_calls_then_the_breaker_answers(store_cfg: StoreConfi
         assert put(store, keys, [None, *keys[:-1]]) == [OK] * len(keys)
         held = store.batch_acquire(keys[:2])
         pid = store.stats()["pid"]
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
             # a second client's launcher finds the stopped coordinator: it starts nothing
             launcher.ensure_running(cfg)
@@ -130,7 +131,7 @@ def test_a_slot_reserved_before_a_stop_commits_as_unavailable(store_cfg: StoreCo
         (slot,) = store.batch_alloc(["s"], [size_of("s")])
         assert slot is not None
         pid = store.stats()["pid"]
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
             data = payload("s", slot.size)
             ctypes.memmove(slot.ptr, data.ctypes.data, slot.size)  # the layer hook's pack
@@ -156,7 +157,7 @@ def test_hot_timeout_is_configurable(store_cfg: StoreConfig, timeout_s: float) -
     with open_store(store_cfg.with_(hot_timeout_s=timeout_s, shared_index=False,
                                     op_timeout_s=10.0)) as store:
         pid = store.stats()["pid"]
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
             out, dt = timed(lambda: store.batch_exists(["k"]))
             assert out == 0 and timeout_s * 0.9 <= dt < timeout_s + 2.0, dt

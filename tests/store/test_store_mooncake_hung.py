@@ -24,6 +24,7 @@ import pytest
 from kvcentric.store import ERR_UNAVAILABLE, OK, StoreUnavailable, open_store
 from kvcentric.store.mooncake.store import MooncakeStore
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
+from kvcentric.testing.signals import sigstop_group
 from tests.helpers.mooncake_cluster import MooncakeCluster, cluster
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
@@ -62,7 +63,7 @@ def config(mc: MooncakeCluster, **over: Any) -> dict[str, Any]:
 def stopped(proc: subprocess.Popen[Any] | None) -> Iterator[None]:
     """SIGSTOP ``proc``'s process group for the block; SIGCONT whatever happens."""
     assert proc is not None
-    os.killpg(proc.pid, signal.SIGSTOP)
+    sigstop_group(proc.pid)  # returns once every thread is stopped, not when queued
     try:
         yield
     finally:

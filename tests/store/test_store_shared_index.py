@@ -26,6 +26,7 @@ from kvcentric.store.local.shared_index import (
     fingerprint,
     slots_for,
 )
+from kvcentric.testing.signals import sigstop
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import StoreContract, put
 from tests.store.test_store_local import as_dict
@@ -185,7 +186,7 @@ def test_hung_coordinator_turns_lookups_into_misses(store_cfg: StoreConfig) -> N
     keys = [f"k{i}" for i in range(8)]
     put(s, keys, [None, *keys[:-1]])
     pid = s.stats()["pid"]
-    os.kill(pid, signal.SIGSTOP)
+    sigstop(pid)
     try:
         # wait for the heartbeat to go stale (the shared index declines to answer), not
         # for a guess of when it has
