@@ -54,11 +54,18 @@ def test_mypy_reports_a_hook_that_no_longer_matches_vllm(tmp_path: Path) -> None
     assert changed != source, "update_state_after_alloc's blocks parameter was renamed"
     copy = tmp_path / "connector_changed.py"
     copy.write_text(changed)
-    # the repository's incremental cache (the one `make lint` keeps): vLLM and torch are
-    # checked once, not on every run
+    # vLLM's modules are followed (their errors silenced), every other third-party
+    # package is skipped (its types read as Any): the hooks' types are vLLM's own, and a
+    # fresh clone's first run takes seconds where following torch and transformers too
+    # took minutes (`make lint` still checks the whole tree against all of them)
+    config = tmp_path / "mypy.ini"
+    config.write_text("[mypy]\npython_version = 3.11\nignore_missing_imports = True\n"
+                      "follow_imports = skip\n"
+                      "[mypy-vllm.*,kvcentric.*]\nfollow_imports = silent\n")
     run = subprocess.run(
-        [sys.executable, "-m", "mypy", "--no-error-summary", "--show-error-codes",
-         "--cache-dir", str(ROOT / ".mypy_cache"), str(copy), str(CONNECTOR)],
+        [sys.executable, "-m", "mypy", "--config-file", str(config), "--no-error-summary",
+         "--show-error-codes", "--cache-dir", str(ROOT / ".mypy_cache" / "vllm-boundary"),
+         str(copy), str(CONNECTOR)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = run.stdout.splitlines()
     errors = [line for line in lines if ": error:" in line]
