@@ -185,15 +185,15 @@ def test_engines_inherit_no_telemetry_and_caches_of_their_own() -> None:
     assert cache == os.environ["VLLM_CACHE_ROOT"] and config == os.environ["VLLM_CONFIG_ROOT"]
 
 
-def test_engines_start_with_the_sessions_small_kv_cache(tmp_path: Path) -> None:
+def test_engines_start_with_the_sessions_kv_cache_and_executor(tmp_path: Path) -> None:
     """An engine a test starts gets the session's KV size as vLLM's flag, with the
     legacy variable (which vLLM's CPU platform lets override the flag) removed; one that
     sets VLLM_CPU_KVCACHE_SPACE itself keeps it. Shown with a stand-in interpreter that
     records the command and environment it was started with."""
     import json
 
-    from kvcentric.testing.servers import KV_BYTES_ENV, VllmServer
-    from tests.helpers.hermetic import ENGINE_KV_BYTES
+    from kvcentric.testing.servers import EXECUTOR_ENV, KV_BYTES_ENV, VllmServer
+    from tests.helpers.hermetic import ENGINE_EXECUTOR, ENGINE_KV_BYTES
     from tests.helpers.waiting import wait_until
 
     assert os.environ[KV_BYTES_ENV] == ENGINE_KV_BYTES[KV_BYTES_ENV]
@@ -218,3 +218,16 @@ def test_engines_start_with_the_sessions_small_kv_cache(tmp_path: Path) -> None:
     assert "VLLM_CPU_KVCACHE_SPACE" not in seen
     argv, seen = started({"VLLM_CPU_KVCACHE_SPACE": "2"})
     assert "--kv-cache-memory-bytes" not in argv and seen["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # one rank: its worker in the EngineCore process; two ranks keep vLLM's worker processes
+    assert os.environ[EXECUTOR_ENV] == ENGINE_EXECUTOR[EXECUTOR_ENV] == "uni"
+    argv, seen = started({})
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert seen["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    srv_args = ["--tensor-parallel-size", "2"]
+    out = tmp_path / "seen-tp2"
+    srv = VllmServer("m", python=str(fake), env={"OUT": str(out)}, args=srv_args).start()
+    assert wait_until(out.exists, 60), "the stand-in never ran"
+    srv.stop()
+    argv, seen = json.loads(out.read_text())
+    assert "--distributed-executor-backend" not in argv
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in seen

@@ -156,6 +156,21 @@ def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: i
 # bytes of KV cache per engine (rank), where the caller's environment sets it (the test
 # session does: tests/helpers/hermetic.py); otherwise VLLM_CPU_KVCACHE_SPACE, 1 GiB unless set
 KV_BYTES_ENV = "KVC_ENGINE_KV_CACHE_BYTES"
+# "uni" (where the caller's environment sets it; the test session does): a one-rank engine
+# runs its worker inside the EngineCore process, as vLLM does on a GPU for one rank, instead
+# of the separate worker process vLLM's CPU platform picks (one fewer process importing vLLM)
+EXECUTOR_ENV = "KVC_ENGINE_EXECUTOR"
+
+
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` (``-tp``) that vLLM server ``args`` ask for (1 if none)."""
+    for i, arg in enumerate(args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if arg == flag and i + 1 < len(args):
+                return int(args[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return 1
 
 
 @dataclass
@@ -166,7 +181,8 @@ class VllmServer:
     environment (e.g. thread pinning); ``args`` are extra server flags; ``python`` is the
     interpreter whose vLLM runs (a peer's own venv in comparisons). Its KV cache is
     ``$KVC_ENGINE_KV_CACHE_BYTES`` bytes per rank where that is set (and ``env`` sets no
-    ``VLLM_CPU_KVCACHE_SPACE``), else ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1).
+    ``VLLM_CPU_KVCACHE_SPACE``), else ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1). With
+    ``$KVC_ENGINE_EXECUTOR=uni``, a one-rank engine's worker runs in its EngineCore process.
     """
 
     model: str
@@ -201,6 +217,12 @@ class VllmServer:
             cmd += ["--kv-cache-memory-bytes", kv_bytes]
         else:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if (env.get(EXECUTOR_ENV) == "uni" and tensor_parallel_size(self.args) == 1
+                and not any(a.startswith("--distributed-executor-backend") for a in self.args)):
+            # vLLM's CPU platform turns "uni" into "mp" unless V1 multiprocessing is off;
+            # the API server keeps its EngineCore process either way (AsyncLLM always does)
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            cmd += ["--distributed-executor-backend", "uni"]
         with open(self.log_path or os.devnull, "ab") as out:  # the child keeps its own fd
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
