@@ -1,8 +1,9 @@
 """Shared fixtures: isolated local stores (own runtime dir, stopped after use) and the one
 network namespace every Mooncake cluster of the session runs in; and the skip policy of
 ``make test`` (tests/helpers/skip_policy.py: under ``KVC_NO_SKIPS=1`` only ``gpu`` tests
-may skip); the session's pool of plain vLLM engines (tests/helpers/engines.py); and
-how make test runs its parallel and serial passes (tests/helpers/xdist_groups.py)."""
+may skip); the session's pool of plain vLLM engines (tests/helpers/engines.py); every
+engine of the session forked from one pre-imported API server (kvcentric.testing.zygote);
+and how make test runs its parallel and serial passes (tests/helpers/xdist_groups.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pytest
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
+from kvcentric.testing.servers import VllmServer
+from kvcentric.testing.zygote import Zygote
 from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
 from tests.helpers.engines import engine_pool, plain_tiny  # noqa: F401 (session fixtures)
 from tests.helpers.hermetic import isolate
@@ -32,6 +35,7 @@ from tests.helpers.xdist_groups import (  # noqa: F401 (pytest hook, registered 
 )
 
 _HOME = pytest.StashKey[Path]()
+_ZYGOTE = pytest.StashKey[Zygote]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,9 +46,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_HOME] = home
     isolate(os.environ, home)
     bind_worker(os.environ)
+    # engines of this session fork from one process that imported vLLM's API server
+    # (started with the first engine; kvcentric.testing.zygote)
+    zygote = Zygote(home / "zygote.sock", home / "zygote.log")
+    config.stash[_ZYGOTE] = zygote
+    VllmServer.zygote = zygote
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    zygote = config.stash.get(_ZYGOTE, None)
+    if zygote is not None:
+        VllmServer.zygote = None
+        zygote.close()
     home = config.stash.get(_HOME, None)
     if home is not None:
         shutil.rmtree(home, ignore_errors=True)

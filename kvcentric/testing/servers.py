@@ -18,9 +18,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
+
+if TYPE_CHECKING:
+    from kvcentric.testing.zygote import Zygote
 
 LOWEST_PORT = 10000
 _given: set[int] = set()  # ports free_port handed out in this process, never handed twice
@@ -196,6 +199,10 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     python: str = sys.executable
+    # set by a session that starts many engines (the test suite): servers of this
+    # interpreter's vLLM are forked from it, one vLLM import fewer each
+    # (kvcentric.testing.zygote); None: each is a fresh process
+    zygote: ClassVar[Zygote | None] = None
 
     @property
     def url(self) -> str:
@@ -223,6 +230,11 @@ class VllmServer:
             # the API server keeps its EngineCore process either way (AsyncLLM always does)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             cmd += ["--distributed-executor-backend", "uni"]
+        if self.zygote is not None and self.python == sys.executable:
+            # argv as `python -m` would give it: the module's name where its path would be
+            self.proc = self.zygote.fork([cmd[2], *cmd[3:]], env,
+                                         self.log_path or Path(os.devnull))
+            return self
         with open(self.log_path or os.devnull, "ab") as out:  # the child keeps its own fd
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,0 +1,137 @@
+"""kvcentric.testing.zygote, with a stand-in entry (tests/helpers/zygote_entry.py): a forked
+start is what ``subprocess.Popen(..., start_new_session=True)`` would have started (its
+argv, exactly its environment, its directory and log, a session of its own, stdin closed),
+its exit status comes back as Popen reports it, a malformed request is refused without
+harm, and the zygote ends with the process that started it. Every engine the suite starts
+goes through the real one (vLLM's entry)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcentric.testing.zygote import ForkedProcess, Zygote
+from tests.helpers.waiting import wait_until
+
+ENTRY = "tests.helpers.zygote_entry:main"
+
+
+@pytest.fixture
+def zygote(tmp_path: Path) -> Iterator[Zygote]:
+    z = Zygote(tmp_path / "z" / "zygote.sock", tmp_path / "zygote.log", entry=ENTRY)
+    try:
+        yield z
+    finally:
+        z.close()
+
+
+def seen(path: Path) -> dict[str, object]:
+    assert wait_until(path.exists, 30), "the forked entry never ran"
+    out: dict[str, object] = json.loads(path.read_text())
+    return out
+
+
+def test_a_fork_is_started_as_popen_would_start_it(zygote: Zygote, tmp_path: Path) -> None:
+    out, log = tmp_path / "seen.json", tmp_path / "engine.log"
+    log.write_text("before\n")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {"ONLY": "this", "PATH": os.environ["PATH"]}
+    p = zygote.fork(["prog", str(out), "exit", "3"], env, log, cwd=str(workdir))
+    assert isinstance(p, ForkedProcess) and isinstance(p, subprocess.Popen)
+    assert p.wait(30) == 3 and p.poll() == 3 and p.returncode == 3
+    got = seen(out)
+    assert got["argv"] == ["prog", str(out), "exit", "3"]
+    assert got["env"] == env  # exactly: nothing of the zygote's own environment
+    assert got["cwd"] == str(workdir)
+    assert got["pid"] == got["pgid"] == got["sid"] == p.pid  # a session of its own
+    assert got["stdin"] == ""
+    assert log.read_text() == "before\nto stdout\nto stderr\n"  # appended
+    assert (tmp_path / "z").stat().st_mode & 0o777 == 0o700  # only its owner connects
+
+
+def test_signals_and_waits_behave_as_popens(zygote: Zygote, tmp_path: Path) -> None:
+    out = tmp_path / "seen.json"
+    p = zygote.fork(["prog", str(out), "block"], dict(os.environ), tmp_path / "log")
+    seen(out)
+    assert p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.2)
+    os.killpg(p.pid, signal.SIGKILL)  # the group of the session it leads
+    assert p.wait(30) == -signal.SIGKILL
+    p.terminate()  # a no-op once it has exited, as Popen's
+    q = zygote.fork(["prog", str(tmp_path / "q.json"), "block"], {}, tmp_path / "log")
+    seen(tmp_path / "q.json")
+    q.terminate()
+    assert q.wait(30) == -signal.SIGTERM  # SIGTERM is not the zygote's own handler
+
+
+def test_a_crash_of_the_entry_is_its_exit_status_and_its_log(
+        zygote: Zygote, tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    p = zygote.fork(["prog", str(tmp_path / "s.json"), "raise"], {}, log)
+    assert p.wait(30) == 1
+    assert "RuntimeError: the entry failed" in log.read_text()
+
+
+def test_malformed_requests_are_refused_and_the_zygote_serves_on(
+        zygote: Zygote, tmp_path: Path) -> None:
+    zygote.fork(["prog", str(tmp_path / "a.json"), "exit", "0"], {}, tmp_path / "log").wait(30)
+
+    def ask(raw: bytes) -> dict[str, object]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(zygote.path))
+            try:
+                s.sendall(raw)
+                s.shutdown(socket.SHUT_WR)
+            except BrokenPipeError:  # an oversize request: answered, then cut off
+                pass
+            answer: dict[str, object] = json.loads(s.makefile().readline())
+            return answer
+
+    for raw in (b"not json\n", b"[1, 2]\n", b'{"op": "fork", "argv": []}\n',
+                b'{"op": "fork", "argv": ["a"], "env": {"K": 1}, "cwd": "/", "log": "x"}\n',
+                b'{"op": "status", "pid": 1}\n', b"{" * (2 << 20), b'{"op": "fork"'):
+        assert "error" in ask(raw), raw
+    p = zygote.fork(["prog", str(tmp_path / "b.json"), "exit", "5"], {}, tmp_path / "log")
+    assert p.wait(30) == 5
+
+
+def test_the_zygote_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, pathlib, signal\n"
+         "from kvcentric.testing.zygote import Zygote\n"
+         f"z = Zygote(pathlib.Path({str(tmp_path / 'z.sock')!r}), "
+         f"pathlib.Path({str(tmp_path / 'z.log')!r}), entry={ENTRY!r})\n"
+         f"z.fork(['prog', {str(tmp_path / 's.json')!r}, 'exit', '0'], {{}}, "
+         f"pathlib.Path({str(tmp_path / 'log')!r})).wait(30)\n"
+         "print(z.proc.pid, flush=True)\n"
+         "signal.pause()\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        zpid = int(owner.stdout.readline())
+        assert Path(f"/proc/{zpid}").exists()
+        owner.kill()  # no close(): the zygote notices on its own
+        owner.wait()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{zpid}/stat").read_text().split(")")[-1].split()[0] in "ZX"
+        except OSError:
+            return True
+    assert wait_until(gone, 30), "the zygote outlived its owner"
