@@ -18,21 +18,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.emulator.launch import EmulatedFleet, EmulatorSpec
-from benchmarks.emulator.profile import EngineProfile
-from benchmarks.serving.gateways import Gateway, kvcentric_router
+from benchmarks.emulator.launch import EmulatedFleet
+from benchmarks.serving.gateways import Gateway
 from kvcentric.hashing import block_hashes, hash_seed
 from kvcentric.router.engine_metrics import EngineStats
 from kvcentric.router.instance_spec import InstanceSpec
 from kvcentric.router.instances import Instance
 from kvcentric.router.kv_events import EventTranslator
 from kvcentric.router.prefix_index import PrefixIndex
-from kvcentric.testing.models import build_model
+from tests.helpers.emulated_fleet import fleet as emulated_fleet
+from tests.helpers.emulated_fleet import router as fleet_router
 from tests.helpers.waiting import wait_until
-
-FAST = EngineProfile("fast", "test", api_s=0.001, step_s=0.004, prefill_token_s=2e-5,
-                     prefill_pair_s=1e-9, decode_seq_s=1e-4, decode_ctx_s=0.0)
-
 
 # ------------------------------------------------------------------------------ bounds
 
@@ -64,22 +60,13 @@ def test_the_index_holds_at_most_each_instances_capacity() -> None:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmulatedFleet, Path]]:
     logs = tmp_path_factory.mktemp("replicas")
-    prof = logs / "fast.json"
-    FAST.save(prof)
-    tok = str(build_model("bench", Path.cwd() / ".models" / "bench"))
-    with EmulatedFleet(EmulatorSpec(4, tok, profile=str(prof), pages=256,
-                                    max_model_len=8192), logs) as f:
+    with emulated_fleet(logs, 4) as f:
         yield f, logs
 
 
 def router(f: EmulatedFleet, logs: Path, tag: str) -> Gateway:
-    insts = [{"url": s["url"], "name": s["name"], "kv_events": s["kv_events"],
-              "kv_events_replay": s["kv_events_replay"]} for s in f.specs]
-    tok = str(Path.cwd() / ".models" / "bench")
-    return kvcentric_router(model="bench", tokenizer=tok, worker_urls=f.urls, store=None,
-                            slo_ttft_ms=10_000, slo_tpot_ms=1_000, logs=logs, reject=False,
-                            instances=insts, tag=tag,
-                            extra={"health": {"metrics_interval_s": 1.0}})
+    return fleet_router(f, logs, tag, replay=True,
+                        extra={"health": {"metrics_interval_s": 1.0}})
 
 
 def prompt(seed: int, n: int = 1024) -> list[int]:
