@@ -1,9 +1,9 @@
 """kvcentric.testing.zygote, with a stand-in entry (tests/helpers/zygote_entry.py): a forked
 start is what ``subprocess.Popen(..., start_new_session=True)`` would have started (its
-argv, exactly its environment, its directory and log, a session of its own, stdin closed),
-its exit status comes back as Popen reports it, a malformed request is refused without
-harm, and the zygote ends with the process that started it. Every engine the suite starts
-goes through the real one (vLLM's entry)."""
+argv, exactly its environment, its directory and log, a session of its own, stdin closed,
+the caller's network namespace), its exit status comes back as Popen reports it, a
+malformed request is refused without harm, and the zygote ends with the process that
+started it. Every engine the suite starts goes through the real one (vLLM's entry)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcentric.testing.netns import NetNamespace
 from kvcentric.testing.zygote import ForkedProcess, Zygote
 from tests.helpers.waiting import wait_until
 
@@ -56,6 +57,22 @@ def test_a_fork_is_started_as_popen_would_start_it(zygote: Zygote, tmp_path: Pat
     assert got["stdin"] == ""
     assert log.read_text() == "before\nto stdout\nto stderr\n"  # appended
     assert (tmp_path / "z").stat().st_mode & 0o777 == 0o700  # only its owner connects
+
+
+def test_a_fork_joins_the_network_namespace_of_the_calling_thread(
+        zygote: Zygote, tmp_path: Path) -> None:
+    """A test that starts an engine inside a private namespace (next to Mooncake, which
+    binds every interface) gets an engine in that namespace, as a Popen from that thread
+    would; outside it, the zygote's own."""
+    with NetNamespace() as ns:
+        with ns.entered():
+            inside = zygote.fork(["prog", str(tmp_path / "in.json"), "exit", "0"], {},
+                                 tmp_path / "log")
+        outside = zygote.fork(["prog", str(tmp_path / "out.json"), "exit", "0"], {},
+                              tmp_path / "log")
+        assert inside.wait(30) == 0 and outside.wait(30) == 0
+        assert seen(tmp_path / "in.json")["netns"] == os.stat(ns.path).st_ino
+        assert seen(tmp_path / "out.json")["netns"] == os.stat("/proc/self/ns/net").st_ino
 
 
 def test_signals_and_waits_behave_as_popens(zygote: Zygote, tmp_path: Path) -> None:
@@ -100,7 +117,9 @@ def test_malformed_requests_are_refused_and_the_zygote_serves_on(
 
     for raw in (b"not json\n", b"[1, 2]\n", b'{"op": "fork", "argv": []}\n',
                 b'{"op": "fork", "argv": ["a"], "env": {"K": 1}, "cwd": "/", "log": "x"}\n',
-                b'{"op": "status", "pid": 1}\n', b"{" * (2 << 20), b'{"op": "fork"'):
+                b'{"op": "status", "pid": 1}\n', b"{" * (2 << 20), b'{"op": "fork"',
+                b'{"op": "fork", "argv": ["a"], "env": {}, "cwd": "/", "log": "x", '
+                b'"netns": "/etc/passwd"}\n'):
         assert "error" in ask(raw), raw
     p = zygote.fork(["prog", str(tmp_path / "b.json"), "exit", "5"], {}, tmp_path / "log")
     assert p.wait(30) == 5

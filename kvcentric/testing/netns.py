@@ -25,7 +25,8 @@ from contextlib import contextmanager
 CLONE_NEWNET = 0x40000000
 
 
-def _setns(fd: int) -> None:
+def setns_net(fd: int) -> None:
+    """Move the calling thread into the network namespace open at ``fd``."""
     if hasattr(os, "setns"):  # Python >= 3.12
         os.setns(fd, CLONE_NEWNET)
         return
@@ -82,11 +83,11 @@ class NetNamespace:
         old = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         new = os.open(self.path, os.O_RDONLY)
         try:
-            _setns(new)
+            setns_net(new)
             try:
                 yield
             finally:
-                _setns(old)
+                setns_net(old)
         finally:
             os.close(new)
             os.close(old)

@@ -8,12 +8,15 @@ a fork of this process that runs the server's own entry point
 vllm.entrypoints.openai.api_server`` runs) with the engine's argv, environment, working
 directory and log, as the leader of a new session, stdin closed: what
 ``subprocess.Popen(..., start_new_session=True)`` would have started, one import
-earlier. vLLM still spawns the EngineCore fresh, with the engine's environment. Values
-vLLM reads from the environment at import time come from the zygote's (the session's).
+earlier, and in the network namespace of the calling thread (a test that starts an
+engine inside a private namespace, next to Mooncake). vLLM still spawns the EngineCore
+fresh, with the engine's environment. Values vLLM reads from the environment at import
+time come from the zygote's (the session's).
 
 The server (``python -m kvcentric.testing.zygote SOCKET [--entry MODULE:FUNCTION]``)
 answers one JSON line per connection on a Unix socket in a directory only its owner can
-enter: ``{"op": "fork", "argv", "env", "cwd", "log"}`` -> ``{"pid"}``, and
+enter: ``{"op": "fork", "argv", "env", "cwd", "log", "netns"}`` -> ``{"pid"}`` (``netns``:
+null, or the ``/proc`` path of the caller's thread's network namespace), and
 ``{"op": "status", "pid"}`` -> ``{"returncode"}`` (null while the process runs; negative
 for a signal, as :class:`subprocess.Popen` reports it). It reaps its children, and exits
 when the process that started it is gone; the engines it forked are left to their owners.
@@ -41,6 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcentric.testing.netns import setns_net
+
 VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry:main"
 # a request line is an engine's argv and environment: generous, but bounded
 MAX_REQUEST = 1 << 20
@@ -52,13 +57,17 @@ def _load(entry: str) -> Callable[[], Any]:
     return fn
 
 
-def _child(req: Mapping[str, Any], entry: Callable[[], Any], close: Sequence[socket.socket]
-           ) -> None:
-    """In the forked child: become the engine described by ``req``; never returns."""
+def _child(req: Mapping[str, Any], entry: Callable[[], Any], close: Sequence[socket.socket],
+           netns: int | None) -> None:
+    """In the forked child: become the engine described by ``req`` (in the network
+    namespace open at ``netns``, if any); never returns."""
     code = 1
     try:
         for s in close:
             s.close()
+        if netns is not None:
+            setns_net(netns)
+            os.close(netns)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT
                           else signal.default_int_handler)
@@ -101,6 +110,10 @@ def _check(req: Any) -> dict[str, Any]:
         raise ValueError("env: an object of strings")
     if not (isinstance(cwd, str) and isinstance(log, str)):
         raise ValueError("cwd and log: strings")
+    netns = req.get("netns")
+    if netns is not None and not (isinstance(netns, str) and netns.startswith("/proc/")
+                                  and netns.endswith("/ns/net")):
+        raise ValueError("netns: null or a /proc/.../ns/net path")
     return req
 
 
@@ -146,11 +159,19 @@ def serve(path: Path, entry: Callable[[], Any]) -> None:
                     answer: dict[str, Any] = {"returncode": code}
                 else:
                     req = _check(req)
+                    # opened here, while the caller waits for the answer (and so is still
+                    # in that namespace); the child joins it before anything else
+                    netns = (os.open(req["netns"], os.O_RDONLY)
+                             if req.get("netns") else None)
                     sys.stdout.flush()
                     sys.stderr.flush()
-                    pid = os.fork()
-                    if pid == 0:
-                        _child(req, entry, (sock, conn))
+                    try:
+                        pid = os.fork()
+                        if pid == 0:
+                            _child(req, entry, (sock, conn), netns)
+                    finally:
+                        if netns is not None:
+                            os.close(netns)
                     forked.add(pid)
                     answer = {"pid": pid}
             except (ValueError, KeyError, TypeError, OSError) as exc:
@@ -249,10 +270,17 @@ class Zygote:
              cwd: str | None = None) -> ForkedProcess:
         """Start ``argv`` (``argv[0]`` names the program, as in ``sys.argv``) as a fork of
         the zygote running its entry, with ``env`` as its whole environment, its output
-        appended to ``log``, in ``cwd`` (default: this process's)."""
+        appended to ``log``, in ``cwd`` (default: this process's), in the calling thread's
+        network namespace."""
         self._ensure()
+        assert self.proc is not None
+        mine = f"/proc/{os.getpid()}/task/{threading.get_native_id()}/ns/net"
+        # only a namespace other than the zygote's is joined (joining one needs privileges)
+        netns = (mine if os.stat(mine).st_ino != os.stat(f"/proc/{self.proc.pid}/ns/net").st_ino
+                 else None)
         answer = _request(self.path, {"op": "fork", "argv": list(argv), "env": dict(env),
-                                      "cwd": cwd or os.getcwd(), "log": str(log)})
+                                      "cwd": cwd or os.getcwd(), "log": str(log),
+                                      "netns": netns})
         return ForkedProcess(self, int(answer["pid"]), argv)
 
     def status(self, pid: int) -> int | None:
