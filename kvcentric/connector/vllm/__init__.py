@@ -4,8 +4,8 @@ Owns everything that runs inside a vLLM process:
 
 - ``connector``: the facade vLLM instantiates; routes each call to one side.
 - ``boundary``: the typed vLLM boundary: vLLM's hook types, the hook list, the version gate.
-- ``scheduler``: scheduler side (store lookups, what to load per step); ``save_plan``:
-  what to save per step.
+- ``scheduler``: scheduler side (store lookups, what to load per step); ``request_keys``:
+  each request's store keys; ``save_plan``: what to save per step.
 - ``worker``: worker side (leases, layer-wise loads and saves); ``commits``: publishing
   saves; ``states``: hybrid models' recurrent-state objects.
 - ``mover``: page plans between vLLM's paged cache and store objects.

@@ -1,9 +1,10 @@
 """Scheduler side of the vLLM connector: which stored objects each step saves.
 
-:class:`SavePlanner` is the save half of :class:`~kvcentric.connector.vllm.scheduler.
-KVCentricScheduler` (which supplies the keys: chain hashes, tails, states). Per request
-a :class:`SaveTracker` follows its block tables (one per KV cache group) and what is
-saved already. Each step it plans:
+:class:`SavePlanner` plans the saves of :class:`~kvcentric.connector.vllm.scheduler.
+KVCentricScheduler`'s requests (their keys: each request's
+:class:`~kvcentric.connector.vllm.request_keys.RequestKeys`). Per request a
+:class:`SaveTracker` follows its block tables (one per KV cache group) and what is saved
+already. Each step it plans:
 
 - every stored block that becomes full in this step, including blocks completed over
   several chunked-prefill steps, and (``save_decode``) blocks of generated tokens, each
@@ -20,14 +21,16 @@ returns (``commit_now``): its response must not complete before its KV is stored
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvcentric.connector.vllm.counters import Counters
 from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.extra_keys import Unkeyable
+from kvcentric.connector.vllm.request_keys import RequestKeys
 from kvcentric.connector.vllm.settings import ConnectorSettings
-from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
+from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec, object_pages
 from kvcentric.integrity import ObjectRef
 
 
@@ -48,41 +51,34 @@ def block_tables(block_ids: Any) -> list[list[int]]:
 
 @dataclass
 class ReqState:
-    """The scheduler's view of one request: its chain hashes and save trackers."""
+    """The scheduler's view of one request: its keys and save trackers."""
 
-    request: Any
-    hashes: list[bytes] = field(default_factory=list)
+    keys: RequestKeys
     tracker: SaveTracker | None = None
     loaded: SaveTracker | None = None  # what this step loads from the store (not re-saved)
-    extras: bool = False  # its KV depends on LoRA/multimodal/embeddings (extra keys)
-    unkeyable: bool = False  # ... in a way keys cannot name: neither loaded nor saved
+    unkeyable: bool = False  # its KV depends on inputs keys cannot name: neither loaded nor saved
     load_failed: bool = False  # an async load of it failed: recomputed, never reloaded
+
+    @property
+    def request(self) -> Any:
+        return self.keys.request
 
 
 class SavePlanner:
-    """Plans saves (a mixin: the scheduler provides the fields and key methods below)."""
+    """Plans the saves of the requests in ``reqs`` (the scheduler's table, shared: the
+    scheduler adds and drops requests, this reads them and sets their trackers).
+    ``on_unkeyable`` is called once per request whose keys raise ``Unkeyable`` (its
+    saves of that step are dropped); nothing is planned unless ``saves_enabled``."""
 
-    settings: ConnectorSettings
-    layout: EngineLayout
-    stats: Counters
-    saves_enabled: bool
-    _reqs: dict[str, ReqState]
-
-    def _refs(self, st: ReqState, first: int, end: int) -> list[ObjectRef]:
-        raise NotImplementedError
-
-    def _tail(self, st: ReqState, end: int) -> ObjectRef | None:
-        raise NotImplementedError
-
-    def _state_ref(self, st: ReqState, end: int) -> ObjectRef:
-        raise NotImplementedError
-
-    def _unkeyable(self, st: ReqState, exc: Unkeyable) -> None:
-        raise NotImplementedError
-
-    def _pages(self, page_table: list[int], first_object: int, num_objects: int,
-               first_page: int, end_page: int) -> list[list[int]]:
-        raise NotImplementedError
+    def __init__(self, settings: ConnectorSettings, layout: EngineLayout, stats: Counters,
+                 reqs: dict[str, ReqState], saves_enabled: bool,
+                 on_unkeyable: Callable[[ReqState, Unkeyable], None]) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.stats = stats
+        self._reqs = reqs
+        self.saves_enabled = saves_enabled
+        self._on_unkeyable = on_unkeyable
 
     def plan_saves(self, so: Any, meta: StepPlan) -> None:
         """Add to ``meta`` the saves of everything scheduler output ``so`` completes."""
@@ -129,7 +125,7 @@ class SavePlanner:
             self._plan_state(st, computed_after, meta)
         except Unkeyable as exc:
             del meta.saves[blocks:], meta.state_saves[states:]
-            self._unkeyable(st, exc)
+            self._on_unkeyable(st, exc)
             return
         req = st.request
         if ((len(meta.saves) > blocks or len(meta.state_saves) > states)
@@ -152,8 +148,8 @@ class SavePlanner:
             ids = tr.tables[0][block * k:(block + 1) * k]
             if first_page == 0 and end_page is None:
                 return ids
-            return self._pages(tr.tables[0], block, 1, first_page,
-                               len(tr.tables[0]) if end_page is None else end_page)[0]
+            return object_pages(tr.tables[0], k, block, 1, first_page,
+                                len(tr.tables[0]) if end_page is None else end_page)[0]
         return groups.save_pages(tr.tables, block, k, first_page, end_page)
 
     def _plan_blocks(self, st: ReqState, computed_after: int, meta: StepPlan) -> None:
@@ -165,7 +161,7 @@ class SavePlanner:
         full = min(limit // s, len(self._table(tr)) // k)
         if full > tr.saved_blocks:
             first = tr.saved_blocks
-            refs = self._refs(st, max(first - 1, 0), full)
+            refs = st.keys.blocks(max(first - 1, 0), full)
             parents: list[ObjectRef | None] = [None, *refs[:-1]] if first == 0 else [*refs[:-1]]
             pages = [self._save_pages(tr, b) for b in range(first, full)]
             keep = [i for i, p in enumerate(pages) if p is not None]  # hybrids: see groups.py
@@ -186,7 +182,7 @@ class SavePlanner:
             end = computed_after
         elif computed_after >= req.num_prompt_tokens:
             end = req.num_prompt_tokens
-        tail = self._tail(st, end) if end > tr.tail_end else None
+        tail = st.keys.tail(end) if end > tr.tail_end else None
         if tail is None:
             return
         s, page = self.layout.stored_block_size, self.layout.page_size
@@ -196,7 +192,7 @@ class SavePlanner:
         pages = self._save_pages(tr, block, block * s // page, -(-end // page))
         if pages is None:
             return
-        parent = self._refs(st, block - 1, block)[0] if block else None
+        parent = st.keys.blocks(block - 1, block)[0] if block else None
         meta.saves.append(TransferSpec(req.request_id, [tail], [pages], [parent]))
         tr.tail_end = end
         self.stats.add(saved_tails=1)
@@ -215,7 +211,7 @@ class SavePlanner:
         pages = groups.state_page(tr.tables, computed_after)
         if pages is None:
             return
-        ref = self._state_ref(st, computed_after)
+        ref = st.keys.state(computed_after)
         block = ObjectRef(ref.digest, ref.index, s)  # its parent: the block it ends
         meta.state_saves.append(TransferSpec(req.request_id, [ref], [pages], [block]))
         tr.state_end = computed_after

@@ -19,6 +19,7 @@ blocks are already saved).
   apart from an overwritable note of the last answer (vLLM may ask again).
 - Loads (``update_state_after_alloc``): the engine pages of the matched blocks and tail,
   up to the page holding the hit's last token (a last block may be loaded in part).
+- Keys: each request's :class:`~kvcentric.connector.vllm.request_keys.RequestKeys`.
 - Saves (``build_connector_meta``, :mod:`kvcentric.connector.vllm.save_plan`): every
   stored block that becomes full in this step, including blocks completed over several
   chunked-prefill steps, and (``save_decode``) blocks of generated tokens; a tail at the
@@ -41,12 +42,12 @@ from typing import Any
 
 from kvcentric.connector.vllm.counters import Counters
 from kvcentric.connector.vllm.engine_layout import EngineLayout
-from kvcentric.connector.vllm.extra_keys import ExtraKeys, Unkeyable, has_extras
+from kvcentric.connector.vllm.extra_keys import ExtraKeys, Unkeyable
 from kvcentric.connector.vllm.metadata import KVCentricMetadata, TransferSpec
+from kvcentric.connector.vllm.request_keys import RequestKeys
 from kvcentric.connector.vllm.save_plan import ReqState, SavePlanner, SaveTracker
 from kvcentric.connector.vllm.settings import ConnectorSettings
-from kvcentric.connector.vllm.transfers import SKIP
-from kvcentric.hashing import block_hashes, hash_seed, prompt_tail
+from kvcentric.connector.vllm.transfers import SKIP, object_pages
 from kvcentric.integrity import ObjectRef
 from kvcentric.store import KVStore, StoreUnavailable
 
@@ -62,8 +63,9 @@ class _Lookup:
     state: ObjectRef | None = None  # the recurrent state at the hit's end (hybrids)
 
 
-class KVCentricScheduler(SavePlanner):
-    """Decides loads and saves; talks to the store only through ``batch_exists``."""
+class KVCentricScheduler:
+    """Decides loads and saves (a :class:`SavePlanner` plans the saves); talks to the
+    store only through ``batch_exists``."""
 
     def __init__(self, settings: ConnectorSettings, layout: EngineLayout, store: KVStore,
                  loads: bool, saves: bool) -> None:
@@ -71,7 +73,6 @@ class KVCentricScheduler(SavePlanner):
         self.layout = layout
         self.store = store
         self.loads_enabled = loads
-        self.saves_enabled = saves
         self.stats = Counters()
         self._reqs: dict[str, ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}
@@ -79,12 +80,15 @@ class KVCentricScheduler(SavePlanner):
         self._pending_states: list[TransferSpec] = []
         self._extra_keys = ExtraKeys()
         self._warned_unkeyable = False
+        self.saves = SavePlanner(settings, layout, self.stats, self._reqs, saves,
+                                 self._unkeyable)
 
-    # ---- hashes ----
+    # ---- requests and their keys ----
     def _state(self, request: Any) -> ReqState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = self._reqs[request.request_id] = ReqState(request, extras=has_extras(request))
+            st = self._reqs[request.request_id] = ReqState(
+                RequestKeys(request, self.layout, self._extra_keys))
         return st
 
     def _unkeyable(self, st: ReqState, exc: Unkeyable) -> None:
@@ -96,55 +100,10 @@ class KVCentricScheduler(SavePlanner):
                         "such requests are neither loaded nor saved (counted as "
                         "kvcentric_unkeyed_requests)", st.request.request_id, exc)
 
-    def _extra(self, st: ReqState, start: int, end: int) -> bytes | None:
-        return self._extra_keys.digest(st.request, start, end) if st.extras else None
-
-    def _hashes(self, st: ReqState, num_blocks: int) -> list[bytes]:
-        """Chained hashes of the first ``num_blocks`` stored blocks of the request's tokens
-        (``Unkeyable`` when its extra keys cannot be computed)."""
-        have = len(st.hashes)
-        if num_blocks > have:
-            s = self.layout.stored_block_size
-            toks = st.request.all_token_ids[have * s : num_blocks * s]
-            seed = hash_seed(self.layout.keyspace.model_id, st.request.cache_salt)
-            extras = ([self._extra(st, i * s, (i + 1) * s) for i in range(have, num_blocks)]
-                      if st.extras else None)
-            st.hashes.extend(block_hashes(toks, s, seed, extras=extras,
-                                          parent=st.hashes[-1] if st.hashes else None))
-        return st.hashes[:num_blocks]
-
-    def _state_ref(self, st: ReqState, end: int) -> ObjectRef:
-        """The recurrent state after the request's first ``end`` tokens (a stored-block
-        boundary), keyed by the chain hash of the block that ends there."""
-        s = self.layout.stored_block_size
-        return ObjectRef(self._hashes(st, end // s)[-1], end // s - 1, s, state=True)
-
-    def _refs(self, st: ReqState, first: int, end: int) -> list[ObjectRef]:
-        """Objects of stored blocks ``[first, end)``."""
-        s = self.layout.stored_block_size
-        return [ObjectRef(h, first + i, s) for i, h in enumerate(self._hashes(st, end)[first:])]
-
-    def _tail(self, st: ReqState, end: int) -> ObjectRef | None:
-        """The tail object of the request's first ``end`` tokens
-        (:func:`kvcentric.hashing.prompt_tail`), None under 2 tokens or when the engine
-        stores no tails (a recurrent group's state exists at block boundaries only)."""
-        if not self.layout.tails:
-            return None
-        s = self.layout.stored_block_size
-        seed = hash_seed(self.layout.keyspace.model_id, st.request.cache_salt)
-        full = end // s
-        extra = self._extra(st, full * s, end) if end - full * s >= 2 else None
-        tail = prompt_tail(st.request.all_token_ids[:end], s, seed, self._hashes(st, full),
-                           extra)
-        return None if tail is None else ObjectRef(tail.digest, full, tail.count, tail=True)
-
     def object_refs(self, request: Any, num_tokens: int) -> list[ObjectRef]:
         """The stored objects of ``request``'s first ``num_tokens`` tokens: its full blocks,
         then its tail (inspection, tools and tests; ``Unkeyable`` when they have no key)."""
-        st = self._state(request)
-        refs = self._refs(st, 0, num_tokens // self.layout.stored_block_size)
-        tail = self._tail(st, num_tokens)
-        return refs + ([tail] if tail is not None else [])
+        return self._state(request).keys.objects(num_tokens)
 
     def _present(self, refs: list[ObjectRef]) -> int:
         """Leading ``refs`` stored for every TP rank (one ``batch_exists`` per rank)."""
@@ -172,8 +131,8 @@ class KVCentricScheduler(SavePlanner):
         if st.unkeyable or st.load_failed:
             return 0, False
         try:
-            tail = self._tail(st, n)
-            refs = self._refs(st, first, full)
+            tail = st.keys.tail(n)
+            refs = st.keys.blocks(first, full)
         except Unkeyable as exc:
             self._unkeyable(st, exc)
             return 0, False
@@ -191,7 +150,7 @@ class KVCentricScheduler(SavePlanner):
         state = None
         if self.layout.state_geometry is not None:  # the hit ends where a state is stored
             end = end // s * s
-            state = self._state_ref(st, end) if end > num_computed_tokens else None
+            state = st.keys.state(end) if end > num_computed_tokens else None
             if state is None or self._present([state]) == 0:
                 return 0, False
             blocks = end // s - first
@@ -212,7 +171,7 @@ class KVCentricScheduler(SavePlanner):
         num_objects = -(-end // s) - lk.first_block
         st = self._state(request)
         last = lk.first_block + min(num_objects, lk.num_blocks)
-        refs = self._refs(st, lk.first_block, last)  # hashed by the lookup: cannot raise
+        refs = st.keys.blocks(lk.first_block, last)  # hashed by the lookup: cannot raise
         if num_objects > lk.num_blocks:
             assert lk.tail is not None and num_objects == lk.num_blocks + 1
             refs.append(lk.tail)
@@ -237,30 +196,21 @@ class KVCentricScheduler(SavePlanner):
     def _load_pages(self, tables: Any, first_object: int, num_objects: int,
                     first_page: int, end_page: int, end: int) -> list[list[int]]:
         """The pages a load of ``num_objects`` objects from ``first_object`` on writes
-        (:meth:`_pages`; per KV cache group for a hybrid model: ``GroupPlan.load_pages``,
-        ``end`` the hit's tokens)."""
+        (:func:`~kvcentric.connector.vllm.transfers.object_pages`; per KV cache group for a
+        hybrid model: ``GroupPlan.load_pages``, ``end`` the hit's tokens)."""
         groups = self.layout.groups
         if groups is None:
-            return self._pages(tables[0], first_object, num_objects, first_page, end_page)
+            return object_pages(tables[0], self.layout.pages_per_object, first_object,
+                                num_objects, first_page, end_page)
         return groups.load_pages(tables, first_object, num_objects,
                                  self.layout.pages_per_object, first_page, end_page, end)
 
-    def _pages(self, page_table: list[int], first_object: int, num_objects: int,
-               first_page: int, end_page: int) -> list[list[int]]:
-        """Per object from ``first_object`` on, its ``k`` engine pages; pages outside
-        ``[first_page, end_page)`` (the engine's own hit, or past the tokens moved) are
-        ``SKIP``."""
-        k = self.layout.pages_per_object
-        return [[page_table[i] if first_page <= i < min(end_page, len(page_table)) else SKIP
-                 for i in range(b * k, (b + 1) * k)]
-                for b in range(first_object, first_object + num_objects)]
-
-    # ---- saves (save_plan.SavePlanner plans them) ----
+    # ---- saves (self.saves plans them) ----
     def build_connector_meta(self, so: Any) -> KVCentricMetadata:
         """This step's loads and the saves of every stored block it completes."""
         meta = KVCentricMetadata(loads=self._pending_loads, state_loads=self._pending_states)
         self._pending_loads, self._pending_states = [], []
-        self.plan_saves(so, meta)
+        self.saves.plan_saves(so, meta)
         return meta
 
     def loads_failed(self, req_ids: Any) -> None:

@@ -44,3 +44,14 @@ class StepPlan:
     commit_now: bool = False
     state_loads: list[TransferSpec] = field(default_factory=list)
     state_saves: list[TransferSpec] = field(default_factory=list)
+
+
+def object_pages(page_table: list[int], pages_per_object: int, first_object: int,
+                 num_objects: int, first_page: int, end_page: int) -> list[list[int]]:
+    """Per object from ``first_object`` on, its ``pages_per_object`` engine pages from
+    ``page_table``; pages outside ``[first_page, end_page)`` (the engine's own hit, or
+    past the tokens moved) are ``SKIP``."""
+    k = pages_per_object
+    return [[page_table[i] if first_page <= i < min(end_page, len(page_table)) else SKIP
+             for i in range(b * k, (b + 1) * k)]
+            for b in range(first_object, first_object + num_objects)]
