@@ -59,6 +59,30 @@ def test_old_vllm_shadowing_the_installed_one(tmp_path: Path) -> None:
     assert engines.check_vllm_version().status == "ok"  # the real install, for contrast
 
 
+def test_the_engines_are_inspected_at_the_same_time(tmp_path: Path) -> None:
+    """Each engine's import runs in a probe of its own, and the two overlap (the doctor
+    waits for the slower, not for the sum). Mounted with stand-in engines on PYTHONPATH
+    whose import waits until the other one's has begun: run one after the other, each
+    would wait out its deadline and say so."""
+    for name, other in (("vllm", "sglang"), ("sglang", "vllm")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            "import os, pathlib, time\n"
+            f"d = pathlib.Path({str(tmp_path)!r})\n"
+            f"(d / '{name}.started').touch()\n"
+            "deadline = time.monotonic() + 60\n"
+            f"while not (d / '{other}.started').exists() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.05)\n"
+            f"if not (d / '{other}.started').exists():\n"
+            f"    (d / '{name}.alone').touch()\n"
+            '__version__ = "0.6.3"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    rc, found = cli(env=env)
+    assert rc == 1 and "0.6.3" in found["vllm-version"]["message"]
+    assert (tmp_path / "vllm.started").exists() and (tmp_path / "sglang.started").exists()
+    assert not list(tmp_path.glob("*.alone")), "the probes ran one after the other"
+
+
 def test_plugin_missing_when_kvcentric_is_not_installed(tmp_path: Path) -> None:
     """Run from a source checkout without `pip install`: kvcentric imports, but no
     vllm.general_plugins entry point exists, so vLLM never learns KVCentricConnector."""

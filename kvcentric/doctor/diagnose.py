@@ -9,8 +9,8 @@ from kvcentric.doctor import layout, router_checks
 from kvcentric.doctor.engines import (
     check_engine_url_version,
     check_plugin,
-    check_sglang_version,
-    check_vllm_version,
+    probe_sglang,
+    probe_vllm,
 )
 from kvcentric.doctor.findings import SKIP, WARN, Finding
 from kvcentric.doctor.stores import store_findings
@@ -25,11 +25,16 @@ class DoctorInputs:
 
 def run(inputs: DoctorInputs) -> list[Finding]:
     """Every check the inputs allow, in a fixed order."""
-    out = [check_vllm_version(), check_sglang_version()]
+    # each engine's import, in a child process of its own, overlaps the other's and the
+    # plugin check's import of vLLM here: on more than one core the doctor waits for the
+    # slowest import, not for the sum
+    probes = [probe_vllm(), probe_sglang()]
+    plugin = check_plugin()
+    out = [p.finding() for p in probes]
     if all(f.status == SKIP for f in out):
         out.append(Finding("engines", WARN, "neither vLLM nor SGLang is installed here",
                            "run the doctor where the engine runs"))
-    out.append(check_plugin())
+    out.append(plugin)
     router = None
     if inputs.router_config:
         router, finding = router_checks.load_router(inputs.router_config)

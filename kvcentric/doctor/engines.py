@@ -86,43 +86,67 @@ def version_finding(check: str, policy: _Policy, version: str, where: str,
                    f"{', '.join(policy.tested)})", policy.advice, details)
 
 
-def _engine_version(check: str, policy: _Policy, module: str, probe: str) -> Finding:
-    """Import engine ``module`` and run kvcentric's start-up API check ``probe``
-    (``module:function``) in a child process (importing an engine changes process-wide
-    state: SGLang's imports do), then judge the version by ``policy``."""
-    import json
-    import subprocess
-    import sys
+class EngineProbe:
+    """An engine's install, inspected in a child process started at construction (importing
+    an engine changes process-wide state: SGLang's imports do): it imports ``module``
+    and runs kvcentric's start-up API check ``probe`` (``module:function``). Several
+    probes run at once; :meth:`finding` waits for this one and judges the version by
+    ``policy``."""
 
-    name = policy.name
-    try:
-        run = subprocess.run([sys.executable, "-c", _PROBE, module, probe],
-                             capture_output=True, text=True, timeout=300)
-        got = json.loads(run.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
-        return Finding(check, FAIL, f"could not inspect {name}: {exc}",
-                       f"run python -c 'import {module}' to see why")
-    if not got["installed"]:
-        return Finding(check, SKIP, f"{name} is not installed here")
-    version, where = got["version"], got["path"]
-    details = {"version": version, "path": where, "tested": list(policy.tested),
-               "support": policy.level(version)}
-    if got["error"] and got["missing_hook"]:  # too old, or a hook kvcentric needs is missing
-        return Finding(check, FAIL, got["error"], policy.advice, details)
-    if got["error"]:  # an engine too old or broken to import at all
-        return Finding(check, FAIL, f"{name} {version} at {where} lacks the API kvcentric "
-                       f"plugs into ({got['error']})", policy.advice, details)
-    return version_finding(check, policy, version, "", details)
+    def __init__(self, check: str, policy: _Policy, module: str, probe: str) -> None:
+        import subprocess
+        import sys
+
+        self.check, self.policy, self.module = check, policy, module
+        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, module, probe],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      stdin=subprocess.DEVNULL, text=True)
+
+    def finding(self, timeout_s: float = 300.0) -> Finding:
+        import json
+        import subprocess
+
+        name, policy = self.policy.name, self.policy
+        try:
+            try:
+                stdout, _ = self._proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.communicate()
+                raise
+            got = json.loads(stdout.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+            return Finding(self.check, FAIL, f"could not inspect {name}: {exc}",
+                           f"run python -c 'import {self.module}' to see why")
+        if not got["installed"]:
+            return Finding(self.check, SKIP, f"{name} is not installed here")
+        version, where = got["version"], got["path"]
+        details = {"version": version, "path": where, "tested": list(policy.tested),
+                   "support": policy.level(version)}
+        if got["error"] and got["missing_hook"]:  # too old, or a hook kvcentric needs is missing
+            return Finding(self.check, FAIL, got["error"], policy.advice, details)
+        if got["error"]:  # an engine too old or broken to import at all
+            return Finding(self.check, FAIL, f"{name} {version} at {where} lacks the API "
+                           f"kvcentric plugs into ({got['error']})", policy.advice, details)
+        return version_finding(self.check, policy, version, "", details)
+
+
+def probe_vllm() -> EngineProbe:
+    return EngineProbe("vllm-version", VLLM, "vllm",
+                       "kvcentric.connector.vllm.boundary:check_vllm")
+
+
+def probe_sglang() -> EngineProbe:
+    return EngineProbe("sglang-version", SGLANG, "sglang",
+                       "kvcentric.connector.sglang.storage:check_sglang")
 
 
 def check_vllm_version() -> Finding:
-    return _engine_version("vllm-version", VLLM, "vllm",
-                           "kvcentric.connector.vllm.boundary:check_vllm")
+    return probe_vllm().finding()
 
 
 def check_sglang_version() -> Finding:
-    return _engine_version("sglang-version", SGLANG, "sglang",
-                           "kvcentric.connector.sglang.storage:check_sglang")
+    return probe_sglang().finding()
 
 
 def check_engine_url_version(url: str) -> Finding:
