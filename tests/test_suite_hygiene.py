@@ -204,9 +204,11 @@ def test_engines_start_with_the_sessions_kv_cache_and_executor(tmp_path: Path) -
                     "os.rename(os.environ['OUT'] + '.tmp', os.environ['OUT'])\n")
     fake.chmod(0o755)
 
-    def started(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    def started(env: dict[str, str], args: tuple[str, ...] = ()
+                ) -> tuple[list[str], dict[str, str]]:
         out = tmp_path / f"seen-{len(list(tmp_path.glob('seen-*')))}"
-        srv = VllmServer("m", python=str(fake), env={"OUT": str(out), **env}).start()
+        srv = VllmServer("m", python=str(fake), env={"OUT": str(out), **env},
+                         args=args).start()
         assert wait_until(out.exists, 60), "the stand-in never ran"
         srv.stop()
         argv, seen = json.loads(out.read_text())
@@ -216,18 +218,12 @@ def test_engines_start_with_the_sessions_kv_cache_and_executor(tmp_path: Path) -
     i = argv.index("--kv-cache-memory-bytes")
     assert argv[i + 1] == ENGINE_KV_BYTES[KV_BYTES_ENV]
     assert "VLLM_CPU_KVCACHE_SPACE" not in seen
-    argv, seen = started({"VLLM_CPU_KVCACHE_SPACE": "2"})
-    assert "--kv-cache-memory-bytes" not in argv and seen["VLLM_CPU_KVCACHE_SPACE"] == "2"
     # one rank: its worker in the EngineCore process; two ranks keep vLLM's worker processes
     assert os.environ[EXECUTOR_ENV] == ENGINE_EXECUTOR[EXECUTOR_ENV] == "uni"
-    argv, seen = started({})
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert seen["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    srv_args = ["--tensor-parallel-size", "2"]
-    out = tmp_path / "seen-tp2"
-    srv = VllmServer("m", python=str(fake), env={"OUT": str(out)}, args=srv_args).start()
-    assert wait_until(out.exists, 60), "the stand-in never ran"
-    srv.stop()
-    argv, seen = json.loads(out.read_text())
+    argv, seen = started({"VLLM_CPU_KVCACHE_SPACE": "2"})
+    assert "--kv-cache-memory-bytes" not in argv and seen["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    argv, seen = started({}, ("--tensor-parallel-size", "2"))
     assert "--distributed-executor-backend" not in argv
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in seen

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvcentric.testing.netns import NetNamespace
+from kvcentric.testing.signals import thread_states
 from kvcentric.testing.zygote import ForkedProcess, Zygote
 from tests.helpers.waiting import wait_until
 
@@ -148,9 +149,6 @@ def test_the_zygote_ends_with_the_process_that_started_it(tmp_path: Path) -> Non
             owner.kill()
             owner.wait()
 
-    def gone() -> bool:
-        try:
-            return Path(f"/proc/{zpid}/stat").read_text().split(")")[-1].split()[0] in "ZX"
-        except OSError:
-            return True
-    assert wait_until(gone, 30), "the zygote outlived its owner"
+    # no thread left that could run (none at all once it has been reaped)
+    assert wait_until(lambda: set(thread_states(zpid)) <= {"Z", "X"}, 30), \
+        "the zygote outlived its owner"

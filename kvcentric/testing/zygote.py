@@ -117,6 +117,20 @@ def _check(req: Any) -> dict[str, Any]:
     return req
 
 
+def _read_line(conn: socket.socket, limit: int | None = None) -> bytes:
+    """One newline-ended message from ``conn``; ``ValueError`` when the peer closes first
+    or it grows past ``limit`` bytes."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ValueError("the connection closed before a whole line")
+        if limit is not None and len(data) + len(chunk) > limit:
+            raise ValueError(f"a message is one JSON line of at most {limit} bytes")
+        data += chunk
+    return data
+
+
 def serve(path: Path, entry: Callable[[], Any]) -> None:
     """Answer requests on the Unix socket ``path`` until the parent process is gone."""
     owner = os.getppid()
@@ -144,13 +158,7 @@ def serve(path: Path, entry: Callable[[], Any]) -> None:
         with conn:
             conn.settimeout(10)
             try:
-                data = b""
-                while not data.endswith(b"\n"):
-                    chunk = conn.recv(65536)
-                    if not chunk or len(data) + len(chunk) > MAX_REQUEST:
-                        raise ValueError("a request is one JSON line of at most 1 MiB")
-                    data += chunk
-                req = json.loads(data)
+                req = json.loads(_read_line(conn, MAX_REQUEST))
                 if isinstance(req, dict) and req.get("op") == "status":
                     pid = int(req["pid"])
                     code = done.get(pid)
@@ -187,12 +195,10 @@ def _request(path: Path, req: Mapping[str, Any], timeout: float = 30.0) -> dict[
         s.settimeout(timeout)
         s.connect(str(path))
         s.sendall(json.dumps(req).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                raise RuntimeError(f"the zygote at {path} closed the connection")
-            data += chunk
+        try:
+            data = _read_line(s)
+        except ValueError as exc:
+            raise RuntimeError(f"the zygote at {path}: {exc}") from None
     answer: dict[str, Any] = json.loads(data)
     if "error" in answer:
         raise RuntimeError(f"the zygote refused: {answer['error']}")
