@@ -156,7 +156,13 @@ ARMS = {
     "random": Arm("random"),
     "round_robin": Arm("round_robin"),
     "least_load": Arm("least_loaded"),
+    # the paper's Figure 5 baselines: no global pool, each instance reuses its own cache
+    "random_nostore": Arm("random", store=False),
+    "round_robin_nostore": Arm("round_robin", store=False),
+    "least_load_nostore": Arm("least_loaded", store=False),
     "local_cache_aware": Arm("engine_cache", store=False),
+    # a peer's cache-aware router in front of engines that share our store
+    "engine_cache_store": Arm("engine_cache"),
     "kvcentric": Arm("algorithm1", reject=True),
     "kvcentric_noreject": Arm("algorithm1"),
 }

@@ -25,7 +25,11 @@ on the router's view of the cluster:
   the store + prefill on the uncached part, and the decoder) with the global store,
   refusing requests predicted to miss the SLO;
 - ``kvcentric_noreject``: the same choice without refusing, to show what comes from the
-  placement alone.
+  placement alone;
+- ``random_nostore``, ``round_robin_nostore``, ``least_load_nostore``: the blind ones
+  without the store (the Mooncake paper's Figure 5 baselines), and ``engine_cache_store``:
+  the cache-aware router over engine caches in front of the store
+  (:mod:`benchmarks.serving.slo_capacity` sweeps them all to saturation).
 
 Output: a table, JSON (summary ``ttft_mean_by_policy``, ``hit_rate_by_policy``,
 ``slo_attainment_by_policy``) and a PNG next to the JSON. Default model: an 8B-class GQA
@@ -49,25 +53,10 @@ from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
-from benchmarks.sim.cluster import ARMS, BLOCK, Cluster, Outcome, Request, SimConfig
+from benchmarks.sim.cluster import ARMS, Cluster, Outcome, SimConfig
+from benchmarks.sim.workloads import read_trace
 
 POLICIES = tuple(ARMS)
-
-
-def load_trace(path: Path, limit: int | None) -> list[Request]:
-    reqs: list[Request] = []
-    with open(path) as f:
-        for line in f:
-            if limit is not None and len(reqs) >= limit:
-                break
-            rec = json.loads(line)
-            n = int(rec["input_length"])
-            full = n // BLOCK
-            reqs.append(Request(rec["timestamp"] / 1000.0, n, int(rec["output_length"]),
-                                tuple(rec["hash_ids"][:full])))
-    if not reqs:
-        raise ValueError(f"{path}: no requests")
-    return reqs
 
 
 def summarise(outs: list[Outcome], total: int) -> dict[str, Any]:
@@ -162,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = _config(args)
     limit = args.limit or (2000 if args.quick else None)
-    reqs = load_trace(args.trace, limit)
+    reqs = read_trace(args.trace, limit)
     stem = args.trace.stem.replace("_trace", "")
     out = args.out or RESULTS / f"sim_{stem}{'_quick' if args.quick else ''}.json"
     pols = [p for p in args.policies.split(",") if p]

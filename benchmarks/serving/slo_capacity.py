@@ -1,0 +1,359 @@
+"""How many requests per second does each routing policy serve within its SLOs, up to saturation?
+
+Effective request capacity under SLO (the Mooncake paper's measure in its evaluation, FAST'25; the
+definitions are :mod:`benchmarks.lib.capacity`'s): every arm is offered the same
+workload at a sweep of rates, each rate's effective fraction (TTFT and TBT within their
+SLOs) measured, and the arm's capacity is the highest rate at which >= 90% of requests
+are effective.
+
+    python -m benchmarks.serving.slo_capacity conversation --instances 16 [--reps 3]
+        [--requests 3000] [--warmup 0.2] [--rates 2,4,8] [--slo-ttft-s 15]
+        [--slo-tbt-s 0.1] [--quick]
+
+Workloads: ``conversation`` and ``synthetic`` (Mooncake's FAST'25 traces, read from
+``--trace-dir``, default ``../shared/traces``: their first ``--requests`` requests, arrival
+times scaled to each rate), ``hotprefix`` and ``agentic``
+(:mod:`benchmarks.sim.workloads`).
+
+Engine: the discrete-event P/D cluster of :mod:`benchmarks.sim.cluster` (``--instances``
+split into half prefill, half decode instances), on the H100-class profile of
+:class:`~benchmarks.sim.cluster.SimConfig` (an 8B-class GQA model: 128 KiB of KV per
+token, prefill ~12k tokens/s with a quadratic attention term, a 25 GB/s store tier,
+320-block = 20 GiB engine prefix caches, a 16k-block = 1 TiB store; every field is a
+flag). Routing is the router's own policy code (:mod:`kvcentric.router.policies`); the
+arms are :data:`benchmarks.sim.cluster.ARMS`: the paper's Figure 5 baselines without a
+global pool (``random_nostore``, ``round_robin_nostore``, ``least_load_nostore``,
+``local_cache_aware``), the blind ones over the shared store (``random``,
+``round_robin``, ``least_load``), a cache-aware router over the engines' caches in front
+of the store (``engine_cache_store``), and ours: Algorithm 1 over engine and store tiers
+(``kvcentric_noreject``) and with admission (``kvcentric``, 429 for predicted misses).
+The peer routers themselves (vllm-router, SMG, sglang-router) run only on an emulated
+fleet (:mod:`benchmarks.serving.fleet_compare`), not here.
+
+Sweep: unless ``--rates`` is given, rates start at a quarter of a nominal capacity (the
+prefill instances over one uncached prefill of the workload's mean prompt) and grow by
+1.5x; lower rates are added while an arm misses at the lowest, higher ones while an arm
+still holds at the highest (up to ``--max-rates``). Every arm runs every rate with seeds
+``--seed + rep`` (workload and the simulator's noise), ``--reps`` repetitions; rows are
+medians with the range. The TTFT CDF and Figure 5's ordering (random > load-balancing >
+local cache-aware > global cache-aware in mean TTFT, global >= 10% below local) are taken
+at 0.8x the best arm's capacity, one run per arm at seed ``--seed``.
+
+Writes ``benchmarks/results/slo_capacity_<workload>_<n>_sim[_quick].json`` (``arms``:
+label, ``summary.capacity_rps`` and per-rate ``rows``; ``summary``: ``workload``,
+``instances``, ``profile``, ``best_baseline``, ``best_baseline_capacity_rps``, ``best_ours``,
+``ours_over_best_baseline``, ``figure5_ordering_holds``) and PNGs of the effective
+fraction vs rate and the TTFT CDF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.lib import capacity as cap
+from benchmarks.lib import results_writer as rw
+from benchmarks.lib.paths import RESULTS, ROOT
+from benchmarks.sim import workloads as wl
+from benchmarks.sim.cluster import ARMS, Cluster, Outcome, Request, SimConfig
+
+TRACES = ROOT.parent / "shared" / "traces"
+WORKLOADS = ("conversation", "synthetic", "hotprefix", "agentic")
+OURS = ("kvcentric", "kvcentric_noreject")
+FIGURE5 = ("random_nostore", "least_load_nostore", "local_cache_aware", "kvcentric_noreject")
+STEP = 1.5
+# TTFT SLO by workload: the traces' and the agent's longest prompts take 5-30 s alone and
+# uncached on this profile, so a tighter SLO would be missed at any load by a few percent
+# of requests whatever the router does; hot-prefix prompts take ~1 s alone
+SLO_TTFT_S = {"conversation": 15.0, "synthetic": 15.0, "agentic": 15.0, "hotprefix": 5.0}
+
+
+def requests_for(args: argparse.Namespace, rate: float, seed: int) -> list[Request]:
+    """The workload at ``rate`` requests/s; traces are read once (``args.trace_cache``)."""
+    if args.workload in ("conversation", "synthetic"):
+        if args.trace_cache is None:
+            args.trace_cache = wl.read_trace(args.trace_dir / f"{args.workload}_trace.jsonl",
+                                             args.requests)
+        return wl.trace(args.trace_cache, rate)
+    if args.workload == "hotprefix":
+        return wl.HotPrefix().build(args.requests, rate, seed)
+    return wl.Agentic(tbt_s=args.cfg.tbt_base).build(args.requests, rate, seed)
+
+
+def served(o: Outcome) -> cap.Served:
+    """A simulated outcome as :mod:`benchmarks.lib.capacity` counts it (the simulator's
+    TBT is the request's steady gap, so the paper's longest-10% mean is that gap)."""
+    if o.ttft is None:
+        return cap.Served(None, 0.0, o.n, rejected=True)
+    return cap.Served(o.ttft, o.tbt, o.n, o.local_tokens, o.hit_tokens - o.local_tokens)
+
+
+def run_point(cfg: SimConfig, arm: str, reqs: Sequence[Request], rate: float,
+              slo: cap.Slo, warmup: float) -> tuple[dict[str, Any], list[cap.Served]]:
+    """One run of ``arm``; the first ``warmup`` share of requests (by arrival) is served
+    but not counted: a cold fleet's first requests find no cache anywhere, which says
+    nothing about a router in steady state."""
+    skip = round(warmup * len(reqs))
+    outs = [served(o) for o in Cluster(cfg, arm).run(reqs)][skip:]
+    return cap.rate_point(outs, slo, rate, len(outs) / rate), outs
+
+
+def nominal_rps(cfg: SimConfig, reqs: Sequence[Request]) -> float:
+    """Prefill instances over one uncached prefill of the mean prompt."""
+    n = round(statistics.fmean(r.n for r in reqs))
+    return cfg.prefill / cfg.prefill_s(n, 0)
+
+
+class Sweep:
+    """Every arm at every rate and repetition; rates grow or shrink until each arm's
+    capacity is bracketed (or ``max_rates`` is reached)."""
+
+    def __init__(self, args: argparse.Namespace, arms: Sequence[str], slo: cap.Slo,
+                 progress: Callable[[str], None] = print) -> None:
+        self.args = args
+        self.arms = list(arms)
+        self.slo = slo
+        self.progress = progress
+        # (arm, rate) -> one row per repetition
+        self.rows: dict[tuple[str, float], list[dict[str, Any]]] = {}
+
+    def measure(self, rate: float) -> None:
+        a = self.args
+        for rep in range(a.reps):
+            cfg = replace(a.cfg, seed=a.seed + rep)
+            reqs = requests_for(a, rate, a.seed + rep)
+            for arm in self.arms:
+                row, _ = run_point(cfg, arm, reqs, rate, self.slo, a.warmup)
+                self.rows.setdefault((arm, rate), []).append(row)
+        line = ", ".join(f"{arm} {self.fraction(arm, rate):.2f}" for arm in self.arms)
+        self.progress(f"{rate:.3g} req/s: {line}")
+
+    @property
+    def rates(self) -> list[float]:
+        return sorted({r for _, r in self.rows})
+
+    def fraction(self, arm: str, rate: float) -> float:
+        return statistics.median(r["effective_fraction"] for r in self.rows[(arm, rate)])
+
+    def run(self, rates: Sequence[float]) -> None:
+        for r in rates:
+            self.measure(r)
+        if self.args.rates:
+            return
+        while len(self.rates) < self.args.max_rates:
+            low, high = self.rates[0], self.rates[-1]
+            if any(self.fraction(a, low) < cap.THRESHOLD for a in self.arms):
+                self.measure(low / STEP)
+            elif any(self.fraction(a, high) >= cap.THRESHOLD for a in self.arms):
+                self.measure(high * STEP)
+            else:
+                return
+
+    def arm(self, arm: str) -> dict[str, Any]:
+        reps = [[self.rows[(arm, r)][k] for r in self.rates] for k in range(self.args.reps)]
+        return cap.arm_capacity(reps)
+
+
+def at_load(args: argparse.Namespace, arms: Sequence[str], rate: float, slo: cap.Slo
+            ) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
+    """Each arm once at ``rate`` (seed ``args.seed``): its row and its served TTFTs."""
+    reqs = requests_for(args, rate, args.seed)
+    cfg = replace(args.cfg, seed=args.seed)
+    rows, ttfts = {}, {}
+    for arm in arms:
+        rows[arm], outs = run_point(cfg, arm, reqs, rate, slo, args.warmup)
+        ttfts[arm] = [o.ttft_s for o in outs if o.ttft_s is not None]
+    return rows, ttfts
+
+
+def best(arms: dict[str, dict[str, Any]], names: Sequence[str]) -> tuple[str | None, float | None]:
+    caps = {k: arms[k]["capacity_rps"] for k in names
+            if k in arms and arms[k]["capacity_rps"] is not None}
+    if not caps:
+        return None, None
+    k = max(caps, key=lambda x: caps[x])
+    return k, caps[k]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    slo = cap.Slo(args.slo_ttft_s or SLO_TTFT_S[args.workload], args.slo_tbt_s)
+    args.cfg = replace(args.cfg, slo_ttft=slo.ttft_s, slo_tbt=slo.tbt_s)
+    t0 = time.monotonic()
+    nominal = nominal_rps(args.cfg, requests_for(args, 1.0, args.seed))
+    rates = ([float(x) for x in args.rates.split(",")] if args.rates
+             else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])
+    sw = Sweep(args, arms, slo)
+    sw.run(rates)
+    out_arms = {a: sw.arm(a) for a in arms}
+    top, top_cap = best(out_arms, arms)
+    load = 0.8 * top_cap if top_cap else sw.rates[0]
+    at, ttfts = at_load(args, arms, load, slo)
+    baselines = [a for a in arms if a not in OURS]
+    b_name, b_cap = best(out_arms, baselines)
+    o_name, o_cap = best(out_arms, [a for a in arms if a in OURS])
+    ttft_at = {a: at[a]["ttft_mean_s"] for a in arms}
+    summary = {
+        "workload": args.workload, "instances": args.instances, "engine": "sim",
+        "profile": "SimConfig (H100-class 8B GQA model; see config)",
+        "requests_per_point": len(requests_for(args, 1.0, args.seed)),
+        "warmup_share": args.warmup, "reps": args.reps,
+        "slo_ttft_s": slo.ttft_s, "slo_tbt_s": slo.tbt_s, "nominal_rps": nominal,
+        "rates": sw.rates, "best_baseline": b_name, "best_baseline_capacity_rps": b_cap,
+        "best_ours": o_name, "best_ours_capacity_rps": o_cap,
+        "ours_over_best_baseline": o_cap / b_cap if o_cap and b_cap else None,
+        "capacity_rps": {a: out_arms[a]["capacity_rps"] for a in arms},
+        "figure5_load_rps": load, "figure5_ttft_mean_s": {a: ttft_at[a] for a in FIGURE5
+                                                           if a in ttft_at},
+        "figure5_ordering_holds": cap.figure5_ordering(ttft_at, FIGURE5),
+        "wall_s": time.monotonic() - t0}
+    doc = {"title": f"Capacity under SLO, {args.workload}, {args.instances} simulated "
+                    f"instances ({args.cfg.prefill}P+{args.cfg.decode}D)",
+           "summary": summary,
+           "arms": [{"label": a, "summary": {k: v for k, v in out_arms[a].items()
+                                             if k != "rows"},
+                     "rows": out_arms[a]["rows"], "at_figure5_load": at[a]} for a in arms],
+           "config": asdict(args.cfg),
+           "notes": ["Engine: benchmarks.sim.cluster (discrete events, the router's own "
+                     "policies); peers' routers are not in it.",
+                     "Rows: medians over repetitions (seed = --seed + rep), ranges of the "
+                     "effective fraction and TTFT mean; capacity_rps from the median rows, "
+                     "capacity_rps_reps from each repetition alone."]}
+    stem = (f"slo_capacity_{args.workload}_{args.instances}_sim"
+            f"{'_quick' if args.quick else ''}{args.tag}")
+    out = args.out or RESULTS / f"{stem}.json"
+    rw.write(out, doc, table(doc), [
+        rw.Figure("effective", "effective fraction vs offered rate",
+                  lambda p: figure_effective(doc, p)),
+        rw.Figure("cdf", f"TTFT CDF at {load:.3g} req/s", lambda p: figure_cdf(ttfts, load, p))],
+        command=args.cmdline)
+    return doc
+
+
+def table(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    head = f"{'arm':<22} {'capacity':>9} {'found':>12} {'reps':>22} {'TTFT@0.8':>9}"
+    lines = [doc["title"], head, "-" * len(head)]
+    for a in doc["arms"]:
+        c = a["summary"]["capacity_rps"]
+        reps = ",".join("-" if x is None else f"{x:.2f}" for x in a["summary"]["capacity_rps_reps"])
+        t = a["at_figure5_load"]["ttft_mean_s"]
+        lines.append(f"{a['label']:<22} {'-' if c is None else f'{c:.2f}':>9} "
+                     f"{a['summary']['capacity_found']:>12} {reps:>22} "
+                     f"{'-' if t is None else f'{t:.2f}s':>9}")
+    lines.append(f"best baseline {s['best_baseline']} {s['best_baseline_capacity_rps']}, "
+                 f"ours {s['best_ours']} {s['best_ours_capacity_rps']}: "
+                 f"x{s['ours_over_best_baseline']}; Figure 5 ordering: "
+                 f"{s['figure5_ordering_holds']}")
+    return "\n".join(lines)
+
+
+def figure_effective(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for a in doc["arms"]:
+        rows = a["rows"]
+        xs = [r["offered_rps"] for r in rows]
+        ys = [r["effective_fraction"] for r in rows]
+        lo = [r["effective_fraction"] - r["effective_fraction_range"][0] for r in rows]
+        hi = [r["effective_fraction_range"][1] - r["effective_fraction"] for r in rows]
+        style = "-" if a["label"] in OURS else "--"
+        ax.errorbar(xs, ys, yerr=[lo, hi], label=a["label"], linestyle=style, marker="o",
+                    markersize=3, capsize=2)
+    ax.axhline(cap.THRESHOLD, color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("offered rate (requests/s)")
+    ax.set_ylabel("effective fraction (TTFT and TBT within SLO)")
+    ax.set_title(doc["title"], fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure_cdf(ttfts: dict[str, list[float]], rate: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for arm, xs in ttfts.items():
+        v = np.sort(np.asarray(xs)) if xs else np.array([np.nan])
+        ax.plot(v, np.linspace(0, 1, len(v)), label=arm,
+                linestyle="-" if arm in OURS else "--")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_title(f"TTFT CDF of served requests at {rate:.3g} req/s", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def config(args: argparse.Namespace) -> SimConfig:
+    over = {f.name: getattr(args, f.name) for f in fields(SimConfig)
+            if getattr(args, f.name, None) is not None}
+    half = max(1, args.instances // 2)
+    return SimConfig(**{"prefill": half, "decode": max(1, args.instances - half), **over})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("workload", choices=WORKLOADS)
+    ap.add_argument("--instances", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=3000, help="requests per rate point")
+    ap.add_argument("--warmup", type=float, default=0.2,
+                    help="share of each run's first requests served but not counted")
+    ap.add_argument("--rates", default=None, help="comma-separated offered rates (req/s)")
+    ap.add_argument("--start-rates", type=int, default=8)
+    ap.add_argument("--max-rates", type=int, default=14)
+    ap.add_argument("--slo-ttft-s", type=float, default=None,
+                    help=f"default by workload: {SLO_TTFT_S}")
+    ap.add_argument("--slo-tbt-s", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arms", default=None, help=f"comma-separated (default all: "
+                                                 f"{','.join(ARMS)})")
+    ap.add_argument("--trace-dir", type=Path, default=TRACES)
+    ap.add_argument("--quick", action="store_true", help="1000 requests, 1 repetition")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--tag", default="")
+    for f in fields(SimConfig):
+        if f.name not in ("seed", "slo_ttft", "slo_tbt"):
+            ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                            type=type(f.default), default=None, help=f"default {f.default}")
+    args = ap.parse_args(argv)
+    if not 0 <= args.warmup < 1:
+        ap.error("--warmup must be in [0, 1)")
+    if args.instances < 2:
+        ap.error("--instances must be >= 2 (a prefill and a decode instance)")
+    if args.quick:
+        args.requests, args.reps = min(args.requests, 1000), 1
+    args.cfg = config(args)
+    args.trace_cache = None
+    args.cmdline = rw.command_line(__file__, argv)
+    try:
+        run(args)
+    except ValueError as e:
+        ap.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

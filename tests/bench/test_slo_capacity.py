@@ -1,0 +1,177 @@
+"""Capacity under SLO (issue 46 item 1): the paper's TBT, the effective fraction, the
+interpolated capacity, the simulated workloads at a chosen rate, and a whole sweep."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.lib import capacity as cap
+from benchmarks.serving import slo_capacity
+from benchmarks.sim import workloads as wl
+from benchmarks.sim.cluster import BLOCK, Request
+
+
+def test_paper_tbt_is_the_mean_of_the_longest_tenth_of_the_gaps() -> None:
+    assert cap.paper_tbt([float(x) for x in range(1, 21)]) == 19.5  # 20 and 19
+    assert cap.paper_tbt([0.1, 0.5, 0.2]) == 0.5  # at least one gap
+    assert cap.paper_tbt([]) == 0.0
+
+
+def test_a_request_is_effective_only_when_served_within_both_slos() -> None:
+    slo = cap.Slo(1.0, 0.1)
+    assert slo.meets(1.0, 0.1)
+    assert not slo.meets(1.01, 0.05)
+    assert not slo.meets(0.5, 0.11)
+    assert not slo.meets(None, 0.0)
+    with pytest.raises(ValueError, match="SLOs must be > 0"):
+        cap.Slo(0.0, 0.1)
+
+
+def test_a_rate_point_counts_refused_and_failed_requests_as_misses() -> None:
+    outs = [cap.Served(0.5, 0.05, 1000, 600, 200), cap.Served(2.0, 0.05, 1000),
+            cap.Served(None, 0.0, 1000, rejected=True), cap.Served(None, 0.0, 1000)]
+    row = cap.rate_point(outs, cap.Slo(1.0, 0.1), offered_rps=4.0, duration_s=2.0)
+    assert row["effective_fraction"] == 0.25
+    assert row["goodput_rps"] == 0.5
+    assert (row["rejected"], row["failed"]) == (1, 1)
+    assert row["ttft_mean_s"] == 1.25  # of the served only
+    assert row["engine_hit_share"] == 0.3 and row["store_hit_share"] == 0.1
+    assert row["miss_share"] == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="needs requests"):
+        cap.rate_point([], cap.Slo(1.0, 0.1), 1.0, 1.0)
+
+
+def test_capacity_is_interpolated_at_the_first_crossing() -> None:
+    pts = [(1.0, 1.0), (2.0, 0.95), (4.0, 0.75), (8.0, 0.95)]  # a late recovery is noise
+    c, how = cap.capacity_at(pts)
+    assert how == "interpolated"
+    assert c == pytest.approx(2.0 + 2.0 * (0.95 - 0.9) / (0.95 - 0.75))
+    assert cap.capacity_at([(1.0, 0.5), (2.0, 0.2)]) == (None, "below")
+    assert cap.capacity_at([(1.0, 0.99), (2.0, 0.95)]) == (2.0, "above")
+    with pytest.raises(ValueError, match="two points at one rate"):
+        cap.capacity_at([(1.0, 1.0), (1.0, 0.5)])
+
+
+def test_rows_are_medians_over_repetitions_with_their_range() -> None:
+    reps: list[list[dict[str, Any]]] = [
+        [{"offered_rps": 1.0, "effective_fraction": f, "ttft_mean_s": t, "note": "x"},
+         {"offered_rps": 2.0, "effective_fraction": f / 2, "ttft_mean_s": None}]
+        for f, t in ((1.0, 0.2), (0.8, 0.4), (0.9, 0.3))]
+    a = cap.arm_capacity(reps)
+    first = a["rows"][0]
+    assert first["effective_fraction"] == 0.9 and first["effective_fraction_range"] == [0.8, 1.0]
+    assert first["ttft_mean_s"] == 0.3 and first["reps"] == 3
+    assert a["rows"][1]["ttft_mean_s"] is None
+    assert a["capacity_rps_reps"][1] is None  # 0.8 at the lowest rate: below
+    assert a["capacity_found"] == "interpolated"
+
+
+def test_figure5_ordering_needs_a_strict_order_and_the_margin() -> None:
+    order = ("random", "lb", "local", "global")
+    assert cap.figure5_ordering({"random": 9, "lb": 5, "local": 3, "global": 2.7}, order)
+    assert not cap.figure5_ordering({"random": 9, "lb": 5, "local": 3, "global": 2.8}, order)
+    assert not cap.figure5_ordering({"random": 4, "lb": 5, "local": 3, "global": 1}, order)
+    assert cap.figure5_ordering({"random": 9, "lb": 5, "local": 3}, order) is None
+
+
+def _rate(reqs: list[Request]) -> float:
+    return (len(reqs) - 1) / (reqs[-1].t - reqs[0].t)
+
+
+def test_a_trace_is_replayed_at_the_offered_rate_in_its_own_pattern() -> None:
+    reqs = [Request(t, 600, 10, (i,)) for i, t in enumerate((0.0, 1.0, 1.0, 5.0))]
+    fast = wl.trace(reqs, 3.0)
+    assert _rate(fast) == pytest.approx(3.0)
+    assert [r.t for r in fast] == pytest.approx([0.0, 0.2, 0.2, 1.0])
+    assert [r.blocks for r in fast] == [r.blocks for r in reqs]
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        wl.trace(reqs, 0.0)
+
+
+def test_hot_prefix_requests_share_their_group_prefix_and_arrive_at_the_rate() -> None:
+    spec = wl.HotPrefix(groups=4, prefix_tokens=4 * BLOCK, question_tokens=BLOCK)
+    reqs = spec.build(4000, 20.0, seed=1)
+    assert _rate(reqs) == pytest.approx(20.0, rel=0.05)
+    prefixes = {r.blocks[:4] for r in reqs}
+    assert len(prefixes) == 4
+    assert len({r.blocks[4] for r in reqs}) == len(reqs)  # every question its own
+    assert reqs == spec.build(4000, 20.0, seed=1)
+
+
+def test_agentic_turns_extend_their_session_and_share_the_system_prompt() -> None:
+    spec = wl.Agentic(system_tokens=4 * BLOCK, first_tokens=2 * BLOCK,
+                      turn_tokens=BLOCK, output_tokens=BLOCK // 2, max_turns=6)
+    reqs = spec.build(3000, 10.0, seed=0)
+    assert len(reqs) >= 3000
+    assert all(r.blocks[:4] == reqs[0].blocks[:4] for r in reqs)
+    firsts = [r for r in reqs if r.n == 6 * BLOCK]
+    later = [r for r in reqs if r.n > 6 * BLOCK]
+    assert firsts and later
+    # every later turn's blocks extend an earlier turn's of its session
+    by_block: dict[int, list[Request]] = {r.blocks[4]: [] for r in firsts}
+    for r in sorted(reqs, key=lambda r: r.n):
+        by_block[r.blocks[4]].append(r)
+    for turns in by_block.values():
+        for a, b in zip(turns, turns[1:]):
+            assert b.blocks[:len(a.blocks)] == a.blocks and b.t > a.t
+    assert _rate(reqs) == pytest.approx(10.0, rel=0.15)
+
+
+def _doc(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "r.json"
+    assert slo_capacity.main(["hotprefix", "--instances", "4", "--requests", "400",
+                              "--out", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_sweep_brackets_every_arms_capacity_and_writes_the_result(tmp_path: Path) -> None:
+    doc = _doc(tmp_path, "--reps", "2", "--arms", "random_nostore,engine_cache_store,kvcentric",
+               "--start-rates", "2")
+    s = doc["summary"]
+    assert s["workload"] == "hotprefix" and s["instances"] == 4 and s["reps"] == 2
+    rates = s["rates"]
+    assert len(rates) >= 3  # two to start, more until every arm's crossing is inside
+    for arm in doc["arms"]:
+        rows = arm["rows"]
+        assert [r["offered_rps"] for r in rows] == rates
+        assert all(r["reps"] == 2 for r in rows)
+        assert rows[0]["effective_fraction"] >= cap.THRESHOLD > rows[-1]["effective_fraction"]
+        c = arm["summary"]["capacity_rps"]
+        assert arm["summary"]["capacity_found"] == "interpolated"
+        assert rates[0] <= c <= rates[-1]
+    caps = s["capacity_rps"]
+    assert s["best_baseline"] in ("random_nostore", "engine_cache_store")
+    assert s["best_ours"] == "kvcentric"
+    assert s["ours_over_best_baseline"] == pytest.approx(
+        caps["kvcentric"] / max(caps["random_nostore"], caps["engine_cache_store"]))
+    assert s["figure5_ordering_holds"] is None  # its arms were not all run
+    assert (tmp_path / "r_effective.png").stat().st_size > 0
+    assert (tmp_path / "r_cdf.png").stat().st_size > 0
+
+
+def test_given_rates_are_swept_as_given_and_warm_up_is_not_counted(tmp_path: Path) -> None:
+    doc = _doc(tmp_path, "--reps", "1", "--arms", "round_robin", "--rates", "1,2",
+               "--warmup", "0.25")
+    assert doc["summary"]["rates"] == [1.0, 2.0]
+    assert [r["requests"] for r in doc["arms"][0]["rows"]] == [300, 300]
+
+
+def test_bad_arguments_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        slo_capacity.main(["hotprefix", "--arms", "nope"])
+    assert "unknown arms ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        slo_capacity.main(["hotprefix", "--warmup", "1"])
+    assert "--warmup must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_nominal_capacity_is_the_prefill_instances_over_one_uncached_prefill() -> None:
+    cfg = slo_capacity.SimConfig(prefill=4)
+    reqs = [Request(0.0, n, 1, ()) for n in (1000, 3000)]
+    assert slo_capacity.nominal_rps(cfg, reqs) == pytest.approx(
+        4 / cfg.prefill_s(round(statistics.fmean((1000, 3000))), 0))
