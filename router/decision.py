@@ -122,6 +122,13 @@ class Decision:
     candidates: tuple[PrefillCost, ...]
     over_slo: bool = False  # predicted to miss the TTFT SLO even with no queue: best effort
     load_on_disk: int = 0  # objects p loads from the store's disk tier (tail included)
+    load_s: float = 0.0  # predicted store load on p before its prefill
+
+    @property
+    def work_s(self) -> float:
+        """What the request keeps ``p`` busy for (its load, then its compute): what
+        queues there ahead of later requests."""
+        return self.load_s + self.prefill_s
 
     @property
     def disaggregated(self) -> bool:
@@ -299,4 +306,5 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         runs.get(o.slot, 0) > pc.local_blocks for o in prefill if o is not p)
     return Decision(p, d, ttft, tbt, pc.prefill_s, hit,
                     pc.local_blocks, max(0, global_run - pc.local_blocks), replicated,
-                    tuple(costs), over_slo=ttft > slo_s, load_on_disk=pc.load_on_disk)
+                    tuple(costs), over_slo=ttft > slo_s, load_on_disk=pc.load_on_disk,
+                    load_s=pc.load_s)

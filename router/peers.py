@@ -53,7 +53,7 @@ class PeerMessage(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     sender: str  # the publishing replica's id
     rid: str
     prefill: str = ""  # the prefill instance's name (DISPATCHED)
-    prefill_s: float = 0.0  # predicted prefill seconds (DISPATCHED)
+    prefill_s: float = 0.0  # predicted seconds of work queued there: load + compute (DISPATCHED)
     hashes: list[bytes] = []  # the prompt's block hashes (DISPATCHED)
 
 
@@ -109,7 +109,7 @@ class PeerSync:
     # ---- what this replica did ----
     def announce_dispatch(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
         self._send(PeerMessage(VERSION, DISPATCHED, self.id, rid, d.prefill.name,
-                               d.prefill_s, list(hashes)))
+                               d.work_s, list(hashes)))
 
     def announce_done(self, rid: str) -> None:
         self._send(PeerMessage(VERSION, DONE, self.id, rid))

@@ -165,7 +165,7 @@ class Conductor:
         """The request was sent: its prefill is queued on p, its decode runs on d, and both
         will hold the prompt's blocks (until the engines' events or the LRU say otherwise)."""
         now = self.clock()
-        d.prefill.enqueue(rid, d.prefill_s, now)
+        d.prefill.enqueue(rid, d.work_s, now)
         d.decode.decodes += 1
         if hashes:
             self.index.add(d.prefill.slot, hashes)

@@ -66,6 +66,7 @@ class SimConfig:
     c: float = 0.02
     tbt_base: float = 0.02
     tbt_per_seq: float = 0.0002
+
     decode_tokens: int = 480_000   # KV capacity of one decode instance
     slo_ttft: float = 5.0
     slo_tbt: float = 0.1
@@ -260,7 +261,7 @@ class Cluster:
             start = max(now, p.busy_until)
             p.busy_until = start + dur
             p.cache.add(r.blocks)
-            d.prefill.enqueue(str(i), d.prefill_s, now)
+            d.prefill.enqueue(str(i), d.work_s, now)
             self.to_admit[d.decode.slot - cfg.prefill] += 1
             heapq.heappush(events, (p.busy_until, 0, seq, i))
             heapq.heappush(events, (p.busy_until + cfg.load_s(len(r.blocks)), 1, seq + 1, i))

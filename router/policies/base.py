@@ -117,7 +117,8 @@ def decision_for(inp: RouteInput, p: Instance, d: Instance) -> Decision:
         runs.get(o.slot, 0) > pc.local_blocks for o in inp.prefill if o is not p)
     return Decision(p, d, ttft, tbt, pc.prefill_s, hit, pc.local_blocks,
                     max(0, inp.global_run - pc.local_blocks), replicated, (pc,),
-                    over_slo=ttft > inp.slo.ttft_ms / 1000.0, load_on_disk=pc.load_on_disk)
+                    over_slo=ttft > inp.slo.ttft_ms / 1000.0, load_on_disk=pc.load_on_disk,
+                    load_s=pc.load_s)
 
 
 def pair_with(inp: RouteInput, p: Instance,

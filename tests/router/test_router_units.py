@@ -359,6 +359,30 @@ def test_conductor_costs_store_blocks_by_their_tier(tmp_path: Path) -> None:
     view.close()
 
 
+def test_a_dispatched_store_load_queues_with_its_prefill() -> None:
+    """The instance is busy for the load and then the compute, so both queue ahead of the
+    next request there: counting only the compute let a router pile long-context
+    requests, each mostly a load, onto one instance."""
+    cfg = RouterConfig.from_dict({"model": "tiny", "tokenizer": "x",
+                                  "keys": {"block_size": 256},
+                                  "cost": {"store_bandwidth_gbps": 1}})
+    c = Conductor(cfg, Profile(b=1e-4, c=0.01), 4096, StoreView(None, "tiny"),
+                  clock=lambda: 0.0)
+    for n in ("a", "b"):
+        c.registry.add(InstanceSpec(url=f"http://{n}:1", name=n))
+    hashes = c.hashes(toks(12, 256 * 8 + 10))
+    d = c.decide_local(hashes, 256 * 8 + 10, global_run=8)
+    assert not isinstance(d, Rejection)
+    assert d.load_s == pytest.approx(8 * 4096 * 256 / 1e9) and d.prefill_s > 0
+    assert d.work_s == d.load_s + d.prefill_s
+    c.dispatched(d, "r1", hashes)
+    assert d.prefill.queue_s(0.0) == pytest.approx(d.work_s)
+    # the next prompt from the store goes to the other instance, and its TTFT there
+    # does not include the first one's queue
+    e = c.decide_local(c.hashes(toks(13, 256 * 8 + 10)), 256 * 8 + 10, global_run=8)
+    assert not isinstance(e, Rejection) and e.prefill is not d.prefill
+
+
 # ---- heat ----
 def test_prefix_heat_decays_and_ranks() -> None:
     h = PrefixHeat(half_life_s=10.0, max_keys=4)
