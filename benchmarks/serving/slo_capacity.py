@@ -27,6 +27,9 @@ global pool (``random_nostore``, ``round_robin_nostore``, ``least_load_nostore``
 ``round_robin``, ``least_load``), a cache-aware router over the engines' caches in front
 of the store (``engine_cache_store``), and ours: Algorithm 1 over engine and store tiers
 (``kvcentric_noreject``) and with admission (``kvcentric``, 429 for predicted misses).
+With a disk tier under the store's DRAM (``--disk-blocks``, read at ``--disk-bw``), both
+also run blind to the tiers (``*_tierblind``: every stored block priced at the DRAM
+bandwidth), and ``summary.tier_aware_over_blind`` is the capacity ratio.
 The peer routers themselves (vllm-router, SMG, sglang-router) run only on an emulated
 fleet (:mod:`benchmarks.serving.fleet_compare`), not here.
 
@@ -183,8 +186,15 @@ def best(arms: dict[str, dict[str, Any]], names: Sequence[str]) -> tuple[str | N
     return k, caps[k]
 
 
+def ratio(arms: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
+    """``a``'s capacity over ``b``'s (None when either has none)."""
+    x, y = arms[a]["capacity_rps"], arms[b]["capacity_rps"]
+    return x / y if x and y else None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    arms = args.arms.split(",") if args.arms else list(ARMS)
+    arms = args.arms.split(",") if args.arms else [
+        a for a in ARMS if args.cfg.disk_blocks or not a.endswith("_tierblind")]
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
@@ -200,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     top, top_cap = best(out_arms, arms)
     load = 0.8 * top_cap if top_cap else sw.rates[0]
     at, ttfts = at_load(args, arms, load, slo)
-    baselines = [a for a in arms if a not in OURS]
+    baselines = [a for a in arms if not a.startswith("kvcentric")]
     b_name, b_cap = best(out_arms, baselines)
     o_name, o_cap = best(out_arms, [a for a in arms if a in OURS])
     ttft_at = {a: at[a]["ttft_mean_s"] for a in arms}
@@ -217,6 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "figure5_load_rps": load, "figure5_ttft_mean_s": {a: ttft_at[a] for a in FIGURE5
                                                            if a in ttft_at},
         "figure5_ordering_holds": cap.figure5_ordering(ttft_at, FIGURE5),
+        "tier_aware_over_blind": {a: ratio(out_arms, a, f"{a}_tierblind") for a in OURS
+                                  if f"{a}_tierblind" in out_arms} or None,
         "wall_s": time.monotonic() - t0}
     doc = {"title": f"Capacity under SLO, {args.workload}, {args.instances} simulated "
                     f"instances ({args.cfg.prefill}P+{args.cfg.decode}D)",

@@ -8,11 +8,13 @@ Physics, the same for every policy:
 
 - A prefill instance runs one prefill at a time, first come first served. Its prompt's
   reusable prefix is the longer of the leading run in the instance's own cache (HBM: no
-  transfer) and the leading run in the global store (loaded at ``store_bw``). Time =
+  transfer) and the leading run in the global store (loaded at ``store_bw`` from its
+  DRAM tier, at ``disk_bw`` from its disk tier when ``disk_blocks`` > 0). Time =
   ``T_prefill(n, hit) + T_load`` from the profile, times a lognormal noise factor the
   router cannot predict. The prompt's full blocks enter the instance's LRU cache when
   it is dispatched there (FIFO: they exist before any later request on it starts) and
-  the store's LRU when the prefill ends (a block is visible only once committed).
+  the store's DRAM LRU when the prefill ends (a block is visible only once committed);
+  what DRAM evicts goes to the disk tier, what is read from disk back to DRAM.
 - The prompt's KV then moves to a decode instance (full prompt at ``store_bw``), which
   admits it when its KV capacity allows; TBT = ``tbt_base + tbt_per_seq * batch`` at
   admission; first token one TBT after admission. TTFT = first token - arrival.
@@ -60,6 +62,8 @@ class SimConfig:
     local_blocks: int = 320        # per prefill instance (HBM prefix cache)
     store_blocks: int = 16384      # global store (pooled DRAM)
     store_bw: float = 25e9         # bytes/s from the store tier
+    disk_blocks: int = 0           # the store's disk tier under its DRAM (0: none)
+    disk_bw: float = 3e9           # bytes/s from the disk tier (a node's NVMe)
     kv_bytes_per_token: int = 131072
     a: float = 2.5e-9              # prefill fit: a (n^2 - h^2) + b (n - h) + c
     b: float = 1.0 / 12000
@@ -77,8 +81,10 @@ class SimConfig:
         h = min(hit_tokens, n - 1)
         return self.a * (n * n - h * h) + self.b * (n - h) + self.c
 
-    def load_s(self, blocks: int) -> float:
-        return blocks * BLOCK * self.kv_bytes_per_token / self.store_bw
+    def load_s(self, blocks: int, on_disk: int = 0) -> float:
+        """``blocks`` from the store, ``on_disk`` of them from its disk tier."""
+        per = BLOCK * self.kv_bytes_per_token
+        return (blocks - on_disk) * per / self.store_bw + on_disk * per / self.disk_bw
 
     def tbt(self, batch: int) -> float:
         return self.tbt_base + self.tbt_per_seq * batch
@@ -100,15 +106,49 @@ class LRU:
             n += 1
         return n
 
-    def add(self, blocks: Sequence[int]) -> None:
+    def add(self, blocks: Sequence[int]) -> list[int]:
+        """Insert or refresh ``blocks``; the ids evicted to make room."""
         d = self.d
         for b in reversed(blocks):
             if b in d:
                 d.move_to_end(b)
             else:
                 d[b] = None
+        evicted = []
         while len(d) > self.capacity:
-            d.popitem(last=False)
+            evicted.append(d.popitem(last=False)[0])
+        return evicted
+
+
+class TieredStore:
+    """The global store: a DRAM LRU over a disk LRU (``disk_blocks`` 0: DRAM only). What
+    DRAM evicts is demoted to disk, what is read from disk is promoted back to DRAM (the
+    local store's write-back tier and its reads' settle, at block granularity)."""
+
+    def __init__(self, dram_blocks: int, disk_blocks: int) -> None:
+        self.dram = LRU(dram_blocks)
+        self.disk = LRU(disk_blocks) if disk_blocks > 0 else None
+
+    def run(self, blocks: Sequence[int]) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self.dram.d and (self.disk is None or b not in self.disk.d):
+                break
+            n += 1
+        return n
+
+    def disk_only(self, blocks: Sequence[int], run: int) -> list[int]:
+        """Positions among the first ``run`` blocks held on disk only (ascending)."""
+        return [i for i in range(run) if blocks[i] not in self.dram.d]
+
+    def add(self, blocks: Sequence[int]) -> None:
+        """Store (or read, which promotes) ``blocks``: into DRAM, demoting what it evicts."""
+        if self.disk is not None:
+            for b in blocks:
+                self.disk.d.pop(b, None)
+        demoted = self.dram.add(blocks)
+        if self.disk is not None and demoted:
+            self.disk.add(demoted[::-1])  # the most recently used of them last
 
 
 @dataclass
@@ -146,11 +186,14 @@ class Arm:
     """One compared arm: ``policy``, a routing policy of the router's registry
     (:data:`kvcentric.router.policies.POLICIES`), on a cluster with the global store
     (``store``; without it each prefill instance gets the store's share as private cache)
-    and refusing predicted SLO misses (``reject``, the router's ``slo.reject``)."""
+    and refusing predicted SLO misses (``reject``, the router's ``slo.reject``);
+    ``tier_aware``: the router knows the disk tier's bandwidth (else it prices every
+    stored block at the DRAM tier's, as a router blind to tiers would)."""
 
     policy: str
     store: bool = True
     reject: bool = False
+    tier_aware: bool = True  # False: the router prices disk-tier loads as DRAM ones
 
 
 ARMS = {
@@ -166,6 +209,9 @@ ARMS = {
     "engine_cache_store": Arm("engine_cache"),
     "kvcentric": Arm("algorithm1", reject=True),
     "kvcentric_noreject": Arm("algorithm1"),
+    # the same, blind to the store's tiers (with a disk tier: SimConfig.disk_blocks > 0)
+    "kvcentric_tierblind": Arm("algorithm1", reject=True, tier_aware=False),
+    "kvcentric_noreject_tierblind": Arm("algorithm1", tier_aware=False),
 }
 
 
@@ -194,12 +240,13 @@ class Cluster:
             local += cfg.store_blocks // cfg.prefill
         self.pre = [Prefiller(LRU(local)) for _ in range(cfg.prefill)]
         self.dec = [Decoder() for _ in range(cfg.decode)]
-        self.store = LRU(cfg.store_blocks)
+        self.store = TieredStore(cfg.store_blocks, cfg.disk_blocks)
         # the router's view: its cost model is the physics' own (its TBT counts the batch
         # from 1: tbt(batch) here is tbt_base_s + tbt_per_seq_s * (batch - 1) there)
         profile = Profile(a=cfg.a, b=cfg.b, c=cfg.c, tbt_base_s=cfg.tbt_base + cfg.tbt_per_seq,
                           tbt_per_seq_s=cfg.tbt_per_seq)
-        self.params = CostParams(profile, BLOCK, BLOCK * cfg.kv_bytes_per_token, cfg.store_bw)
+        self.params = CostParams(profile, BLOCK, BLOCK * cfg.kv_bytes_per_token, cfg.store_bw,
+                                 cfg.disk_bw if self.arm.tier_aware else None)
         self.slo = SloConfig(ttft_ms=cfg.slo_ttft * 1000, tbt_ms=cfg.slo_tbt * 1000,
                              reject=self.arm.reject)
         self.p_inst = [_instance(f"p{k}", k, "prefill") for k in range(cfg.prefill)]
@@ -223,7 +270,9 @@ class Cluster:
         # the first block's id stands for its hash (the router's affinity)
         affinity = str(r.blocks[0]).encode() if r.blocks else b""
         return self.policy.choose(RouteInput(self.p_inst, self.d_inst, runs, g, r.n,
-                                             self.params, self.slo, now, affinity=affinity))
+                                             self.params, self.slo, now,
+                                             disk_only=self.store.disk_only(r.blocks, g),
+                                             affinity=affinity))
 
     # ---- the run ----
     def run(self, reqs: Sequence[Request]) -> list[Outcome]:
@@ -253,10 +302,11 @@ class Cluster:
             p = self.pre[k]
             local = p.cache.run(r.blocks)
             g = self.store.run(r.blocks) if self.use_store else 0
+            on_disk = sum(i >= local for i in self.store.disk_only(r.blocks, g))
             if g:
-                self.store.add(r.blocks[:g])  # a read refreshes the store's LRU
+                self.store.add(r.blocks[:g])  # a read refreshes the LRU, promotes from disk
             hit = max(local, g)
-            dur = (cfg.prefill_s(r.n, hit * BLOCK) + cfg.load_s(max(0, g - local))) \
+            dur = (cfg.prefill_s(r.n, hit * BLOCK) + cfg.load_s(max(0, g - local), on_disk)) \
                 * math.exp(self.noise.gauss(0.0, cfg.noise))
             start = max(now, p.busy_until)
             p.busy_until = start + dur

@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from benchmarks.sim.cluster import ARMS, BLOCK, Cluster, Request, SimConfig
+from benchmarks.sim.cluster import ARMS, BLOCK, Cluster, Request, SimConfig, TieredStore
 from benchmarks.sim.routing import POLICIES
 from kvcentric.router import policies
+from kvcentric.router.decision import Rejection
 from kvcentric.router.policies import RouteInput
 from kvcentric.router.policies.base import decision_for
 
@@ -70,3 +71,35 @@ def test_a_policy_registered_in_the_router_runs_in_the_simulator(
     c = Cluster(CFG, "first")
     outs = c.run(trace(50))
     assert isinstance(c.policy, First) and c.policy.seen == 50 and len(outs) == 50
+
+
+def test_the_store_demotes_what_dram_evicts_to_disk_and_promotes_what_is_read() -> None:
+    st = TieredStore(dram_blocks=3, disk_blocks=4)
+    st.add([1, 2, 3])
+    st.add([4, 5])  # a chain's leaves leave first: 3, then 2, go to disk
+    assert st.run([1, 2, 3, 4, 5, 9]) == 5
+    assert st.disk_only([1, 2, 3, 4, 5], 5) == [1, 2]
+    st.add([1, 2])  # a read promotes 2; DRAM's least recent (5) goes down
+    assert st.disk_only([1, 2, 3, 4, 5], 5) == [2, 4]
+    assert st.disk is not None and set(st.disk.d) == {3, 5} and set(st.dram.d) == {1, 2, 4}
+    dram_only = TieredStore(dram_blocks=2, disk_blocks=0)
+    dram_only.add([1, 2, 3])
+    assert dram_only.run([1, 2, 3]) == 2 and dram_only.disk_only([1, 2, 3], 2) == []
+
+
+def test_disk_loads_take_the_disk_bandwidth_and_only_a_tier_aware_router_knows() -> None:
+    cfg = SimConfig(prefill=2, decode=1, store_blocks=4, disk_blocks=64, disk_bw=1e9)
+    per = BLOCK * cfg.kv_bytes_per_token
+    assert cfg.load_s(4, on_disk=3) == pytest.approx(per / cfg.store_bw + 3 * per / 1e9)
+    aware, blind = Cluster(cfg, "kvcentric"), Cluster(cfg, "kvcentric_tierblind")
+    assert aware.params.disk_bandwidth_bps == 1e9
+    assert blind.params.disk_bandwidth_bps is None
+    prefix = tuple(range(8))
+    for c in (aware, blind):
+        c.store.add(prefix)  # 8 blocks through a 4-block DRAM: the leaves go to disk
+        assert c.store.disk_only(prefix, 8) == [4, 5, 6, 7]
+    req = Request(0.0, 8 * BLOCK + 10, 4, prefix)
+    da, db = aware.choose(req, 0.0), blind.choose(req, 0.0)
+    assert not isinstance(da, Rejection) and not isinstance(db, Rejection)
+    assert da.load_on_disk == 4 and da.load_s == pytest.approx(cfg.load_s(8, 4))
+    assert db.load_s == pytest.approx(cfg.load_s(8))  # priced as DRAM: too low

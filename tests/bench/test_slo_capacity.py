@@ -175,3 +175,17 @@ def test_nominal_capacity_is_the_prefill_instances_over_one_uncached_prefill() -
     reqs = [Request(0.0, n, 1, ()) for n in (1000, 3000)]
     assert slo_capacity.nominal_rps(cfg, reqs) == pytest.approx(
         4 / cfg.prefill_s(round(statistics.fmean((1000, 3000))), 0))
+
+
+def test_with_a_disk_tier_the_tier_blind_arms_run_beside_ours(tmp_path: Path) -> None:
+    doc = _doc(tmp_path, "--reps", "1", "--rates", "2,200", "--disk-blocks", "4096",
+               "--store-blocks", "64")
+    labels = [a["label"] for a in doc["arms"]]
+    assert {"kvcentric_tierblind", "kvcentric_noreject_tierblind"} <= set(labels)
+    s = doc["summary"]
+    assert s["best_baseline"] is not None and not s["best_baseline"].startswith("kvcentric")
+    assert set(s["tier_aware_over_blind"]) == {"kvcentric", "kvcentric_noreject"}
+    assert doc["config"]["disk_blocks"] == 4096
+    plain = _doc(tmp_path, "--reps", "1", "--rates", "2,200")
+    assert not any(a["label"].endswith("_tierblind") for a in plain["arms"])
+    assert plain["summary"]["tier_aware_over_blind"] is None
