@@ -29,7 +29,9 @@ of the store (``engine_cache_store``), and ours: Algorithm 1 over engine and sto
 (``kvcentric_noreject``) and with admission (``kvcentric``, 429 for predicted misses).
 With a disk tier under the store's DRAM (``--disk-blocks``, read at ``--disk-bw``), both
 also run blind to the tiers (``*_tierblind``: every stored block priced at the DRAM
-bandwidth), and ``summary.tier_aware_over_blind`` is the capacity ratio.
+bandwidth), and ``summary.tier_aware_over_blind`` is the capacity ratio. On request
+(``--arms``), ours without the store (``kvcentric_nostore``, ``kvcentric_noreject_nostore``:
+engine caches only, next to ``local_cache_aware``).
 The peer routers themselves (vllm-router, SMG, sglang-router) run only on an emulated
 fleet (:mod:`benchmarks.serving.fleet_compare`), not here.
 
@@ -186,6 +188,13 @@ def best(arms: dict[str, dict[str, Any]], names: Sequence[str]) -> tuple[str | N
     return k, caps[k]
 
 
+def default_arms(cfg: SimConfig) -> list[str]:
+    """Every arm but ours without the store (on request) and, without a disk tier, ours
+    blind to tiers (identical to ours then)."""
+    return [a for a in ARMS if not (a.startswith("kvcentric") and a.endswith("_nostore"))
+            and (cfg.disk_blocks or not a.endswith("_tierblind"))]
+
+
 def ratio(arms: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
     """``a``'s capacity over ``b``'s (None when either has none)."""
     x, y = arms[a]["capacity_rps"], arms[b]["capacity_rps"]
@@ -193,8 +202,7 @@ def ratio(arms: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    arms = args.arms.split(",") if args.arms else [
-        a for a in ARMS if args.cfg.disk_blocks or not a.endswith("_tierblind")]
+    arms = args.arms.split(",") if args.arms else default_arms(args.cfg)
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")

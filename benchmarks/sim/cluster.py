@@ -209,6 +209,9 @@ ARMS = {
     "engine_cache_store": Arm("engine_cache"),
     "kvcentric": Arm("algorithm1", reject=True),
     "kvcentric_noreject": Arm("algorithm1"),
+    # the same without the store: engine caches only (where a hot prefix can hot-spot)
+    "kvcentric_nostore": Arm("algorithm1", store=False, reject=True),
+    "kvcentric_noreject_nostore": Arm("algorithm1", store=False),
     # the same, blind to the store's tiers (with a disk tier: SimConfig.disk_blocks > 0)
     "kvcentric_tierblind": Arm("algorithm1", reject=True, tier_aware=False),
     "kvcentric_noreject_tierblind": Arm("algorithm1", tier_aware=False),

@@ -189,3 +189,12 @@ def test_with_a_disk_tier_the_tier_blind_arms_run_beside_ours(tmp_path: Path) ->
     plain = _doc(tmp_path, "--reps", "1", "--rates", "2,200")
     assert not any(a["label"].endswith("_tierblind") for a in plain["arms"])
     assert plain["summary"]["tier_aware_over_blind"] is None
+
+
+def test_ours_without_the_store_runs_only_on_request() -> None:
+    plain = slo_capacity.default_arms(slo_capacity.SimConfig())
+    assert "kvcentric" in plain and "local_cache_aware" in plain
+    assert not any(a.endswith("_nostore") and a.startswith("kvcentric") for a in plain)
+    assert not any(a.endswith("_tierblind") for a in plain)
+    tiered = slo_capacity.default_arms(slo_capacity.SimConfig(disk_blocks=8))
+    assert set(tiered) - set(plain) == {"kvcentric_tierblind", "kvcentric_noreject_tierblind"}
