@@ -61,6 +61,13 @@ class Served:
     rejected: bool = False
 
 
+def counted(outs: Sequence[Served], warmup: float) -> list[Served]:
+    """``outs`` (in arrival order) without the first ``warmup`` share: served but not
+    counted, as a cold fleet's first requests find no cache anywhere, which says nothing
+    about a router in steady state."""
+    return list(outs[round(warmup * len(outs)):])
+
+
 def rate_point(outs: Sequence[Served], slo: Slo, offered_rps: float,
                duration_s: float) -> dict[str, Any]:
     """The numbers of one run at one offered rate: the effective fraction, goodput

@@ -32,8 +32,9 @@ also run blind to the tiers (``*_tierblind``: every stored block priced at the D
 bandwidth), and ``summary.tier_aware_over_blind`` is the capacity ratio. On request
 (``--arms``), ours without the store (``kvcentric_nostore``, ``kvcentric_noreject_nostore``:
 engine caches only, next to ``local_cache_aware``).
-The peer routers themselves (vllm-router, SMG, sglang-router) run only on an emulated
-fleet (:mod:`benchmarks.serving.fleet_compare`), not here.
+The peer routers themselves (vllm-router, SMG, sglang-router) are not in the simulator:
+``--engine emulator`` runs the same sweep on emulated engines behind the real routers,
+ours and the peers' (:mod:`.slo_fleet`; its flags are in the ``emulator`` group).
 
 Sweep: unless ``--rates`` is given, rates start at a quarter of a nominal capacity (the
 prefill instances over one uncached prefill of the workload's mean prompt) and grow by
@@ -44,11 +45,13 @@ medians with the range. The TTFT CDF and Figure 5's ordering (random > load-bala
 local cache-aware > global cache-aware in mean TTFT, global >= 10% below local) are taken
 at 0.8x the best arm's capacity, one run per arm at seed ``--seed``.
 
-Writes ``benchmarks/results/slo_capacity_<workload>_<n>_sim[_quick].json`` (``arms``:
-label, ``summary.capacity_rps`` and per-rate ``rows``; ``summary``: ``workload``,
-``instances``, ``profile``, ``best_baseline``, ``best_baseline_capacity_rps``, ``best_ours``,
-``ours_over_best_baseline``, ``figure5_ordering_holds``) and PNGs of the effective
-fraction vs rate and the TTFT CDF.
+Writes ``benchmarks/results/slo_capacity_<workload>_<n>_{sim,emulated}[_quick].json``
+(``arms``: label, ``summary.capacity_rps`` and per-rate ``rows``; ``summary``:
+``workload``, ``instances``, ``profile``, ``best_baseline``, ``best_baseline_capacity_rps``,
+``best_ours``, ``ours_over_best_baseline``, ``best_peer_capacity_rps`` and
+``ours_over_best_peer`` (emulated: the peer routers), ``figure5_ordering_holds``,
+``router_added_ttft_p50_ms`` and ``router_cpu_ms_per_request`` (emulated: the best of ours
+at 0.8x the best capacity)) and PNGs of the effective fraction vs rate and the TTFT CDF.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -101,44 +104,98 @@ def served(o: Outcome) -> cap.Served:
     return cap.Served(o.ttft, o.tbt, o.n, o.local_tokens, o.hit_tokens - o.local_tokens)
 
 
-def run_point(cfg: SimConfig, arm: str, reqs: Sequence[Request], rate: float,
-              slo: cap.Slo, warmup: float) -> tuple[dict[str, Any], list[cap.Served]]:
-    """One run of ``arm``; the first ``warmup`` share of requests (by arrival) is served
-    but not counted: a cold fleet's first requests find no cache anywhere, which says
-    nothing about a router in steady state."""
-    skip = round(warmup * len(reqs))
-    outs = [served(o) for o in Cluster(cfg, arm).run(reqs)][skip:]
-    return cap.rate_point(outs, slo, rate, len(outs) / rate), outs
-
-
 def nominal_rps(cfg: SimConfig, reqs: Sequence[Request]) -> float:
     """Prefill instances over one uncached prefill of the mean prompt."""
     n = round(statistics.fmean(r.n for r in reqs))
     return cfg.prefill / cfg.prefill_s(n, 0)
 
 
-class Sweep:
-    """Every arm at every rate and repetition; rates grow or shrink until each arm's
-    capacity is bracketed (or ``max_rates`` is reached)."""
+class Engine(Protocol):
+    """What a sweep runs on: ``point`` serves the workload at ``rate`` (repetition
+    ``rep``'s seed) through ``arm`` and returns its rate row and counted outcomes."""
 
-    def __init__(self, args: argparse.Namespace, arms: Sequence[str], slo: cap.Slo,
-                 progress: Callable[[str], None] = print) -> None:
+    arms: list[str]
+
+    def point(self, arm: str, rate: float, rep: int
+              ) -> tuple[dict[str, Any], list[cap.Served]]: ...
+
+
+class SimEngine:
+    """The simulated cluster (:mod:`benchmarks.sim.cluster`); ``ValueError`` for an
+    unknown arm."""
+
+    ours = OURS
+    peers: tuple[str, ...] = ()  # the peers' routers are not in the simulator
+    figure5 = FIGURE5
+
+    def __init__(self, args: argparse.Namespace, slo: cap.Slo) -> None:
         self.args = args
-        self.arms = list(arms)
+        self.arms = args.arms.split(",") if args.arms else default_arms(args.cfg)
+        unknown = set(self.arms) - set(ARMS)
+        if unknown:
+            raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+        args.cfg = replace(args.cfg, slo_ttft=slo.ttft_s, slo_tbt=slo.tbt_s)
         self.slo = slo
+        self._reqs: dict[tuple[float, int], list[Request]] = {}
+
+    def __enter__(self) -> SimEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    @staticmethod
+    def baseline(arm: str) -> bool:
+        return not arm.startswith("kvcentric")
+
+    def nominal_rps(self) -> float:
+        return nominal_rps(self.args.cfg, self.requests(1.0, 0))
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.args.cfg
+        return {"title": f"{self.args.instances} simulated instances "
+                         f"({cfg.prefill}P+{cfg.decode}D)",
+                "summary": {"profile": "SimConfig (H100-class 8B GQA model; see config)",
+                            "requests_per_point": len(self.requests(1.0, 0))},
+                "config": asdict(cfg),
+                "notes": ["Engine: benchmarks.sim.cluster (discrete events, the router's "
+                          "own policies); peers' routers are not in it."]}
+
+    def requests(self, rate: float, rep: int) -> list[Request]:
+        key = (rate, rep)
+        if key not in self._reqs:
+            self._reqs = {key: requests_for(self.args, rate, self.args.seed + rep)}
+        return self._reqs[key]
+
+    def point(self, arm: str, rate: float, rep: int
+              ) -> tuple[dict[str, Any], list[cap.Served]]:
+        cfg = replace(self.args.cfg, seed=self.args.seed + rep)
+        outs = cap.counted([served(o) for o in Cluster(cfg, arm).run(self.requests(rate, rep))],
+                           self.args.warmup)
+        return cap.rate_point(outs, self.slo, rate, len(outs) / rate), outs
+
+
+class Sweep:
+    """Every arm at every rate and repetition; unless ``fixed``, rates grow or shrink
+    until each arm's capacity is bracketed (or ``max_rates`` is reached)."""
+
+    def __init__(self, engine: Engine, reps: int, fixed: bool, max_rates: int,
+                 progress: Callable[[str], None] = print) -> None:
+        self.engine = engine
+        self.reps = reps
+        self.fixed = fixed
+        self.max_rates = max_rates
         self.progress = progress
         # (arm, rate) -> one row per repetition
         self.rows: dict[tuple[str, float], list[dict[str, Any]]] = {}
 
     def measure(self, rate: float) -> None:
-        a = self.args
-        for rep in range(a.reps):
-            cfg = replace(a.cfg, seed=a.seed + rep)
-            reqs = requests_for(a, rate, a.seed + rep)
-            for arm in self.arms:
-                row, _ = run_point(cfg, arm, reqs, rate, self.slo, a.warmup)
+        arms = self.engine.arms
+        for rep in range(self.reps):
+            for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # order rotated
+                row, _ = self.engine.point(arm, rate, rep)
                 self.rows.setdefault((arm, rate), []).append(row)
-        line = ", ".join(f"{arm} {self.fraction(arm, rate):.2f}" for arm in self.arms)
+        line = ", ".join(f"{arm} {self.fraction(arm, rate):.2f}" for arm in arms)
         self.progress(f"{rate:.3g} req/s: {line}")
 
     @property
@@ -151,30 +208,28 @@ class Sweep:
     def run(self, rates: Sequence[float]) -> None:
         for r in rates:
             self.measure(r)
-        if self.args.rates:
+        if self.fixed:
             return
-        while len(self.rates) < self.args.max_rates:
+        while len(self.rates) < self.max_rates:
             low, high = self.rates[0], self.rates[-1]
-            if any(self.fraction(a, low) < cap.THRESHOLD for a in self.arms):
+            if any(self.fraction(a, low) < cap.THRESHOLD for a in self.engine.arms):
                 self.measure(low / STEP)
-            elif any(self.fraction(a, high) >= cap.THRESHOLD for a in self.arms):
+            elif any(self.fraction(a, high) >= cap.THRESHOLD for a in self.engine.arms):
                 self.measure(high * STEP)
             else:
                 return
 
     def arm(self, arm: str) -> dict[str, Any]:
-        reps = [[self.rows[(arm, r)][k] for r in self.rates] for k in range(self.args.reps)]
+        reps = [[self.rows[(arm, r)][k] for r in self.rates] for k in range(self.reps)]
         return cap.arm_capacity(reps)
 
 
-def at_load(args: argparse.Namespace, arms: Sequence[str], rate: float, slo: cap.Slo
+def at_load(engine: Engine, rate: float
             ) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
-    """Each arm once at ``rate`` (seed ``args.seed``): its row and its served TTFTs."""
-    reqs = requests_for(args, rate, args.seed)
-    cfg = replace(args.cfg, seed=args.seed)
+    """Each arm once at ``rate`` (repetition 0's seed): its row and its served TTFTs."""
     rows, ttfts = {}, {}
-    for arm in arms:
-        rows[arm], outs = run_point(cfg, arm, reqs, rate, slo, args.warmup)
+    for arm in engine.arms:
+        rows[arm], outs = engine.point(arm, rate, 0)
         ttfts[arm] = [o.ttft_s for o in outs if o.ttft_s is not None]
     return rows, ttfts
 
@@ -202,61 +257,69 @@ def ratio(arms: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    arms = args.arms.split(",") if args.arms else default_arms(args.cfg)
-    unknown = set(arms) - set(ARMS)
-    if unknown:
-        raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
     slo = cap.Slo(args.slo_ttft_s or SLO_TTFT_S[args.workload], args.slo_tbt_s)
-    args.cfg = replace(args.cfg, slo_ttft=slo.ttft_s, slo_tbt=slo.tbt_s)
     t0 = time.monotonic()
-    nominal = nominal_rps(args.cfg, requests_for(args, 1.0, args.seed))
-    rates = ([float(x) for x in args.rates.split(",")] if args.rates
-             else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])
-    sw = Sweep(args, arms, slo)
-    sw.run(rates)
-    out_arms = {a: sw.arm(a) for a in arms}
-    top, top_cap = best(out_arms, arms)
-    load = 0.8 * top_cap if top_cap else sw.rates[0]
-    at, ttfts = at_load(args, arms, load, slo)
-    baselines = [a for a in arms if not a.startswith("kvcentric")]
-    b_name, b_cap = best(out_arms, baselines)
-    o_name, o_cap = best(out_arms, [a for a in arms if a in OURS])
+    if args.engine == "emulator":
+        from benchmarks.serving.slo_fleet import FleetEngine
+
+        engine: SimEngine | FleetEngine = FleetEngine(args, slo)
+    else:
+        engine = SimEngine(args, slo)
+    with engine:
+        nominal = engine.nominal_rps()
+        rates = ([float(x) for x in args.rates.split(",")] if args.rates
+                 else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])
+        sw = Sweep(engine, args.reps, bool(args.rates), args.max_rates)
+        sw.run(rates)
+        arms = engine.arms
+        out_arms = {a: sw.arm(a) for a in arms}
+        top, top_cap = best(out_arms, arms)
+        load = 0.8 * top_cap if top_cap else sw.rates[0]
+        at, ttfts = at_load(engine, load)
+        info = engine.info()
+    ours = [a for a in arms if a in engine.ours]
+    b_name, b_cap = best(out_arms, [a for a in arms if engine.baseline(a)])
+    o_name, o_cap = best(out_arms, ours)
+    p_name, p_cap = best(out_arms, [a for a in arms if a in engine.peers])
     ttft_at = {a: at[a]["ttft_mean_s"] for a in arms}
     summary = {
-        "workload": args.workload, "instances": args.instances, "engine": "sim",
-        "profile": "SimConfig (H100-class 8B GQA model; see config)",
-        "requests_per_point": len(requests_for(args, 1.0, args.seed)),
-        "warmup_share": args.warmup, "reps": args.reps,
+        "workload": args.workload, "instances": args.instances, "engine": args.engine,
+        **info["summary"], "warmup_share": args.warmup, "reps": args.reps,
         "slo_ttft_s": slo.ttft_s, "slo_tbt_s": slo.tbt_s, "nominal_rps": nominal,
         "rates": sw.rates, "best_baseline": b_name, "best_baseline_capacity_rps": b_cap,
         "best_ours": o_name, "best_ours_capacity_rps": o_cap,
         "ours_over_best_baseline": o_cap / b_cap if o_cap and b_cap else None,
+        "best_peer": p_name, "best_peer_capacity_rps": p_cap,
+        "ours_over_best_peer": o_cap / p_cap if o_cap and p_cap else None,
         "capacity_rps": {a: out_arms[a]["capacity_rps"] for a in arms},
-        "figure5_load_rps": load, "figure5_ttft_mean_s": {a: ttft_at[a] for a in FIGURE5
-                                                           if a in ttft_at},
-        "figure5_ordering_holds": cap.figure5_ordering(ttft_at, FIGURE5),
-        "tier_aware_over_blind": {a: ratio(out_arms, a, f"{a}_tierblind") for a in OURS
+        "figure5_load_rps": load,
+        "figure5_ttft_mean_s": {a: ttft_at[a] for a in engine.figure5 if a in ttft_at},
+        "figure5_ordering_holds": cap.figure5_ordering(ttft_at, engine.figure5),
+        "tier_aware_over_blind": {a: ratio(out_arms, a, f"{a}_tierblind") for a in ours
                                   if f"{a}_tierblind" in out_arms} or None,
+        "router_added_ttft_p50_ms": at[o_name].get("router_added_p50_ms") if o_name else None,
+        "router_cpu_ms_per_request":
+            at[o_name].get("router_cpu_ms_per_request") if o_name else None,
         "wall_s": time.monotonic() - t0}
-    doc = {"title": f"Capacity under SLO, {args.workload}, {args.instances} simulated "
-                    f"instances ({args.cfg.prefill}P+{args.cfg.decode}D)",
+    doc = {"title": f"Capacity under SLO, {args.workload}, {info['title']}",
            "summary": summary,
            "arms": [{"label": a, "summary": {k: v for k, v in out_arms[a].items()
                                              if k != "rows"},
                      "rows": out_arms[a]["rows"], "at_figure5_load": at[a]} for a in arms],
-           "config": asdict(args.cfg),
-           "notes": ["Engine: benchmarks.sim.cluster (discrete events, the router's own "
-                     "policies); peers' routers are not in it.",
+           "config": info["config"],
+           "notes": [*info["notes"],
                      "Rows: medians over repetitions (seed = --seed + rep), ranges of the "
                      "effective fraction and TTFT mean; capacity_rps from the median rows, "
                      "capacity_rps_reps from each repetition alone."]}
-    stem = (f"slo_capacity_{args.workload}_{args.instances}_sim"
+    kind = "sim" if args.engine == "sim" else "emulated"
+    stem = (f"slo_capacity_{args.workload}_{args.instances}_{kind}"
             f"{'_quick' if args.quick else ''}{args.tag}")
     out = args.out or RESULTS / f"{stem}.json"
     rw.write(out, doc, table(doc), [
         rw.Figure("effective", "effective fraction vs offered rate",
-                  lambda p: figure_effective(doc, p)),
-        rw.Figure("cdf", f"TTFT CDF at {load:.3g} req/s", lambda p: figure_cdf(ttfts, load, p))],
+                  lambda p: figure_effective(doc, engine.ours, p)),
+        rw.Figure("cdf", f"TTFT CDF at {load:.3g} req/s",
+                  lambda p: figure_cdf(ttfts, load, engine.ours, p))],
         command=args.cmdline)
     return doc
 
@@ -279,7 +342,7 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def figure_effective(doc: dict[str, Any], path: Path) -> None:
+def figure_effective(doc: dict[str, Any], ours: Sequence[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,7 +355,7 @@ def figure_effective(doc: dict[str, Any], path: Path) -> None:
         ys = [r["effective_fraction"] for r in rows]
         lo = [r["effective_fraction"] - r["effective_fraction_range"][0] for r in rows]
         hi = [r["effective_fraction_range"][1] - r["effective_fraction"] for r in rows]
-        style = "-" if a["label"] in OURS else "--"
+        style = "-" if a["label"] in ours else "--"
         ax.errorbar(xs, ys, yerr=[lo, hi], label=a["label"], linestyle=style, marker="o",
                     markersize=3, capsize=2)
     ax.axhline(cap.THRESHOLD, color="grey", linewidth=0.8)
@@ -306,7 +369,8 @@ def figure_effective(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def figure_cdf(ttfts: dict[str, list[float]], rate: float, path: Path) -> None:
+def figure_cdf(ttfts: dict[str, list[float]], rate: float, ours: Sequence[str],
+               path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,7 +380,7 @@ def figure_cdf(ttfts: dict[str, list[float]], rate: float, path: Path) -> None:
     for arm, xs in ttfts.items():
         v = np.sort(np.asarray(xs)) if xs else np.array([np.nan])
         ax.plot(v, np.linspace(0, 1, len(v)), label=arm,
-                linestyle="-" if arm in OURS else "--")
+                linestyle="-" if arm in ours else "--")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_title(f"TTFT CDF of served requests at {rate:.3g} req/s", fontsize=9)
@@ -348,12 +412,25 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"default by workload: {SLO_TTFT_S}")
     ap.add_argument("--slo-tbt-s", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", default=None, help=f"comma-separated (default all: "
-                                                 f"{','.join(ARMS)})")
+    ap.add_argument("--arms", default=None,
+                    help=f"comma-separated; simulator: {','.join(ARMS)} (default all but "
+                         "ours without the store and, without a disk tier, blind to tiers); "
+                         "emulator: benchmarks.serving.slo_fleet.ARMS")
     ap.add_argument("--trace-dir", type=Path, default=TRACES)
     ap.add_argument("--quick", action="store_true", help="1000 requests, 1 repetition")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--engine", choices=("sim", "emulator"), default="sim",
+                    help="the simulated cluster, or emulated engines behind real routers "
+                         "(benchmarks.serving.slo_fleet)")
+    em = ap.add_argument_group("emulator (--engine emulator)")
+    em.add_argument("--profile", default="h100_llama8b")
+    em.add_argument("--pages", type=int, default=4096, help="engine KV cache pages")
+    em.add_argument("--dilation", type=float, default=None,
+                    help="wall seconds per emulated second (default instances / 16, >= 1)")
+    em.add_argument("--max-output", type=int, default=64)
+    em.add_argument("--scale-tokens", type=float, default=1.0)
+    em.add_argument("--max-model-len", type=int, default=131072)
     for f in fields(SimConfig):
         if f.name not in ("seed", "slo_ttft", "slo_tbt"):
             ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
@@ -361,8 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 <= args.warmup < 1:
         ap.error("--warmup must be in [0, 1)")
-    if args.instances < 2:
-        ap.error("--instances must be >= 2 (a prefill and a decode instance)")
+    if args.instances < (2 if args.engine == "sim" else 1):
+        ap.error("--instances must be >= 2 in the simulator (a prefill and a decode "
+                 "instance), >= 1 emulated")
     if args.quick:
         args.requests, args.reps = min(args.requests, 1000), 1
     args.cfg = config(args)

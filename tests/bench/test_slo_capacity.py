@@ -198,3 +198,29 @@ def test_ours_without_the_store_runs_only_on_request() -> None:
     assert not any(a.endswith("_tierblind") for a in plain)
     tiered = slo_capacity.default_arms(slo_capacity.SimConfig(disk_blocks=8))
     assert set(tiered) - set(plain) == {"kvcentric_tierblind", "kvcentric_noreject_tierblind"}
+
+
+def test_the_emulated_fleet_sweeps_real_requests_in_emulated_time(tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    assert slo_capacity.main([
+        "hotprefix", "--engine", "emulator", "--instances", "2", "--arms", "round-robin",
+        "--rates", "10,2000", "--requests", "48", "--reps", "1", "--scale-tokens", "0.05",
+        "--pages", "64", "--max-output", "8", "--dilation", "1.5", "--slo-ttft-s", "0.1",
+        "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["engine"] == "emulator" and s["dilation"] == 1.5 and s["best_ours"] is None
+    rows = doc["arms"][0]["rows"]
+    assert [r["offered_rps"] for r in rows] == [10.0, 2000.0]
+    light, flood = rows
+    assert light["requests"] == flood["requests"] == 38  # 48 but the first fifth
+    # light load: every request effective; a flood of two engines queues past the SLO
+    assert light["effective_fraction"] == 1.0 > flood["effective_fraction"]
+    assert flood["ttft_mean_s"] > light["ttft_mean_s"]
+    assert 0 < light["tbt_p90_s"] < 1.0
+    # the engines' own account: a group's prefix is computed once, then hit
+    assert light["engine_hit_share"] > 0 and light["store_hit_share"] >= 0
+    assert light["miss_share"] == pytest.approx(
+        1 - light["engine_hit_share"] - light["store_hit_share"])
+    assert 0 < light["miss_share"] < 1
+    assert doc["arms"][0]["summary"]["capacity_found"] == "interpolated"

@@ -1,0 +1,194 @@
+"""The emulated fleet as :mod:`.slo_capacity`'s engine: real routers, ours and the peers'.
+
+``python -m benchmarks.serving.slo_capacity <workload> --engine emulator`` runs the
+capacity sweep through :class:`FleetEngine`: ``--instances`` emulated engines
+(:mod:`benchmarks.emulator`, profile ``--profile``, default ``h100_llama8b``; each its own
+processor, all sharing one local store, engine caches of ``--pages`` pages) and, per
+arm, the router in front of them (:mod:`.fleet_runs`: round robin in the client, the peer
+routers' cache-aware policies, ours, ours running a baseline policy), caches emptied
+before every run. The workloads are :mod:`kvcentric.bench_serving`'s at each offered
+rate: the Mooncake traces (their first ``--requests`` lines, times scaled to the rate,
+tokens by ``--scale-tokens``), hot prefix (Zipf-popular prefixes, Poisson arrivals) and
+the coding agent (multi-turn sessions: a shared system prompt, a long first turn, more
+context each turn, think time; a turn is sent when the previous answer came). Answers
+are cut to ``--max-output`` tokens (the token stream of every request goes through the
+router and the client on this machine's CPUs).
+
+Time: the emulation runs ``--dilation`` times slower than real time and every time is
+reported back in emulated seconds (offered rates too), so the CPUs in front of the fleet
+keep up. Each request's TBT is the mean of its longest 10% token gaps
+(:func:`benchmarks.lib.capacity.paper_tbt`); hit shares come from the engines' own
+per-request account (engine cache vs store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.emulator.launch import EmulatorSpec
+from benchmarks.emulator.profile import load as load_profile
+from benchmarks.lib import capacity as cap
+from benchmarks.lib.paths import LOGS
+from benchmarks.serving.compare import OUR_ARMS, PEER_CACHE_AWARE, POLICY_ARMS
+from benchmarks.serving.fleet import Arm
+from benchmarks.serving.fleet_runs import FleetRun, FleetSetup, split_cpus, summary_row
+from kvcentric.bench_serving.tokens import TokenSource
+from kvcentric.bench_serving.trace import read_trace
+from kvcentric.bench_serving.workloads import Turn, Workload, WorkloadSpec, build
+from kvcentric.testing.models import build_model
+
+ARMS = {a.name: a for a in [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS, *POLICY_ARMS]}
+DEFAULT_ARMS = ("round-robin", "vllm-router-cache_aware", "smg-cache_aware",
+                "kvcentric-router", "kvcentric-admission")
+OURS = tuple(a.name for a in OUR_ARMS)
+PEERS = tuple(a.name for a in PEER_CACHE_AWARE)
+# Figure 5's schedulers, each our router running that policy over the same fleet
+FIGURE5 = ("kvcentric-random", "kvcentric-least_loaded", "kvcentric-engine_cache",
+           "kvcentric-router")
+# hot prefix and the coding agent, in tokens (a trace brings its own lengths)
+HOT = {"groups": 16, "prefix": 8192, "question": 512}
+AGENT = {"system": 20480, "first": 10240, "turn": 2048, "turns_mean": 12.0,
+         "turns_std": 6.0, "think_s": 5.0}
+
+
+def capped(w: Workload, max_output: int) -> Workload:
+    """``w`` with every answer at most ``max_output`` tokens."""
+    return replace(w, sessions=[
+        replace(s, turns=tuple(Turn(t.user, min(t.output_len, max_output), t.gap_s)
+                               for t in s.turns)) for s in w.sessions])
+
+
+class FleetEngine:
+    """One emulated fleet for a whole sweep; ``point`` runs one arm at one rate."""
+
+    ours = OURS
+    peers = PEERS
+    figure5 = FIGURE5
+
+    def __init__(self, args: argparse.Namespace, slo: cap.Slo) -> None:
+        self.args = args
+        self.slo = slo
+        self.arms = args.arms.split(",") if args.arms else list(DEFAULT_ARMS)
+        unknown = set(self.arms) - set(ARMS)
+        if unknown:
+            raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+        self.profile = load_profile(args.profile)
+        self.d = args.dilation or max(1.0, args.instances / 16)
+        model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+        self.src = TokenSource(model)
+        emu_cpus, self.rest = split_cpus()
+        self.emu = EmulatorSpec(instances=args.instances, tokenizer=model,
+                                profile=args.profile, pages=args.pages,
+                                max_model_len=args.max_model_len, cpus=emu_cpus,
+                                dilation=self.d)
+        self.logs = LOGS / f"slo_capacity-{time.strftime('%Y%m%d-%H%M%S')}"
+        endpoint = "chat" if args.workload == "agentic" else "completions"
+        self.fr = FleetRun(FleetSetup(self.emu, slo.ttft_s * 1e3, slo.tbt_s * 1e3,
+                                      endpoint=endpoint, router_cpus=self.rest), self.logs)
+        self._w: dict[tuple[float, int], Workload] = {}
+        self.runs: list[dict[str, Any]] = []
+
+    def __enter__(self) -> FleetEngine:
+        if self.rest:
+            os.sched_setaffinity(0, self.rest)  # the client with the routers
+        self.fr.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fr.__exit__(*exc)
+
+    @staticmethod
+    def baseline(arm: str) -> bool:
+        return arm not in OURS
+
+    # ---- the workload at an offered rate (emulated requests per second) ----
+    def spec(self, rate: float, rep: int) -> WorkloadSpec:
+        a, d, seed = self.args, self.d, self.args.seed + rep
+        wall = rate / d
+        if a.workload in ("conversation", "synthetic"):
+            path = a.trace_dir / f"{a.workload}_trace.jsonl"
+            recs = read_trace(path, a.requests)
+            span_s = (recs[-1].timestamp_ms - recs[0].timestamp_ms) / 1e3
+            if len(recs) < 2 or span_s <= 0:
+                raise ValueError(f"{path}: needs two requests at different times")
+            return WorkloadSpec(workload="trace", seed=seed, trace=str(path),
+                                max_requests=a.requests, scale_tokens=a.scale_tokens,
+                                max_input_len=a.max_model_len - a.max_output - 16,
+                                time_scale=(len(recs) - 1) / (wall * span_s))
+        s = a.scale_tokens
+        if a.workload == "hotprefix":
+            return WorkloadSpec(workload="shared-prefix", seed=seed, num_groups=HOT["groups"],
+                                prompts_per_group=max(1, a.requests // HOT["groups"]),
+                                shared_system_prompt_len=round(HOT["prefix"] * s),
+                                turn_input_len=max(1, round(HOT["question"] * s)),
+                                output_len=a.max_output, group_skew=1.0, request_rate=wall)
+        turns = AGENT["turns_mean"]
+        return WorkloadSpec(workload="multi-turn", seed=seed,
+                            num_users=max(1, round(a.requests / turns)), turns_mean=turns,
+                            turns_std=AGENT["turns_std"],
+                            shared_system_prompt_len=round(AGENT["system"] * s),
+                            user_context_len=round(AGENT["first"] * s),
+                            turn_input_len=round(AGENT["turn"] * s), output_len=a.max_output,
+                            turn_gap=AGENT["think_s"] * d, user_rate=wall / turns)
+
+    def workload(self, rate: float, rep: int) -> Workload:
+        key = (rate, rep)
+        if key not in self._w:
+            self._w = {key: capped(build(self.spec(rate, rep), self.src), self.args.max_output)}
+        return self._w[key]
+
+    def nominal_rps(self) -> float:
+        """Instances over one uncached prefill of the mean prompt, alone (emulated)."""
+        w = self.workload(1.0, 0)
+        n = statistics.fmean(len(s.system) + sum(len(t.user) for t in s.turns[:1])
+                             for s in w.sessions)
+        return self.args.instances / self.profile.prefill_alone_s(round(n))
+
+    # ---- one run ----
+    def point(self, arm: str, rate: float, rep: int
+              ) -> tuple[dict[str, Any], list[cap.Served]]:
+        res = self.fr.run_arm(ARMS[arm], self.workload(rate, rep), self.src, rep)
+        d = self.d
+        recs = sorted(res["requests"], key=lambda r: r["start_s"])
+        outs = [cap.Served(r["ttft_s"] / d if r["success"] else None,
+                           cap.paper_tbt([x / d for x in r["itl_s"]]), r["prompt_len"],
+                           rejected=r["status"] == 429) for r in recs]
+        kept = cap.counted(outs, self.args.warmup)
+        row = cap.rate_point(kept, self.slo, rate, len(kept) / rate)
+        engine = res["engine_requests"]
+        prompt = sum(r["prompt_tokens"] for r in engine) or 1
+        local = sum(r["local_hit"] for r in engine)
+        external = sum(r["external_hit"] for r in engine)
+        fleet = summary_row(res)
+        row |= {"engine_hit_share": local / prompt, "store_hit_share": external / prompt,
+                "miss_share": 1 - (local + external) / prompt,
+                "router_added_p50_ms": fleet["router_added_p50_ms"],
+                "router_cpu_ms_per_request": fleet["router_cpu_ms_per_request"],
+                "emulator_loop_lag_max_s": fleet["emulator_loop_lag_max_s"],
+                "wall_s": res["wall_s"]}
+        self.runs.append({"arm": arm, "rate": rate, "rep": rep, **fleet})
+        print(f"  {arm} at {rate:.3g}/s (rep {rep}): effective "
+              f"{row['effective_fraction']:.2f}, TTFT mean {row['ttft_mean_s'] or 0:.2f} s",
+              flush=True)
+        return row, kept
+
+    def info(self) -> dict[str, Any]:
+        a = self.args
+        return {"title": f"{a.instances} emulated instances ({a.profile})",
+                "summary": {"profile": a.profile, "dilation": self.d,
+                            "requests_per_point": self.workload(1.0, 0).num_requests},
+                "config": {"emulator": {k: v for k, v in self.emu.__dict__.items()
+                                        if k != "tokenizer"},
+                           "profile": self.profile.to_json(), "max_output": a.max_output,
+                           "scale_tokens": a.scale_tokens, "store": "one local store, all arms"},
+                "notes": ["Engine: benchmarks.emulator engines (vLLM's scheduler and prefix "
+                          f"cache, profile {a.profile}), real routers in front; logs in "
+                          f"{self.logs}.",
+                          f"Answers cut to {a.max_output} tokens; emulation dilated "
+                          f"x{self.d:g}, times and rates reported in emulated time."]}
