@@ -15,7 +15,7 @@ allow-list; in both cases less :data:`RESERVED`: what the renderer sets itself (
 tools, documents, the generation-prompt switches, the special tokens), the globals of
 transformers' Jinja environment, and ``apply_chat_template``'s own keywords (the template,
 tokenisation, padding, truncation, return types). Values are JSON scalars (the request
-model, :mod:`kvcentric.router.api_models`, says which); any other key is a 400 naming it.
+model, :mod:`kvcentric.router.api.api_models`, says which); any other key is a 400 naming it.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def _fracs(text: str) -> list[float]:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvcentric.router.app import build_app
+    from kvcentric.router.api.app import build_app
     from kvcentric.router.config import load_config
 
     cfg = load_config(args.config)
@@ -61,8 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from kvcentric.router.cost_model import kv_bytes_per_token
-    from kvcentric.router.profile import run_profile
+    from kvcentric.router.cost.cost_model import kv_bytes_per_token
+    from kvcentric.router.cost.profile import run_profile
 
     kvb = kv_bytes_per_token(args.model_dir, args.kv_dtype) if args.model_dir else None
     if args.disk_path is not None and not args.disk_path.is_dir():

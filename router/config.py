@@ -1,7 +1,7 @@
 """Router configuration: one YAML file parsed once into frozen dataclasses.
 
 Every value is checked here (``ValueError`` names the bad field), so nothing later
-re-validates. This module and :mod:`kvcentric.router.access_config` (the ``auth`` and
+re-validates. This module and :mod:`kvcentric.router.api.access_config` (the ``auth`` and
 ``limits`` sections) are the router's only readers of files named by the user at start-up,
 and of environment variables: ``KVCENTRIC_ROUTER_UPSTREAM_API_KEY`` (``upstream.api_key``)
 here, the keys and the salt secret there; ``os.environ`` is read by :func:`load_config` only.
@@ -38,10 +38,10 @@ from typing import Any
 import yaml
 
 from kvcentric.config import StoreConfig, check_keys, parse_fields
-from kvcentric.router.access_config import AuthConfig, LimitsConfig
-from kvcentric.router.access_config import check_positive as _positive
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.processor import SHARING
+from kvcentric.router.api.access_config import AuthConfig, LimitsConfig
+from kvcentric.router.api.access_config import check_positive as _positive
+from kvcentric.router.cost.processor import SHARING
+from kvcentric.router.fleet.instance_spec import InstanceSpec
 from kvcentric.seq_hash import check_seed
 
 __all__ = ["AuthConfig", "LimitsConfig", "RouterConfig", "load_config"]
@@ -89,8 +89,8 @@ class KeysConfig:
     (:func:`kvcentric.stored_layout.stored_block_size`: 128 on vLLM CPU), found at the first
     health check. ``layout_sig``: the engines' layout signature (part of every key).
     ``None`` discovers it once from the keys the engines stored (``list_keys``), see
-    :mod:`kvcentric.router.store_view`. ``model_id``: key namespace; ``None`` uses the served model
-    name, like the connector.
+    :mod:`kvcentric.router.fleet.store_view`. ``model_id``: key namespace; ``None`` uses the
+    served model name, like the connector.
     """
 
     block_size: int | None = None
@@ -111,7 +111,7 @@ class CostConfig:
     """Cost model inputs (Mooncake Algorithm 1).
 
     ``profile``: JSON from ``kvcentric-router profile`` (``T_prefill`` fit and TBT model);
-    ``None`` uses the conservative defaults of :class:`router.cost_model.Profile`.
+    ``None`` uses the conservative defaults of :class:`router.cost.cost_model.Profile`.
     ``store_bandwidth_gbps``: measured read bandwidth of the store tier (GB/s, DRAM); a
     value in the profile overrides it. ``disk_bandwidth_gbps``: read bandwidth of the local
     store's disk tier (GB/s) for blocks the store holds only on disk; the profile's
@@ -119,9 +119,9 @@ class CostConfig:
     ``None`` derives it from the model's ``config.json``. ``shared_compute``: how
     instances naming one ``compute`` share it: ``serial`` (one FIFO: time-sliced engines,
     CPU engines on the same cores) or ``fair`` (split among the busy ones: engines sharing
-    a GPU through MPS); see :mod:`kvcentric.router.processor`. ``tie_tolerance``:
+    a GPU through MPS); see :mod:`kvcentric.router.cost.processor`. ``tie_tolerance``:
     predicted TTFTs within this fraction of the lowest are ties, which go to the least
-    loaded candidate (:func:`kvcentric.router.decision.choose`); 0 takes the lowest.
+    loaded candidate (:func:`kvcentric.router.cost.decision.choose`); 0 takes the lowest.
     """
 
     profile: str | None = None
@@ -207,7 +207,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ReplicationConfig:
-    """Hot-prefix replication (:mod:`router.replication`), off unless ``enabled``.
+    """Hot-prefix replication (:mod:`router.fleet.replication`), off unless ``enabled``.
 
     A prefix is hot from ``min_heat`` (its decayed request count, ``cache.heat_half_life_s``).
     An idle instance is warmed with it when its predicted TTFT for the prefix's requests,
@@ -242,7 +242,7 @@ class ReplicationConfig:
 @dataclass(frozen=True)
 class MemoryConfig:
     """The router's own memory: every ``trim_interval_s`` seconds the heap pages glibc
-    holds free go back to the system (:mod:`kvcentric.router.memory`; 0: never), and
+    holds free go back to the system (:mod:`kvcentric.router.ops.memory`; 0: never), and
     glibc makes at most ``malloc_arenas`` malloc arenas (0: its default, 8 per core). The
     bookkeeping itself is bounded elsewhere (``cache.prompt_text_chars``, the engines'
     capacities)."""
@@ -265,7 +265,7 @@ _PEER_ENDPOINT = re.compile(r"^(tcp://[^\s:/]+:\d{1,5}|ipc:///[^\s]+)$")
 @dataclass(frozen=True)
 class PeersConfig:
     """Router replicas in front of one fleet telling each other their dispatches
-    (:mod:`kvcentric.router.peers`): ``publish`` the ZMQ endpoint this replica binds
+    (:mod:`kvcentric.router.fleet.peers`): ``publish`` the ZMQ endpoint this replica binds
     (``tcp://HOST:PORT`` or ``ipc:///path``; loopback unless ``allow_remote``),
     ``connect`` the other replicas' endpoints. Off when both are empty."""
 
@@ -300,7 +300,7 @@ _STORE_EVENTS = re.compile(r"^(tcp://[^\s*/:]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:
 @dataclass(frozen=True)
 class StoreEventsConfig:
     """The store's own KV events as the router's view of it
-    (:mod:`kvcentric.router.store_events`, docs/router.md §Store residency): ``endpoint``
+    (:mod:`kvcentric.router.fleet.store_events`, docs/router.md §Store residency): ``endpoint``
     the store's PUB socket (a Mooncake master's ``kv_events_bind_endpoint``, or our local
     store's ``store.events.endpoint``; the store binds, the router connects),
     ``replay_endpoint`` its replay socket (or null), ``max_keys`` remembered. Off when
@@ -327,7 +327,7 @@ class StoreEventsConfig:
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """Mooncake's Conductor indexer API on the router (:mod:`kvcentric.router.indexer_routes`,
+    """Mooncake's Conductor indexer API on the router (:mod:`kvcentric.router.api.indexer_routes`,
     docs/router.md §Indexer API): ``seed`` of the standard XXH3-64 sequence hashes
     (:mod:`kvcentric.seq_hash`; publishers and queriers must use the same),
     ``max_publishers`` registered at once, ``max_blocks_per_publisher`` remembered per

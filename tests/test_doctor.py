@@ -130,7 +130,7 @@ def _files(cfg_path: Path) -> dict[str, Any]:
 def test_router_files_the_router_would_reject(tmp_path: Path, tiny_dir: str) -> None:
     """The doctor reads the tokenizer folder, its config.json and cost.profile as the
     router does at start, and fails exactly where the router would refuse to start."""
-    from kvcentric.router.app import build_state
+    from kvcentric.router.api.app import build_state
     from kvcentric.router.config import load_config
 
     no_config = tmp_path / "tok"  # a tokenizer without the model's config.json

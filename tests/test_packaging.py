@@ -74,7 +74,7 @@ def test_wheel_installs_one_namespace(tmp_path: Path) -> None:
     names = zipfile.ZipFile(whl).namelist()
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"kvcentric"}, tops
-    for mod in ("kvcentric/kernels/dispatch.py", "kvcentric/router/app.py",
+    for mod in ("kvcentric/kernels/dispatch.py", "kvcentric/router/api/app.py",
                 "kvcentric/connector/vllm/connector.py", "kvcentric/store/mooncake/store.py"):
         assert mod in names
     entry = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("entry_points.txt")))

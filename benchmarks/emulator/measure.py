@@ -62,7 +62,7 @@ from benchmarks.emulator.profile import load as load_profile
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
 from benchmarks.serving.fleet import CPU_PAGE, SERVED_NAME, SERVER_ARGS, pinned_threads_env
-from kvcentric.router.cost_model import kv_bytes_per_token
+from kvcentric.router.cost.cost_model import kv_bytes_per_token
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer
 

@@ -5,7 +5,7 @@
 
 Replays a Mooncake trace (``../shared/traces/conversation_trace.jsonl``; each 512-token
 hash id split into 4 blocks of 128 tokens, as vLLM CPU pages) through the router's
-:class:`kvcentric.router.prefix_index.PrefixIndex` the way a router sees a fleet: per
+:class:`kvcentric.router.fleet.prefix_index.PrefixIndex` the way a router sees a fleet: per
 request, one **lookup** (the request's blocks matched against every worker in one walk),
 the request placed on the worker with the longest match (ties: fewest blocks held), and
 that worker's engine cache (an LRU of ``--cache-blocks`` blocks, simulated beside the
@@ -15,7 +15,7 @@ on one thread with ``perf_counter_ns``: each lookup, and the whole replay; block
 blocks looked up + stored + removed, as Dynamo counts them (its ``mooncake_bench``).
 
 Also timed: the same stored blocks arriving as vLLM ``BlockStored`` events with token ids
-through the router's :class:`kvcentric.router.kv_events.EventTranslator` (what a router
+through the router's :class:`kvcentric.router.fleet.kv_events.EventTranslator` (what a router
 fed by engine events does per block: rehash the tokens into our chained blocks).
 
 Reference (ai-dynamo/dynamo PR 11372, ``lib/bench/kv_router/CKF_CRTC_CROSSOVER.md``):
@@ -43,8 +43,8 @@ from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, ROOT
 from kvcentric.bench_serving.trace import read_trace
 from kvcentric.hashing import block_hashes, hash_seed
-from kvcentric.router.kv_events import EventTranslator
-from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.fleet.kv_events import EventTranslator
+from kvcentric.router.fleet.prefix_index import PrefixIndex
 
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 SPLIT = 4  # blocks per trace hash id (512 tokens -> 4 x 128)

@@ -46,12 +46,12 @@ from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KeySpace
+from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.decision import Decision
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.store_view import StoreView
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.cost.decision import Decision
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.store import open_store
 from kvcentric.store.local import launcher

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kvcentric.router.memory import glibc_malloc
+from kvcentric.router.ops.memory import glibc_malloc
 
 TRACE_FRAMES = 12
 
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
 
     import uvicorn
 
-    from kvcentric.router.app import build_app
+    from kvcentric.router.api.app import build_app
     from kvcentric.router.config import load_config
 
     config, outdir, trace = argv[0], Path(argv[1]), "--trace" in argv[2:]

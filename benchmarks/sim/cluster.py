@@ -38,10 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcentric.router.config import SloConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.decision import CostParams, Decision, Rejection
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.instances import Instance
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.cost.decision import CostParams, Decision, Rejection
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.instances import Instance
 from kvcentric.router.policies import RouteInput, make_policy
 
 BLOCK = 512

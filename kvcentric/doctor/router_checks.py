@@ -36,7 +36,7 @@ def check_router_files(cfg: Any) -> list[Finding]:
     is read when the config loads; the store's paths are the store checks'.)"""
     from pathlib import Path
 
-    from kvcentric.router.cost_model import Profile, kv_bytes_per_token
+    from kvcentric.router.cost.cost_model import Profile, kv_bytes_per_token
     from kvcentric.router.tokenize import PromptTokenizer
 
     out = []

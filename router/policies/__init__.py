@@ -6,7 +6,7 @@ Rejection``) and is registered under a name in :data:`POLICIES`; the router conf
 (:mod:`benchmarks.sim.cluster`) runs the same objects. Modules:
 
 - :mod:`.base`: ``RouteInput``, the ``RoutingPolicy`` protocol, the helpers baselines share;
-- :mod:`.algorithm1`: Mooncake's Algorithm 1 (:func:`kvcentric.router.decision.choose`);
+- :mod:`.algorithm1`: Mooncake's Algorithm 1 (:func:`kvcentric.router.cost.decision.choose`);
 - :mod:`.round_robin`, :mod:`.random_choice`, :mod:`.least_loaded`: blind baselines;
 - :mod:`.engine_cache`: cache-aware on the engines' caches only, no store tier.
 

@@ -1,15 +1,15 @@
-"""``algorithm1`` (the default): Mooncake's Algorithm 1, :func:`kvcentric.router.decision.choose`.
+"""``algorithm1`` (the default): Mooncake's Algorithm 1 (:mod:`kvcentric.router.cost.decision`).
 
 The lowest predicted TTFT over every tier (engine cache, store DRAM and disk), ties broken
 by load, and refusals of what would miss the SLO; the maths stays in
-:mod:`kvcentric.router.decision`, which its own tests pin.
+:mod:`kvcentric.router.cost.decision`, which its own tests pin.
 """
 
 from __future__ import annotations
 
 import random
 
-from kvcentric.router.decision import Decision, Rejection, choose
+from kvcentric.router.cost.decision import Decision, Rejection, choose
 from kvcentric.router.policies.base import RouteInput
 
 

@@ -1,8 +1,8 @@
 """The routing-policy seam: what every policy is given, what it returns, shared helpers.
 
 A policy sees one request's :class:`RouteInput` (its prefix view per instance and tier,
-the fleet's queue state, the SLOs) and returns a :class:`~kvcentric.router.decision.Decision`
-(the chosen prefill/decode pair) or a :class:`~kvcentric.router.decision.Rejection`. It
+the fleet's queue state, the SLOs) and returns a :class:`~kvcentric.router.cost.decision.Decision`
+(the chosen prefill/decode pair) or a :class:`~kvcentric.router.cost.decision.Rejection`. It
 never does I/O and never reads a clock (``now`` is in the input), so the Conductor, the
 simulator (:mod:`benchmarks.sim.cluster`) and the tests call the same code. A policy may
 keep state of its own (a round-robin counter, a random generator): one object serves one
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcentric.router.config import SloConfig
-from kvcentric.router.decision import (
+from kvcentric.router.cost.decision import (
     CostParams,
     Decision,
     Rejection,
@@ -26,7 +26,7 @@ from kvcentric.router.decision import (
     hit_tokens,
     prefill_cost,
 )
-from kvcentric.router.instances import Instance
+from kvcentric.router.fleet.instances import Instance
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from kvcentric.router.decision import Decision, Rejection
+from kvcentric.router.cost.decision import Decision, Rejection
 from kvcentric.router.policies.base import RouteInput, least_busy, pair_with, servable
 
 CACHE_THRESHOLD = 0.5  # share of the prompt's blocks a match must cover to win (SGLang's)

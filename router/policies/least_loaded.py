@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from kvcentric.router.decision import Decision, Rejection
+from kvcentric.router.cost.decision import Decision, Rejection
 from kvcentric.router.policies.base import RouteInput, least_busy, pair_with, servable
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvcentric.router.decision import Decision, Rejection
+from kvcentric.router.cost.decision import Decision, Rejection
 from kvcentric.router.policies.base import RouteInput, pair_with, servable
 
 

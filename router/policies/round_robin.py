@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from kvcentric.router.decision import Decision, Rejection
-from kvcentric.router.instances import Instance
+from kvcentric.router.cost.decision import Decision, Rejection
+from kvcentric.router.fleet.instances import Instance
 from kvcentric.router.policies.base import RouteInput, pair_with, servable
 
 

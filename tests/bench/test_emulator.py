@@ -35,7 +35,7 @@ from benchmarks.emulator.processors import ExclusiveProcessor, Processor
 from benchmarks.emulator.profile import DecodePoint, EngineProfile, PrefillPoint, fit, load
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import block_hashes, hash_seed
-from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch
+from kvcentric.router.fleet.kv_events import EventListener, EventTranslator, decode_batch
 from kvcentric.store import open_store
 from kvcentric.testing.models import build_model
 from tests.helpers.virtual_time import VirtualClock

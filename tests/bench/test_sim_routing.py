@@ -9,7 +9,7 @@ import pytest
 from benchmarks.sim.cluster import ARMS, BLOCK, Cluster, Request, SimConfig, TieredStore
 from benchmarks.sim.routing import POLICIES
 from kvcentric.router import policies
-from kvcentric.router.decision import Rejection
+from kvcentric.router.cost.decision import Rejection
 from kvcentric.router.policies import RouteInput
 from kvcentric.router.policies.base import decision_for
 

@@ -37,7 +37,7 @@ from benchmarks.serving.dashboard_screenshot import (
     screenshot,
 )
 from kvcentric.config import StoreConfig
-from kvcentric.router.cost_model import Profile
+from kvcentric.router.cost.cost_model import Profile
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model

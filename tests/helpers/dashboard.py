@@ -2,7 +2,7 @@
 the router's ``/metrics``: shared by tests/router/test_router_dashboard.py (mocked engines) and
 tests/e2e/test_router_e2e.py (real vLLM).
 
-The page's contract (router/dashboard.py): every number carries ``data-metric`` (the
+The page's contract (router/ops/dashboard.py): every number carries ``data-metric`` (the
 sample, ``name{label=value,...}``) or an ``id``. Checks compare what the page shows with
 the scrape: counts exactly, other numbers to the precision shown. Values that move
 without traffic (queue seconds, prefix heat) are only checked to be numbers.

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvcentric.router.config import SloConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.decision import CostParams
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.instances import Instance
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.cost.decision import CostParams
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.instances import Instance
 from kvcentric.router.policies import RouteInput
 
 BS = 256

@@ -9,7 +9,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcentric.router.engine_metrics import EngineStats, parse_engine_metrics
+from kvcentric.router.fleet.engine_metrics import EngineStats, parse_engine_metrics
 
 CACHE_INFO = ('vllm:cache_config_info{_block_size_resolved="True",block_size="{bs}",'
               'cache_dtype="auto",engine="0",kv_cache_dtype_skip_layers="[]",'

@@ -15,9 +15,9 @@ import zmq
 import zmq.asyncio
 
 from kvcentric.hashing import block_hashes, hash_seed
-from kvcentric.router import kv_events
-from kvcentric.router.app import build_app
-from kvcentric.router.kv_events import EventListener, EventTranslator
+from kvcentric.router.api.app import build_app
+from kvcentric.router.fleet import kv_events
+from kvcentric.router.fleet.kv_events import EventListener, EventTranslator
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.testing.servers import free_port
 from tests.router.test_router_app import PROFILE, Upstreams, make_cfg

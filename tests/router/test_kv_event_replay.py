@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from kvcentric.hashing import block_hashes, hash_seed
-from kvcentric.router.kv_events import EventListener, EventTranslator
+from kvcentric.router.fleet.kv_events import EventListener, EventTranslator
 from kvcentric.testing.servers import free_port
 from tests.helpers.waiting import wait_until
 

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvcentric.router import app as app_mod
-from kvcentric.router.app import build_app
+from kvcentric.router.api import app as app_mod
+from kvcentric.router.api.app import build_app
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
+from kvcentric.router.cost.cost_model import Profile
 from kvcentric.router.tokenize import PromptTokenizer
 
 PROFILE = Profile(a=0.0, b=1e-5, c=0.001, tbt_base_s=0.01, tbt_per_seq_s=0.0)

@@ -12,13 +12,13 @@ import pytest
 from starlette.responses import StreamingResponse
 
 from benchmarks.lib.stub_engine import build_app
+from kvcentric.router.api.proxy import Proxy
+from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.metrics import RouterMetrics
-from kvcentric.router.proxy import Proxy
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.store_view import StoreView
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.store_view import StoreView
+from kvcentric.router.ops.metrics import RouterMetrics
 from kvcentric.router.tokenize import PromptTokenizer
 
 ENGINE_S = 0.05  # the stub engine's answer time, and the profile's prefill prediction

@@ -18,10 +18,10 @@ import pytest
 import uvicorn
 
 from benchmarks.serving.dashboard_screenshot import chromium_path, dump_dom
-from kvcentric.router.app import build_app
+from kvcentric.router.api.app import build_app
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.dashboard import PAGE
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.ops.dashboard import PAGE
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.testing.servers import free_port
 from tests.helpers.dashboard import check, read_page, scrape

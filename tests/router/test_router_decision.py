@@ -1,4 +1,4 @@
-"""Algorithm 1 (router.decision.choose) on hand-built instance states."""
+"""Algorithm 1 (router.cost.decision.choose) on hand-built instance states."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from kvcentric.router.config import RouterConfig, SloConfig
-from kvcentric.router.cost_model import Profile, load_s
-from kvcentric.router.decision import (
+from kvcentric.router.cost.cost_model import Profile, load_s
+from kvcentric.router.cost.decision import (
     CostParams,
     Decision,
     Rejection,
@@ -16,9 +16,9 @@ from kvcentric.router.decision import (
     decode_cost,
     prefill_cost,
 )
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.instances import Instance, Registry
-from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.instances import Instance, Registry
+from kvcentric.router.fleet.prefix_index import PrefixIndex
 
 BS = 256
 PROFILE = Profile(a=1e-9, b=1e-4, c=0.005, tbt_base_s=0.02, tbt_per_seq_s=0.002)

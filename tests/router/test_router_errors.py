@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.instances import Registry
-from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.instances import Registry
+from kvcentric.router.fleet.prefix_index import PrefixIndex
 from kvcentric.router.tokenize import PromptTokenizer
 from tests.router.test_router_app import TWO, Upstreams, make_cfg, run
 
@@ -68,7 +68,7 @@ def test_a_down_instance_is_logged_at_once_and_explained_everywhere(
                               "both: GET /health failed: ConnectError"), msg
         assert REFUSED in msg
 
-    with caplog.at_level(logging.WARNING, logger="router.instances"):
+    with caplog.at_level(logging.WARNING, logger="router.fleet.instances"):
         run(make_cfg(tiny_dir, one), tokenizer, ups, fn)
 
 
@@ -97,7 +97,7 @@ def test_failures_are_logged_first_and_then_once_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
     reg = Registry(PrefixIndex(), 16, log_interval_s=60.0)
     inst = reg.add(InstanceSpec("http://a:1", name="a"), healthy=False)
-    with caplog.at_level(logging.WARNING, logger="router.instances"):
+    with caplog.at_level(logging.WARNING, logger="router.fleet.instances"):
         for t in (0.0, 1.0, 30.0, 59.0, 60.0, 61.0, 125.0):
             reg.mark_failed(inst, 2, f"GET /health failed: down at {t}", now=t)
     logged = [r.getMessage() for r in caplog.records]
@@ -108,7 +108,7 @@ def test_failures_are_logged_first_and_then_once_per_interval(
     reg.mark_ok(inst)
     assert inst.last_error is None and inst.healthy
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="router.instances"):
+    with caplog.at_level(logging.WARNING, logger="router.fleet.instances"):
         reg.mark_failed(inst, 2, "GET /health answered 500", now=126.0)
     assert [r.getMessage() for r in caplog.records] == [
         "instance a (http://a:1) failing (1 in a row, in rotation): GET /health answered 500"]
@@ -221,7 +221,7 @@ def test_a_pinned_block_size_no_engine_stores_is_warned_naming_both(
     async def fn(c: httpx.AsyncClient) -> None:
         assert (await c.get("/instances")).json()["keys"]["block_size"] == pinned
 
-    with caplog.at_level(logging.WARNING, logger="router.app"):
+    with caplog.at_level(logging.WARNING, logger="router.api.app"):
         run(make_cfg(tiny_dir, TWO, keys={"block_size": pinned}), tokenizer, Upstreams(), fn)
     logged = [r.getMessage() for r in caplog.records if "keys.block_size" in r.getMessage()]
     assert len(logged) == 2 and all(words in m for m in logged), logged  # once per instance
@@ -233,7 +233,7 @@ def test_the_default_block_size_warns_nothing(tiny_dir: str, tokenizer: PromptTo
     async def fn(c: httpx.AsyncClient) -> None:
         assert (await c.get("/instances")).json()["keys"]["block_size"] == 128
 
-    with caplog.at_level(logging.WARNING, logger="router.app"):
+    with caplog.at_level(logging.WARNING, logger="router.api.app"):
         run(make_cfg(tiny_dir, TWO, keys={"block_size": None}), tokenizer, Upstreams(), fn)
     assert not [r for r in caplog.records if "keys.block_size" in r.getMessage()]
 

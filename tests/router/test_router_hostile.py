@@ -21,9 +21,9 @@ import jsonschema
 import pytest
 
 from kvcentric.router import tokenize
-from kvcentric.router.auth import SALT_PREFIX
+from kvcentric.router.api.auth import SALT_PREFIX
+from kvcentric.router.api.openapi import INSTANCE
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.openapi import INSTANCE
 from kvcentric.router.tokenize import PromptTokenizer
 from tests.router.test_router_app import TWO, Upstreams, make_cfg, run
 

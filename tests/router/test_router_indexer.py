@@ -18,7 +18,7 @@ import pytest
 import xxhash
 
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
+from kvcentric.router.cost.cost_model import Profile
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.seq_hash import seq_hashes
 from kvcentric.testing.servers import free_port

@@ -1,4 +1,4 @@
-"""The router gives the heap it freed back to the system (router/memory.py): glibc keeps
+"""The router gives the heap it freed back to the system (router/ops/memory.py): glibc keeps
 pages freed below a live block resident, ``malloc_trim`` returns them, the router's
 lifespan runs it every ``memory.trim_interval_s`` and counts what came back."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvcentric.router.app import build_app
+from kvcentric.router.api.app import build_app
 from kvcentric.router.config import MemoryConfig, RouterConfig
-from kvcentric.router.memory import HeapTrimmer, glibc_malloc
+from kvcentric.router.ops.memory import HeapTrimmer, glibc_malloc
 from kvcentric.router.tokenize import PromptTokenizer
 from tests.router.test_router_app import PROFILE, TWO, Upstreams, make_cfg
 
@@ -34,7 +34,7 @@ def test_freed_heap_stays_resident_until_trimmed() -> None:
     """In a fresh process: the fragmented heap's freed pages stay in RSS, one trim gives
     back most of them (without the trim this is what the soak's RSS curve showed)."""
     code = textwrap.dedent("""
-        from kvcentric.router.memory import HeapTrimmer, rss_bytes
+        from kvcentric.router.ops.memory import HeapTrimmer, rss_bytes
         from tests.router.test_router_memory import fragment_heap
         base = rss_bytes()
         keep = fragment_heap(48)
@@ -52,7 +52,7 @@ def test_freed_heap_stays_resident_until_trimmed() -> None:
 
 ARENAS = textwrap.dedent("""
     import ctypes, re, sys, threading
-    from kvcentric.router.memory import limit_arenas
+    from kvcentric.router.ops.memory import limit_arenas
     if sys.argv[1] != "0":
         assert limit_arenas(int(sys.argv[1]))
     held, go = [], threading.Barrier(6)

@@ -1,4 +1,4 @@
-"""Router replicas that sync (router.peers) book each other's dispatches as their own,
+"""Router replicas that sync (router.fleet.peers) book each other's dispatches as their own,
 over real ZMQ sockets on loopback; a hostile or broken peer's frames are dropped one by
 one, never crash the receiver or move its state."""
 
@@ -13,12 +13,12 @@ import zmq
 import zmq.asyncio
 
 from kvcentric.hashing import block_hashes, hash_seed
+from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import PeersConfig, RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.peers import DISPATCHED, DONE, VERSION, PeerMessage, PeerSync
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.store_view import StoreView
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.peers import DISPATCHED, DONE, VERSION, PeerMessage, PeerSync
+from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.testing.servers import free_port
 
 BS = 16

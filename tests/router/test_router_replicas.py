@@ -21,11 +21,11 @@ import pytest
 from benchmarks.emulator.launch import EmulatedFleet
 from benchmarks.serving.gateways import Gateway
 from kvcentric.hashing import block_hashes, hash_seed
-from kvcentric.router.engine_metrics import EngineStats
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.instances import Instance
-from kvcentric.router.kv_events import EventTranslator
-from kvcentric.router.prefix_index import PrefixIndex
+from kvcentric.router.fleet.engine_metrics import EngineStats
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.instances import Instance
+from kvcentric.router.fleet.kv_events import EventTranslator
+from kvcentric.router.fleet.prefix_index import PrefixIndex
 from tests.helpers.emulated_fleet import fleet as emulated_fleet
 from tests.helpers.emulated_fleet import router as fleet_router
 from tests.helpers.waiting import wait_until

@@ -11,13 +11,13 @@ import httpx
 import numpy as np
 import pytest
 
+from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.metrics import RouterMetrics
-from kvcentric.router.replication import HotPrefixes, Replicator, warm_body
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.store_view import StoreView
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.replication import HotPrefixes, Replicator, warm_body
+from kvcentric.router.fleet.store_view import StoreView
+from kvcentric.router.ops.metrics import RouterMetrics
 from kvcentric.router.tokenize import PromptTokenizer
 from tests.router.test_router_app import TWO, Upstreams, make_cfg, run
 

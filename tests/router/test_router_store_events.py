@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from kvcentric.hashing import KeySpace, block_hashes, hash_seed
-from kvcentric.router.app import build_app
+from kvcentric.router.api.app import build_app
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.store_events import StoreFeed
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.fleet.store_events import StoreFeed
 from kvcentric.router.tokenize import PromptTokenizer
 from tests.helpers.rfc_publisher import RfcPublisher
 

@@ -17,16 +17,21 @@ import zmq.asyncio
 from kvcentric.config import DiskConfig, StoreConfig
 from kvcentric.hashing import KeySpace, TailRef, block_hashes, hash_seed
 from kvcentric.router import cli as router_cli
+from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig, load_config
-from kvcentric.router.cost_model import Profile, fit, kv_bytes_per_token
-from kvcentric.router.decision import Rejection
-from kvcentric.router.heat import PrefixHeat
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.kv_events import EventListener, EventTranslator, decode_batch, router_binds
-from kvcentric.router.prefix_index import PrefixIndex
-from kvcentric.router.profile import disk_bandwidth
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.store_view import StoreView
+from kvcentric.router.cost.cost_model import Profile, fit, kv_bytes_per_token
+from kvcentric.router.cost.decision import Rejection
+from kvcentric.router.cost.profile import disk_bandwidth
+from kvcentric.router.fleet.heat import PrefixHeat
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.kv_events import (
+    EventListener,
+    EventTranslator,
+    decode_batch,
+    router_binds,
+)
+from kvcentric.router.fleet.prefix_index import PrefixIndex
+from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.store import Residency, open_store
 from kvcentric.store.local import launcher
 from tests.helpers.disk import device_dir

@@ -1,4 +1,4 @@
-"""``algorithm1``: the policy is :func:`kvcentric.router.decision.choose`, unchanged (its
+"""``algorithm1``: the policy is :func:`kvcentric.router.cost.decision.choose`, unchanged (its
 maths is pinned by tests/router/test_router_decision.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvcentric.router.config import SloConfig
-from kvcentric.router.decision import Decision, Rejection, choose
+from kvcentric.router.cost.decision import Decision, Rejection, choose
 from kvcentric.router.policies import RouteInput, make_policy
 from tests.helpers.policies import fleet, route
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from kvcentric.router.decision import Decision, Rejection
+from kvcentric.router.cost.decision import Decision, Rejection
 from kvcentric.router.policies import make_policy
 from tests.helpers.policies import fleet, route
 

@@ -10,15 +10,15 @@ import pytest
 
 from kvcentric.hashing import block_hashes, hash_seed
 from kvcentric.router import policies
+from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.decision import Decision, Rejection
-from kvcentric.router.instance_spec import InstanceSpec
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.cost.decision import Decision, Rejection
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.router.policies import RouteInput, make_policy
 from kvcentric.router.policies.algorithm1 import Algorithm1
 from kvcentric.router.policies.base import decision_for, servable
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.store_view import StoreView
 
 BS = 16
 

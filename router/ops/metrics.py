@@ -14,8 +14,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvcentric.router.decision import Decision
-    from kvcentric.router.scheduler import Conductor
+    from kvcentric.router.conductor import Conductor
+    from kvcentric.router.cost.decision import Decision
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -112,10 +112,10 @@ class _StateCollector(Collector):
     """Gauges computed from the conductor's live state when scraped."""
 
     def __init__(self, conductor: Conductor) -> None:
-        self.c = conductor
+        self.conductor = conductor
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        c = self.c
+        c = self.conductor
         now = c.clock()
         fams = {
             "healthy": GaugeMetricFamily("kvc_router_instance_healthy", "1 when in rotation",

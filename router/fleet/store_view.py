@@ -15,7 +15,7 @@ for large mooncake deployments, whose ``list_keys`` dumps every key) or discover
 from the keys engines have stored (``list_keys("kvc/v2/{model_id}/")``). Before any engine
 stored a block there is nothing to find, which is also the right answer (0 blocks).
 
-With a :class:`~kvcentric.router.store_events.StoreFeed` (the store's own KV events,
+With a :class:`~kvcentric.router.fleet.store_events.StoreFeed` (the store's own KV events,
 ``store_events`` in the router config) the view answers from the feed alone: no store
 call, no cache, no discovery (the feed learns the layout from the events).
 
@@ -34,10 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KEY_PREFIX, KeySpace, TailRef
-from kvcentric.router.store_events import StoreFeed
+from kvcentric.router.fleet.store_events import StoreFeed
 from kvcentric.store import KVStore, Residency, StoreUnavailable, open_store
 
-log = logging.getLogger("router.store_view")
+log = logging.getLogger("router.fleet.store_view")
 _RETRY_S = 2.0  # how soon to retry opening the store or discovering the layout
 SWEEP_TTLS = 5  # answers older than this many TTLs are swept out (bounded memory)
 

@@ -11,7 +11,7 @@ prefill's end; every other replica subscribes and books them as its own (queued 
 the instance's processor, the blocks as resident there), so all replicas decide on the
 same state within a message's latency. A dispatch whose end never arrives (its replica
 died) leaves when its predicted work is done, as an own prefill does
-(:mod:`kvcentric.router.processor`).
+(:mod:`kvcentric.router.cost.processor`).
 
 Wire format: msgpack arrays decoded against :class:`PeerMessage` (unknown fields,
 wrong types, oversize hashes or names, non-finite times: the message is dropped and
@@ -35,10 +35,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 if TYPE_CHECKING:
-    from kvcentric.router.decision import Decision
-    from kvcentric.router.scheduler import Conductor
+    from kvcentric.router.conductor import Conductor
+    from kvcentric.router.cost.decision import Decision
 
-log = logging.getLogger("router.peers")
+log = logging.getLogger("router.fleet.peers")
 
 VERSION = 1
 DISPATCHED, DONE = 0, 1
@@ -79,7 +79,7 @@ class PeerSync:
 
     def __init__(self, ctx: zmq.asyncio.Context, conductor: Conductor,
                  publish: str | None, connect: Sequence[str], hash_bytes: int = 16) -> None:
-        self.c = conductor
+        self.conductor = conductor
         self.connect = tuple(connect)
         self.id = secrets.token_hex(8)
         self.hash_bytes = hash_bytes
@@ -162,9 +162,9 @@ class PeerSync:
         self.received += 1
         key = f"peer:{m.sender}:{m.rid}"
         if m.kind == DISPATCHED:
-            self.c.peer_dispatched(key, m.prefill, m.prefill_s, m.hashes)
+            self.conductor.peer_dispatched(key, m.prefill, m.prefill_s, m.hashes)
         else:
-            self.c.peer_done(key)
+            self.conductor.peer_done(key)
 
     def close(self) -> None:
         if self._sub is not None:

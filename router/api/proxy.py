@@ -30,14 +30,14 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from kvcentric.hashing import TailRef
-from kvcentric.router.decision import Decision, Rejection
-from kvcentric.router.errors import error_response
-from kvcentric.router.instances import Instance
-from kvcentric.router.metrics import RouterMetrics, hit_tiers
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.upstream import Upstreams
+from kvcentric.router.api.errors import error_response
+from kvcentric.router.api.upstream import Upstreams
+from kvcentric.router.conductor import Conductor
+from kvcentric.router.cost.decision import Decision, Rejection
+from kvcentric.router.fleet.instances import Instance
+from kvcentric.router.ops.metrics import RouterMetrics, hit_tiers
 
-log = logging.getLogger("router.proxy")
+log = logging.getLogger("router.api.proxy")
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 
 
@@ -78,7 +78,7 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 class Proxy:
     def __init__(self, conductor: Conductor, client: Upstreams | httpx.AsyncClient,
                  metrics: RouterMetrics) -> None:
-        self.c = conductor
+        self.conductor = conductor
         self.client = client
         self.metrics = metrics
         self.retries = conductor.cfg.upstream.retries
@@ -99,31 +99,31 @@ class Proxy:
         retries = self.retries
         for attempt in itertools.count():  # ends: every failure excludes its instance
             t0 = time.perf_counter()
-            decision = await self.c.decide(hashes, n_tokens, exclude, tail)
+            decision = await self.conductor.decide(hashes, n_tokens, exclude, tail)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
             if isinstance(decision, Rejection):
                 if attempt:
                     break  # nothing else can take it: report the upstream failure
                 return self._reject(decision)
             self._count(decision, n_tokens)
-            self.c.dispatched(decision, rid, hashes)
+            self.conductor.dispatched(decision, rid, hashes)
             sent = time.perf_counter()
             added_ms = (sent - received_at) * 1e3
             try:
                 if decision.disaggregated:
                     early = await self._prefill(decision, rid, path, body, headers)
                     if early is not None:
-                        self.c.finished(decision, rid)
+                        self.conductor.finished(decision, rid)
                         return early
                 if stream:
                     return await self._stream(decision, rid, path, body, headers, t_arrival,
                                               added_ms, sent)
                 return await self._whole(decision, rid, path, body, headers, added_ms)
             except UpstreamTimeout as exc:
-                self.c.finished(decision, rid)
+                self.conductor.finished(decision, rid)
                 return error_response(504, f"upstream timed out: {exc}", "upstream_timeout")
             except UpstreamFailed as exc:
-                self.c.finished(decision, rid)
+                self.conductor.finished(decision, rid)
                 self._failed(exc)
                 exclude.add(exc.inst.name)
                 last = str(exc)
@@ -150,8 +150,8 @@ class Proxy:
         m.prompt_tokens.labels(d.prefill.name).inc(n_tokens)
         m.hit_tokens.labels(d.prefill.name).inc(d.hit_tokens)
         m.local_hit_tokens.labels(d.prefill.name).inc(
-            min(d.local_blocks * self.c.params.block_size, n_tokens))
-        m.count_hits(*hit_tiers(d, n_tokens, self.c.params.block_size))
+            min(d.local_blocks * self.conductor.params.block_size, n_tokens))
+        m.count_hits(*hit_tiers(d, n_tokens, self.conductor.params.block_size))
         if d.replicated:
             m.replications.inc()
         if d.over_slo:
@@ -161,7 +161,7 @@ class Proxy:
         self.metrics.upstream_errors.labels(exc.inst.name).inc()
         log.warning("upstream failed, trying another instance: %s", exc)
         # a refused connection is conclusive; the health loop brings it back when it answers
-        self.c.registry.mark_failed(exc.inst, 1 if "connect" in exc.reason.lower()
+        self.conductor.registry.mark_failed(exc.inst, 1 if "connect" in exc.reason.lower()
                                     else self.fail_after, exc.reason)
 
     def _headers(self, d: Decision, headers: dict[str, str],
@@ -193,13 +193,13 @@ class Proxy:
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         self.metrics.prefill_actual.observe(actual)
-        self.c.prefill_finished(d, rid, actual)
+        self.conductor.prefill_finished(d, rid, actual)
         return None
 
     async def _whole(self, d: Decision, rid: str, path: str, body: dict[str, Any],
                      headers: dict[str, str], added_ms: float | None = None) -> Response:
         r = await self._post(d.decode, path, json.dumps(body).encode(), headers)
-        self.c.finished(d, rid)
+        self.conductor.finished(d, rid)
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"),
                         headers=self._headers(d, {}, added_ms))
 
@@ -224,7 +224,7 @@ class Proxy:
         if up.status_code != 200:
             content = await up.aread()
             await up.aclose()
-            self.c.finished(d, rid)
+            self.conductor.finished(d, rid)
             return Response(content, up.status_code, media_type=up.headers.get("content-type"))
         chunks = up.aiter_raw()
         try:
@@ -237,7 +237,7 @@ class Proxy:
         t_first = time.perf_counter()
         self.metrics.observe_ttft(d.ttft_s, t_first - t_arrival)
         if not d.disaggregated:
-            self.c.prefill_finished(d, rid, t_first - (t_arrival if sent is None else sent))
+            self.conductor.prefill_finished(d, rid, t_first - (t_arrival if sent is None else sent))
         return StreamingResponse(self._relay(d, rid, up, first, chunks),
                                  status_code=200, headers=self._headers(d, {}, added_ms),
                                  media_type=up.headers.get("content-type", "text/event-stream"))
@@ -257,4 +257,4 @@ class Proxy:
             yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
             await up.aclose()
-            self.c.finished(d, rid)
+            self.conductor.finished(d, rid)

@@ -33,9 +33,9 @@ from typing import Any
 import httpx
 
 from kvcentric.disk_probe import cold_read
-from kvcentric.router.cost_model import Profile, fit
+from kvcentric.router.cost.cost_model import Profile, fit
 
-log = logging.getLogger("kvcentric.router.profile")
+log = logging.getLogger("kvcentric.router.cost.profile")
 
 
 class Profiler:

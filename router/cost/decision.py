@@ -18,7 +18,7 @@ request is refused (HTTP 429 with ``Retry-After``: the time for the predicted qu
 drain by the excess), unless ``slo.reject`` is off (then it is served, flagged
 ``over_slo``). ``T_queue`` is the instance's own queued prefill work plus what busy
 instances on the same processor (``compute``) take of it meanwhile (fair share, see
-:class:`router.instances.Processor`); the profile's correction is per processor; ties go
+:class:`router.fleet.instances.Processor`); the profile's correction is per processor; ties go
 to the instance running fewer sequences.
 Predictions closer than ``tie_tolerance`` (relative) to the lowest are ties: the model
 cannot tell them apart (its per-processor corrections and load times are estimates a few
@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvcentric.router.config import TIE_TOLERANCE, SloConfig
-from kvcentric.router.cost_model import Profile, tiered_load_s
-from kvcentric.router.instances import Instance
+from kvcentric.router.cost.cost_model import Profile, tiered_load_s
+from kvcentric.router.fleet.instances import Instance
 
 
 @dataclass(frozen=True)

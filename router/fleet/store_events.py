@@ -5,7 +5,7 @@ to a store's RFC #1527 event stream: a Mooncake master's (``enable_kv_events``, 
 names each object by its key, ``object_key``) or our local store's (store.md §KV
 events). Every ``stored``/``removed``/``cleared`` event whose ``object_key`` is one of
 this model's rank-0 keys updates which keys the store holds and on which tiers (``cpu``,
-``disk``); :class:`~kvcentric.router.store_view.StoreView` then answers a prompt's leading
+``disk``); :class:`~kvcentric.router.fleet.store_view.StoreView` then answers a prompt's leading
 run from here, with no store call on the request path. The key layout is the configured
 ``keys.layout_sig`` or the first one seen in the events (as ``StoreView`` discovers it
 from ``list_keys``).
@@ -24,7 +24,7 @@ from typing import Any
 
 from kvcentric.hashing import KEY_PREFIX, KeySpace, TailRef
 
-log = logging.getLogger("router.store_events")
+log = logging.getLogger("router.fleet.store_events")
 DISK = "disk"
 
 

@@ -2,7 +2,7 @@
 
 Per request: hash the prompt's full blocks once (``kvcentric.hashing``, the connector's
 function, so router and store agree on every block), match them against every instance's
-resident blocks in one walk (:class:`router.prefix_index.PrefixIndex`), ask the store view
+resident blocks in one walk (:class:`router.fleet.prefix_index.PrefixIndex`), ask the store view
 for the global run, and ask the configured routing policy (``policy:``, default Mooncake's
 Algorithm 1: :mod:`kvcentric.router.policies`) for the pair. After dispatch
 the chosen instances' bookkeeping (queued prefill time, running decodes, resident blocks,
@@ -24,21 +24,21 @@ import numpy as np
 
 from kvcentric.hashing import TailRef, block_hashes, hash_seed, prompt_tail
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile
-from kvcentric.router.decision import CostParams, Decision, Rejection
-from kvcentric.router.heat import PrefixHeat
-from kvcentric.router.instances import Registry
+from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.cost.decision import CostParams, Decision, Rejection
+from kvcentric.router.fleet.heat import PrefixHeat
+from kvcentric.router.fleet.instances import Registry
+from kvcentric.router.fleet.prefix_index import PrefixIndex
+from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.router.policies import RouteInput, make_policy
-from kvcentric.router.prefix_index import PrefixIndex
-from kvcentric.router.store_view import StoreView
 
 if TYPE_CHECKING:
-    from kvcentric.router.instances import Instance
-    from kvcentric.router.peers import PeerSync
+    from kvcentric.router.fleet.instances import Instance
+    from kvcentric.router.fleet.peers import PeerSync
 
 PEER_PENDING_MAX = 65536  # peers' prefills remembered until their end arrives
 
-log = logging.getLogger("router.decision")
+log = logging.getLogger("router.cost.decision")
 
 
 class Conductor:
@@ -198,7 +198,7 @@ class Conductor:
     def peer_dispatched(self, key: str, prefill: str, prefill_s: float,
                         hashes: Sequence[bytes]) -> None:
         """Another router replica sent a prefill of ``prefill_s`` predicted seconds to the
-        instance named ``prefill`` (:mod:`kvcentric.router.peers`): its work queues there
+        instance named ``prefill`` (:mod:`kvcentric.router.fleet.peers`): its work queues there
         and its blocks count as resident there, as this router's own would. An instance
         this router does not know is ignored."""
         inst = self.registry.get(prefill)

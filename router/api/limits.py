@@ -3,7 +3,7 @@
 Checked in request order, each as soon as its input is known: the caller's requests in
 flight first, from the headers alone (429 with ``Retry-After``, before a byte of the body is
 read), the body size while it is read (413, before it is parsed), every field against the
-request models (400, :mod:`kvcentric.router.api_models`), the rendered prompt's characters
+request models (400, :mod:`kvcentric.router.api.api_models`), the rendered prompt's characters
 before it is tokenised and its tokens after (400 ``context_length_exceeded``, the message
 vLLM gives). :class:`Bounds` resolves the configured limits
 (:class:`kvcentric.router.config.LimitsConfig`) against the model once, at start;
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcentric.router.access_config import LimitsConfig
-from kvcentric.router.errors import Refused
+from kvcentric.router.api.access_config import LimitsConfig
+from kvcentric.router.api.errors import Refused
 
 CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a prompt too long
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",

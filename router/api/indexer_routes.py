@@ -26,15 +26,15 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
-from kvcentric.router.errors import Refused, error_response
-from kvcentric.router.indexer import Scope, TierIndex
-from kvcentric.router.indexer_feeds import PUBLISHER_TYPES, Publisher, Registration
-from kvcentric.router.kv_events import EventListener
-from kvcentric.router.openai_routes import json_body
+from kvcentric.router.api.errors import Refused, error_response
+from kvcentric.router.api.openai_routes import json_body
+from kvcentric.router.fleet.indexer import Scope, TierIndex
+from kvcentric.router.fleet.indexer_feeds import PUBLISHER_TYPES, Publisher, Registration
+from kvcentric.router.fleet.kv_events import EventListener
 from kvcentric.seq_hash import seq_hashes
 
 if TYPE_CHECKING:
-    from kvcentric.router.app import RouterState
+    from kvcentric.router.api.app import RouterState
     from kvcentric.router.config import IndexerConfig
 
 # A publisher binds; the indexer connects: a wildcard host cannot be connected to.

@@ -2,7 +2,7 @@
 
 One source for two things: the router validates every OpenAI request against these
 models (a violation is a 400 naming the field, before any engine is involved), and the
-published OpenAPI schema (:mod:`kvcentric.router.openapi`) is generated from them, so a
+published OpenAPI schema (:mod:`kvcentric.router.api.openapi`) is generated from them, so a
 client generator or a schema-driven fuzzer sees exactly what is enforced.
 
 Only the fields listed here are accepted (any other field is a 400): each is forwarded to
@@ -28,7 +28,7 @@ surrogate pair), so that a body breaking the bound still fits and gets a 400 nam
 field (not a 413); a chat has at most ``max_body_bytes // 512`` messages (at
 least 16, at most ``MAX_MESSAGES``). How many tokens a text makes depends on the tokenizer,
 so the prompt's size is checked after rendering and tokenising
-(:class:`kvcentric.router.limits.Bounds`): that 400 carries the code
+(:class:`kvcentric.router.api.limits.Bounds`): that 400 carries the code
 ``context_length_exceeded`` and is the one refusal of a schema-valid body (the published
 document says so in the bodies' descriptions).
 
@@ -54,8 +54,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvcentric.router.errors import Refused
-from kvcentric.router.limits import CONTEXT_EXCEEDED, Bounds, too_long
+from kvcentric.router.api.errors import Refused
+from kvcentric.router.api.limits import CONTEXT_EXCEEDED, Bounds, too_long
 
 MAX_MESSAGES = 4096  # a long agent loop's history
 INT64 = 2**63

@@ -14,7 +14,7 @@ as integers, other values with fixed decimals and no thousands separators. A fai
 fetch shows ``#error`` and keeps the last rendered numbers.
 
 With any key configured the page needs what ``/metrics`` needs (the admin or the metrics
-key, :meth:`kvcentric.router.auth.Authenticator.check_metrics`): a browser asked with
+key, :meth:`kvcentric.router.api.auth.Authenticator.check_metrics`): a browser asked with
 ``WWW-Authenticate: Basic`` prompts once (any user name, the key as password) and then
 sends the same credentials with the page's own fetches of ``metrics``.
 """
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from starlette.responses import HTMLResponse, Response
 
-from kvcentric.router.errors import Refused
+from kvcentric.router.api.errors import Refused
 
 if TYPE_CHECKING:
-    from kvcentric.router.app import RouterState
+    from kvcentric.router.api.app import RouterState
 
 PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvcentric.config import parse_fields
 from kvcentric.router.chat_template import check_allow_list
-from kvcentric.router.instance_spec import NAME_FORM, NAME_RE
+from kvcentric.router.fleet.instance_spec import NAME_FORM, NAME_RE
 
 ENV_API_KEYS = "KVCENTRIC_ROUTER_API_KEYS"
 ENV_ADMIN_KEY = "KVCENTRIC_ROUTER_ADMIN_KEY"

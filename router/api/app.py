@@ -5,14 +5,14 @@ upstream HTTP client, one KV event listener per instance that publishes events, 
 every configured instance once (an instance takes traffic only once a check passed), then
 runs the health/metrics poll loop, and stops them on shutdown.
 
-Endpoints: the OpenAI front (:mod:`kvcentric.router.openai_routes`: ``POST
+Endpoints: the OpenAI front (:mod:`kvcentric.router.api.openai_routes`: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``), the operator's
-(:mod:`kvcentric.router.admin_routes`: ``GET /health``, ``GET /metrics``, ``GET/POST
+(:mod:`kvcentric.router.api.admin_routes`: ``GET /health``, ``GET /metrics``, ``GET/POST
 /instances``, ``DELETE /instances/{name}``), Mooncake's Conductor indexer API
-(:mod:`kvcentric.router.indexer_routes`: ``POST /register``, ``/unregister``, ``/query``,
+(:mod:`kvcentric.router.api.indexer_routes`: ``POST /register``, ``/unregister``, ``/query``,
 ``/query_by_hash``, ``GET /services``, ``/global_view``), ``GET /dashboard``
-(:mod:`kvcentric.router.dashboard`) and ``GET /openapi.json``
-(:mod:`kvcentric.router.openapi`).
+(:mod:`kvcentric.router.ops.dashboard`) and ``GET /openapi.json``
+(:mod:`kvcentric.router.api.openapi`).
 """
 
 from __future__ import annotations
@@ -32,29 +32,29 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.responses import HTMLResponse
 
-from kvcentric.router import api_models, limits
-from kvcentric.router import instances as inst_mod
-from kvcentric.router.admin_routes import admin_routes
-from kvcentric.router.auth import CLIENT_SALT_MAX, SALT_MAX, Authenticator
+from kvcentric.router.api import api_models, limits
+from kvcentric.router.api.admin_routes import admin_routes
+from kvcentric.router.api.auth import CLIENT_SALT_MAX, SALT_MAX, Authenticator
+from kvcentric.router.api.indexer_routes import StandardIndexer, indexer_routes
+from kvcentric.router.api.openai_routes import openai_routes
+from kvcentric.router.api.openapi import build_openapi, docs_page
+from kvcentric.router.api.proxy import Proxy
+from kvcentric.router.api.upstream import Upstreams
+from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.cost_model import Profile, kv_bytes_per_token
-from kvcentric.router.dashboard import dashboard_routes
-from kvcentric.router.indexer_routes import StandardIndexer, indexer_routes
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.instances import Instance
-from kvcentric.router.kv_events import EventListener, EventTranslator, router_binds
-from kvcentric.router.memory import HeapTrimmer, limit_arenas
-from kvcentric.router.metrics import RouterMetrics
-from kvcentric.router.openai_routes import openai_routes
-from kvcentric.router.openapi import build_openapi, docs_page
-from kvcentric.router.peers import PeerSync
-from kvcentric.router.proxy import Proxy
-from kvcentric.router.replication import Replicator
-from kvcentric.router.scheduler import Conductor
-from kvcentric.router.store_events import StoreFeed
-from kvcentric.router.store_view import StoreView
+from kvcentric.router.cost.cost_model import Profile, kv_bytes_per_token
+from kvcentric.router.fleet import instances as inst_mod
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.instances import Instance
+from kvcentric.router.fleet.kv_events import EventListener, EventTranslator, router_binds
+from kvcentric.router.fleet.peers import PeerSync
+from kvcentric.router.fleet.replication import Replicator
+from kvcentric.router.fleet.store_events import StoreFeed
+from kvcentric.router.fleet.store_view import StoreView
+from kvcentric.router.ops.dashboard import dashboard_routes
+from kvcentric.router.ops.memory import HeapTrimmer, limit_arenas
+from kvcentric.router.ops.metrics import RouterMetrics
 from kvcentric.router.tokenize import PromptTokenizer
-from kvcentric.router.upstream import Upstreams
 from kvcentric.stored_layout import stored_block_size
 
 # ZMQ closes a removed instance's event socket on its I/O thread, a moment after the
@@ -63,7 +63,7 @@ from kvcentric.stored_layout import stored_block_size
 # as in use is retried for this long before the POST answers 409.
 REBIND_WAIT_S = 2.0
 
-log = logging.getLogger("router.app")
+log = logging.getLogger("router.api.app")
 
 
 @dataclass

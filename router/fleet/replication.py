@@ -2,7 +2,7 @@
 
 Mooncake's Conductor replicates the hottest prefixes so that their requests do not all
 queue on the instance that holds them. Here a prefix is named, as in
-:class:`router.heat.PrefixHeat`, by its root block. :class:`HotPrefixes` remembers, for
+:class:`router.fleet.heat.PrefixHeat`, by its root block. :class:`HotPrefixes` remembers, for
 recently seen roots, the blocks their requests share (the leading run common to every
 request seen with that root, with its tokens and cache salt). Every
 ``replication.interval_s`` the :class:`Replicator` looks at the hottest prefixes and,
@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from kvcentric.router.instances import Instance
-from kvcentric.router.upstream import Upstreams
+from kvcentric.router.api.upstream import Upstreams
+from kvcentric.router.fleet.instances import Instance
 
 if TYPE_CHECKING:
-    from kvcentric.router.metrics import RouterMetrics
-    from kvcentric.router.scheduler import Conductor
+    from kvcentric.router.conductor import Conductor
+    from kvcentric.router.ops.metrics import RouterMetrics
 
-log = logging.getLogger("router.replication")
+log = logging.getLogger("router.fleet.replication")
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Warmup:
 class Replicator:
     def __init__(self, conductor: Conductor, metrics: RouterMetrics,
                  client: Upstreams | httpx.AsyncClient | None = None) -> None:
-        self.c = conductor
+        self.conductor = conductor
         self.cfg = conductor.cfg.replication
         self.metrics = metrics
         self.client = client
@@ -121,16 +121,16 @@ class Replicator:
 
     def observe(self, hashes: Sequence[bytes], tokens: np.ndarray, salt: str | None) -> None:
         """A user request was routed (called for every one while replication is on)."""
-        if self.cfg.enabled and self.c.block_size is not None:
-            self.prefixes.observe(hashes, tokens, salt, self.c.block_size)
+        if self.cfg.enabled and self.conductor.block_size is not None:
+            self.prefixes.observe(hashes, tokens, salt, self.conductor.block_size)
 
     # ---- deciding (no I/O) ----
     def candidates(self, now: float) -> list[Warmup]:
         """Warm-ups worth starting now, best gain first (at most one per prefix)."""
-        if self.c.block_size is None:
+        if self.conductor.block_size is None:
             return []
         out = []
-        for root, heat in self.c.heat.top(self.cfg.top_prefixes, now):
+        for root, heat in self.conductor.heat.top(self.cfg.top_prefixes, now):
             if heat < self.cfg.min_heat:
                 break
             p = self.prefixes.get(root)
@@ -145,7 +145,7 @@ class Replicator:
     def pick(self, root: bytes, p: SharedPrefix, now: float) -> Warmup | None:
         """The idle instance that would serve ``p``'s requests best if it held ``p``,
         when that beats the best holder by more than ``min_gain``; else None."""
-        c = self.c
+        c = self.conductor
         cands = c.registry.candidates(c.cfg.model, prefill=True)
         mask = 0
         for i in cands:
@@ -192,10 +192,10 @@ class Replicator:
         """Start the best warm-up now, if any is due and allowed; returns it."""
         if len(self.inflight) >= self.cfg.max_inflight:
             return None
-        now = self.c.clock()
+        now = self.conductor.clock()
         for w in self.candidates(now):
-            if self.c.store.enabled:
-                res = await self.c.store.residency(w.prefix.hashes)
+            if self.conductor.store.enabled:
+                res = await self.conductor.store.residency(w.prefix.hashes)
                 if res.run < len(w.prefix.hashes):
                     continue  # a warm-up loads from the store; it would compute instead
             self._start(w, now)
@@ -214,7 +214,7 @@ class Replicator:
         task.add_done_callback(self._tasks.discard)
 
     async def _warm(self, w: Warmup) -> None:
-        c, inst = self.c, w.target
+        c, inst = self.conductor, w.target
         rid = f"warm-{uuid.uuid4().hex}"
         n = len(w.prefix.tokens)
         pred = c.params.load_time_s(len(w.prefix.hashes)) + \

@@ -7,7 +7,7 @@ hold this prefix" and "is it in the store".
 Matching a request is ``O(blocks)`` dictionary lookups whatever the number of instances:
 one walk down the request's chain ANDs the owner bitmasks, and an instance's leading run
 ends where its bit drops out. Residency comes from the engines' KV events where they
-publish them (:mod:`kvcentric.router.kv_events`) and from the router's own bookkeeping (every
+publish them (:mod:`kvcentric.router.fleet.kv_events`) and from the router's own bookkeeping (every
 dispatched prompt's blocks), bounded by an LRU per instance so stale knowledge decays.
 
 Single-threaded: call it from one thread (the router's event loop).

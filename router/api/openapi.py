@@ -1,13 +1,13 @@
 """The router's published OpenAPI document, generated from the models it enforces.
 
-Request bodies come from :mod:`kvcentric.router.api_models` (the same models that
+Request bodies come from :mod:`kvcentric.router.api.api_models` (the same models that
 validate requests) and from the instance spec's fields; every response the router can
 give is listed with its content type: the OpenAI error body for 4xx/5xx, JSON or
 ``text/event-stream`` for completions, Prometheus text for ``/metrics``, HTML for
 ``/dashboard``. With API keys configured, the OpenAI operations and the admin operations
 declare bearer security; with any key configured, so do ``/metrics`` and ``/dashboard``
 (bearer or basic: the admin or the metrics key). ``POST /instances`` publishes
-:data:`kvcentric.router.instance_spec.PATTERNS`, the very patterns the router checks.
+:data:`kvcentric.router.fleet.instance_spec.PATTERNS`, the very patterns the router checks.
 
 ``GET /docs`` (and ``/redoc``) is a self-contained page listing the operations, never
 FastAPI's Swagger UI: that loads its scripts from a CDN (a blank page offline, and a third
@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.instance_spec import PATTERNS, ROLES
+from kvcentric.router.fleet.instance_spec import PATTERNS, ROLES
 
 # One server-sent event (OpenAPI before 3.2: the stream's ``schema`` describes each event);
 # ``data`` is a JSON chunk of the completion, or ``[DONE]`` at the end.

@@ -2,7 +2,7 @@
 
 Parsed once (``ValueError`` names the bad field); the router's other modules take an
 :class:`InstanceSpec` as checked. What is accepted is exactly :data:`PATTERNS` (and
-:data:`ROLES`), the patterns ``POST /instances`` publishes (:mod:`kvcentric.router.openapi`):
+:data:`ROLES`), the patterns ``POST /instances`` publishes (:mod:`kvcentric.router.api.openapi`):
 a body the schema refuses is refused here, and the reverse.
 """
 

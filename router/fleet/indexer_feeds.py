@@ -4,7 +4,7 @@ A registration (``POST /register``, docs/router.md §Indexer API) names a ZMQ pu
 what its events mean: the model, LoRA adapter, tenant, block size, salt and DP rank they
 are scoped by, and the ``instance_id`` requests for those blocks go to. Three wire formats
 arrive the same way, vLLM's three-frame batches ``(topic, seq: u64 BE, msgpack [ts,
-events, dp_rank])`` (:class:`kvcentric.router.kv_events.EventListener` receives them and
+events, dp_rank])`` (:class:`kvcentric.router.fleet.kv_events.EventListener` receives them and
 replays gaps):
 
 - ``vLLM`` and ``SGLang``: tagged maps ``BlockStored`` (``block_hashes``,
@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcentric.router.indexer import GPU, Owner, Scope, TierIndex
-from kvcentric.router.kv_events import EventListener
+from kvcentric.router.fleet.indexer import GPU, Owner, Scope, TierIndex
+from kvcentric.router.fleet.kv_events import EventListener
 from kvcentric.seq_hash import seq_hashes
 
-log = logging.getLogger("router.indexer")
+log = logging.getLogger("router.fleet.indexer")
 
 ENGINE_TYPES = ("vLLM", "SGLang")
 POOL_TYPES = ("Mooncake",)

@@ -1,6 +1,6 @@
 """Instances behind the router: registry, per-instance load bookkeeping, health checks.
 
-An :class:`Instance` owns a slot (its bit in :class:`router.prefix_index.PrefixIndex`),
+An :class:`Instance` owns a slot (its bit in :class:`router.fleet.prefix_index.PrefixIndex`),
 its health, the engine's last ``/metrics`` snapshot and context length (``/v1/models``'
 ``max_model_len``), and the router's in-flight
 bookkeeping: prefills it predicted and has not yet seen finish (``T_queue``) and the
@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvcentric.router.api.upstream import Upstreams
 from kvcentric.router.config import HealthConfig
-from kvcentric.router.engine_metrics import EngineStats, parse_engine_metrics
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.kv_events import EventListener, EventTranslator
-from kvcentric.router.prefix_index import PrefixIndex
-from kvcentric.router.processor import Processor
-from kvcentric.router.upstream import Upstreams
+from kvcentric.router.cost.processor import Processor
+from kvcentric.router.fleet.engine_metrics import EngineStats, parse_engine_metrics
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.kv_events import EventListener, EventTranslator
+from kvcentric.router.fleet.prefix_index import PrefixIndex
 
-log = logging.getLogger("router.instances")
+log = logging.getLogger("router.fleet.instances")
 
 
 @dataclass
@@ -148,7 +148,7 @@ class Registry:
     def __init__(self, index: PrefixIndex, default_blocks: int,
                  sharing: str = "serial", log_interval_s: float = 60.0) -> None:
         """``sharing``: how instances on one ``compute`` share it (``serial`` or ``fair``,
-        :mod:`kvcentric.router.processor`); ``log_interval_s``: a failing instance's
+        :mod:`kvcentric.router.cost.processor`); ``log_interval_s``: a failing instance's
         failures are logged on the first and then at most this often."""
         self.index = index
         self.default_blocks = default_blocks

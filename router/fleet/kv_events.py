@@ -30,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvcentric.hashing import extend_chain, hash_seed, root_hash, tokens_le_u32
 
-log = logging.getLogger("router.kv_events")
+log = logging.getLogger("router.fleet.kv_events")
 MAX_MESSAGE_BYTES = 64 << 20  # far above any step's batch; bounds a hostile peer's memory
 
 

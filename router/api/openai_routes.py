@@ -4,10 +4,10 @@
 One request is admitted in this order, each step refusing before the next costs anything:
 the key (401, headers only), the key's requests in flight (429, before a byte of the body
 is read), the body's size (413, while it is read), its JSON and every field against the
-request models (400, :mod:`kvcentric.router.api_models`), the rendered prompt's characters
+request models (400, :mod:`kvcentric.router.api.api_models`), the rendered prompt's characters
 (before tokenising) and tokens against the context (400 ``context_length_exceeded``,
-:class:`kvcentric.router.limits.Bounds`). Only then is it hashed, decided and forwarded
-(:class:`kvcentric.router.proxy.Proxy`). The in-flight slot is held until the answer is
+:class:`kvcentric.router.api.limits.Bounds`). Only then is it hashed, decided and forwarded
+(:class:`kvcentric.router.api.proxy.Proxy`). The in-flight slot is held until the answer is
 sent, streamed ones included. Every refusal is a :class:`Refused`, turned into a response
 here and nowhere else.
 """
@@ -24,12 +24,12 @@ import numpy as np
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvcentric.router import api_models, limits
-from kvcentric.router.auth import Caller
-from kvcentric.router.errors import Refused
+from kvcentric.router.api import api_models, limits
+from kvcentric.router.api.auth import Caller
+from kvcentric.router.api.errors import Refused
 
 if TYPE_CHECKING:
-    from kvcentric.router.app import RouterState
+    from kvcentric.router.api.app import RouterState
 
 
 def _no_constant(name: str) -> Any:

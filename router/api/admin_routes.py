@@ -3,7 +3,7 @@ metrics key once any key is configured), ``GET/POST /instances`` and
 ``DELETE /instances/{name}`` (the admin key).
 
 ``POST /instances`` accepts exactly what its published schema accepts
-(:data:`kvcentric.router.instance_spec.PATTERNS`); the instance joins out of rotation and
+(:data:`kvcentric.router.fleet.instance_spec.PATTERNS`); the instance joins out of rotation and
 the answer comes after its first health check (``healthy`` in the body says how it went):
 an instance nothing answers at is registered but takes no traffic until it answers.
 """
@@ -17,12 +17,12 @@ import zmq
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from kvcentric.router.errors import Refused, error_response
-from kvcentric.router.instance_spec import InstanceSpec
-from kvcentric.router.openai_routes import json_body
+from kvcentric.router.api.errors import Refused, error_response
+from kvcentric.router.api.openai_routes import json_body
+from kvcentric.router.fleet.instance_spec import InstanceSpec
 
 if TYPE_CHECKING:
-    from kvcentric.router.app import RouterState
+    from kvcentric.router.api.app import RouterState
 
 
 def admin_routes(app: FastAPI, state: RouterState) -> None:

@@ -37,10 +37,10 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvcentric.router.access_config import AuthConfig
-from kvcentric.router.errors import Refused
+from kvcentric.router.api.access_config import AuthConfig
+from kvcentric.router.api.errors import Refused
 
-log = logging.getLogger("router.auth")
+log = logging.getLogger("router.api.auth")
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvcentric-router"'}
 # Basic first: a browser opening /dashboard then asks for the key (any user name)
 _METRICS_CHALLENGE = {"WWW-Authenticate": 'Basic realm="kvcentric-router metrics", '
