@@ -39,8 +39,9 @@ ours and the peers' (:mod:`.slo_fleet`; its flags are in the ``emulator`` group)
 Sweep: unless ``--rates`` is given, rates start at a quarter of a nominal capacity (the
 prefill instances over one uncached prefill of the workload's mean prompt) and grow by
 1.5x; lower rates are added while an arm misses at the lowest, higher ones while an arm
-still holds at the highest (up to ``--max-rates``). Every arm runs every rate with seeds
-``--seed + rep`` (workload and the simulator's noise), ``--reps`` repetitions; rows are
+still holds at the highest (up to ``--max-rates``); then ``--refine`` rounds each add, per
+arm, the geometric middle of the two rates around its crossing. Every arm runs every rate
+with seeds ``--seed + rep`` (workload and the simulator's noise), ``--reps`` repetitions; rows are
 medians with the range. The TTFT CDF and Figure 5's ordering (random > load-balancing >
 local cache-aware > global cache-aware in mean TTFT, global >= 10% below local) are taken
 at 0.8x the best arm's capacity, one run per arm at seed ``--seed``.
@@ -57,6 +58,7 @@ at 0.8x the best capacity)) and PNGs of the effective fraction vs rate and the T
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -189,8 +191,9 @@ class Sweep:
         # (arm, rate) -> one row per repetition
         self.rows: dict[tuple[str, float], list[dict[str, Any]]] = {}
 
-    def measure(self, rate: float) -> None:
-        arms = self.engine.arms
+    def measure(self, rate: float, arms: Sequence[str] | None = None) -> None:
+        """Every repetition of ``arms`` (default all) at ``rate``."""
+        arms = list(self.engine.arms if arms is None else arms)
         for rep in range(self.reps):
             for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # order rotated
                 row, _ = self.engine.point(arm, rate, rep)
@@ -200,7 +203,28 @@ class Sweep:
 
     @property
     def rates(self) -> list[float]:
-        return sorted({r for _, r in self.rows})
+        """The rates every arm ran (the sweep's; refining adds more per arm)."""
+        arms = self.engine.arms
+        return sorted(r for r in {r for _, r in self.rows}
+                      if all((a, r) in self.rows for a in arms))
+
+    def arm_rates(self, arm: str) -> list[float]:
+        return sorted(r for a, r in self.rows if a == arm)
+
+    def refine(self, rounds: int) -> None:
+        """``rounds`` times, each arm runs once more at the geometric middle of the two
+        rates around its crossing (arms sharing a middle run together), so its capacity
+        is interpolated over a gap of ``STEP ** (1 / 2 ** rounds)`` instead of ``STEP``."""
+        for _ in range(rounds):
+            mids: dict[float, list[str]] = {}
+            for arm in self.engine.arms:
+                pts = [(r, self.fraction(arm, r)) for r in self.arm_rates(arm)]
+                for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
+                    if f0 >= cap.THRESHOLD > f1:
+                        mids.setdefault(math.sqrt(r0 * r1), []).append(arm)
+                        break
+            for rate, arms in sorted(mids.items()):
+                self.measure(rate, arms)
 
     def fraction(self, arm: str, rate: float) -> float:
         return statistics.median(r["effective_fraction"] for r in self.rows[(arm, rate)])
@@ -220,7 +244,8 @@ class Sweep:
                 return
 
     def arm(self, arm: str) -> dict[str, Any]:
-        reps = [[self.rows[(arm, r)][k] for r in self.rates] for k in range(self.reps)]
+        reps = [[self.rows[(arm, r)][k] for r in self.arm_rates(arm)]
+                for k in range(self.reps)]
         return cap.arm_capacity(reps)
 
 
@@ -271,6 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])
         sw = Sweep(engine, args.reps, bool(args.rates), args.max_rates)
         sw.run(rates)
+        sw.refine(args.refine)
         arms = engine.arms
         out_arms = {a: sw.arm(a) for a in arms}
         top, top_cap = best(out_arms, arms)
@@ -408,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default=None, help="comma-separated offered rates (req/s)")
     ap.add_argument("--start-rates", type=int, default=8)
     ap.add_argument("--max-rates", type=int, default=14)
+    ap.add_argument("--refine", type=int, default=2,
+                    help="rounds of one more rate per arm inside its crossing")
     ap.add_argument("--slo-ttft-s", type=float, default=None,
                     help=f"default by workload: {SLO_TTFT_S}")
     ap.add_argument("--slo-tbt-s", type=float, default=0.1)

@@ -138,12 +138,18 @@ def test_a_sweep_brackets_every_arms_capacity_and_writes_the_result(tmp_path: Pa
     assert len(rates) >= 3  # two to start, more until every arm's crossing is inside
     for arm in doc["arms"]:
         rows = arm["rows"]
-        assert [r["offered_rps"] for r in rows] == rates
+        own = [r["offered_rps"] for r in rows]
+        assert set(rates) <= set(own) and own == sorted(own)
         assert all(r["reps"] == 2 for r in rows)
         assert rows[0]["effective_fraction"] >= cap.THRESHOLD > rows[-1]["effective_fraction"]
         c = arm["summary"]["capacity_rps"]
         assert arm["summary"]["capacity_found"] == "interpolated"
         assert rates[0] <= c <= rates[-1]
+        # refined twice: the crossing lies between two of its rates 1.5 ** 0.25 apart
+        fr = [r["effective_fraction"] for r in rows]
+        k = next(i for i, f in enumerate(fr) if f < cap.THRESHOLD)
+        assert own[k] / own[k - 1] == pytest.approx(slo_capacity.STEP ** 0.25)
+        assert own[k - 1] <= c <= own[k]
     caps = s["capacity_rps"]
     assert s["best_baseline"] in ("random_nostore", "engine_cache_store")
     assert s["best_ours"] == "kvcentric"
