@@ -38,13 +38,14 @@ ours and the peers' (:mod:`.slo_fleet`; its flags are in the ``emulator`` group)
 
 Sweep: unless ``--rates`` is given, rates start at a quarter of a nominal capacity (the
 prefill instances over one uncached prefill of the workload's mean prompt) and grow by
-1.5x; lower rates are added while an arm misses at the lowest, higher ones while an arm
-still holds at the highest (up to ``--max-rates``); then ``--refine`` rounds each add, per
-arm, the geometric middle of the two rates around its crossing. Every arm runs every rate
-with seeds ``--seed + rep`` (workload and the simulator's noise), ``--reps`` repetitions; rows are
-medians with the range. The TTFT CDF and Figure 5's ordering (random > load-balancing >
-local cache-aware > global cache-aware in mean TTFT, global >= 10% below local) are taken
-at 0.8x the best arm's capacity, one run per arm at seed ``--seed``.
+1.5x; higher rates are added while an arm still holds at the highest, lower ones (down to
+an eighth of the first) while an arm misses at the lowest (up to ``--max-rates``); then
+``--refine`` rounds each add, per arm, the geometric middle of the two rates around its
+crossing. Every arm runs every rate with seeds ``--seed + rep`` (workload and the
+simulator's noise), ``--reps`` repetitions; rows are medians with the range. The TTFT
+CDF and Figure 5's ordering (random > load-balancing > local cache-aware > global
+cache-aware in mean TTFT, global >= 10% below local) are taken at 0.8x the best arm's
+capacity, one run per arm at seed ``--seed``.
 
 Writes ``benchmarks/results/slo_capacity_<workload>_<n>_{sim,emulated}[_quick].json``
 (``arms``: label, ``summary.capacity_rps`` and per-rate ``rows``; ``summary``:
@@ -80,6 +81,7 @@ WORKLOADS = ("conversation", "synthetic", "hotprefix", "agentic")
 OURS = ("kvcentric", "kvcentric_noreject")
 FIGURE5 = ("random_nostore", "least_load_nostore", "local_cache_aware", "kvcentric_noreject")
 STEP = 1.5
+LOWEST_HALVINGS = 3  # how far below the first rate the sweep looks for an arm's crossing
 # TTFT SLO by workload: the traces' and the agent's longest prompts take 5-30 s alone and
 # uncached on this profile, so a tighter SLO would be missed at any load by a few percent
 # of requests whatever the router does; hot-prefix prompts take ~1 s alone
@@ -230,18 +232,27 @@ class Sweep:
         return statistics.median(r["effective_fraction"] for r in self.rows[(arm, rate)])
 
     def run(self, rates: Sequence[float]) -> None:
+        """Measure ``rates``; unless fixed, add a higher rate while an arm still holds at
+        the highest and a lower one while an arm misses at the lowest (down to
+        ``rates[0] / 2 ** LOWEST_HALVINGS``: an arm that misses even there is reported
+        ``below``), each round both, until ``max_rates`` rates are measured."""
         for r in rates:
             self.measure(r)
         if self.fixed:
             return
+        floor = min(rates) / 2 ** LOWEST_HALVINGS
+        arms = self.engine.arms
         while len(self.rates) < self.max_rates:
             low, high = self.rates[0], self.rates[-1]
-            if any(self.fraction(a, low) < cap.THRESHOLD for a in self.engine.arms):
-                self.measure(low / STEP)
-            elif any(self.fraction(a, high) >= cap.THRESHOLD for a in self.engine.arms):
-                self.measure(high * STEP)
-            else:
+            up = any(self.fraction(a, high) >= cap.THRESHOLD for a in arms)
+            down = low / STEP >= floor and any(self.fraction(a, low) < cap.THRESHOLD
+                                               for a in arms)
+            if not (up or down):
                 return
+            if up:
+                self.measure(high * STEP)
+            if down and len(self.rates) < self.max_rates:
+                self.measure(low / STEP)
 
     def arm(self, arm: str) -> dict[str, Any]:
         reps = [[self.rows[(arm, r)][k] for r in self.arm_rates(arm)]

@@ -230,3 +230,27 @@ def test_the_emulated_fleet_sweeps_real_requests_in_emulated_time(tmp_path: Path
         1 - light["engine_hit_share"] - light["store_hit_share"])
     assert 0 < light["miss_share"] < 1
     assert doc["arms"][0]["summary"]["capacity_found"] == "interpolated"
+
+
+class _Fixed:
+    """An engine whose arms hold up to a capacity (``inf``: always, 0: never)."""
+
+    def __init__(self, caps: dict[str, float]) -> None:
+        self.caps = caps
+        self.arms = list(caps)
+
+    def point(self, arm: str, rate: float, rep: int
+              ) -> tuple[dict[str, Any], list[cap.Served]]:
+        f = 1.0 if rate <= self.caps[arm] else 0.5
+        return {"offered_rps": rate, "effective_fraction": f}, []
+
+
+def test_an_arm_that_never_holds_does_not_stop_the_sweep_going_up() -> None:
+    sw = slo_capacity.Sweep(_Fixed({"hopeless": 0.0, "strong": 20.0}), reps=1, fixed=False,
+                            max_rates=14, progress=lambda _: None)
+    sw.run([1.0, 1.5])
+    rates = sw.rates
+    assert min(rates) >= 1.0 / 2 ** slo_capacity.LOWEST_HALVINGS  # it stopped looking down
+    assert max(rates) > 20.0  # and went past the strong arm's capacity
+    assert sw.arm("hopeless")["capacity_found"] == "below"
+    assert sw.arm("strong")["capacity_found"] == "interpolated"
