@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])
         sw = Sweep(engine, args.reps, bool(args.rates), args.max_rates)
         sw.run(rates)
-        sw.refine(args.refine)
+        sw.refine(0 if args.rates else args.refine)  # given rates are swept as given
         arms = engine.arms
         out_arms = {a: sw.arm(a) for a in arms}
         top, top_cap = best(out_arms, arms)
@@ -446,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-rates", type=int, default=8)
     ap.add_argument("--max-rates", type=int, default=14)
     ap.add_argument("--refine", type=int, default=2,
-                    help="rounds of one more rate per arm inside its crossing")
+                    help="rounds of one more rate per arm inside its crossing (not with "
+                         "--rates)")
     ap.add_argument("--slo-ttft-s", type=float, default=None,
                     help=f"default by workload: {SLO_TTFT_S}")
     ap.add_argument("--slo-tbt-s", type=float, default=0.1)
