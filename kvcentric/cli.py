@@ -19,6 +19,7 @@ import sys
 
 from kvcentric.config import StoreConfig, parse_size
 from kvcentric.extras import run_cli
+from kvcentric.store.local.config import socket_path
 
 # a store capacity under this is warned about: it holds at most one block of an 8B model
 TINY_CAPACITY = 64 << 20
@@ -42,9 +43,9 @@ def _store_cfg(args: argparse.Namespace) -> StoreConfig:
     if disk_path or disk_capacity:  # StoreConfig says what else is wrong
         raw["disk"] = {k: v for k, v in (("path", disk_path), ("capacity", disk_capacity)) if v}
     cfg = StoreConfig.from_dict(raw)
-    if args.action == "serve" and cfg.capacity_bytes < TINY_CAPACITY:
+    if args.action == "serve" and cfg.local.capacity_bytes < TINY_CAPACITY:
         print(f"kvcentric store serve: warning: --capacity {args.capacity} is "
-              f"{cfg.capacity_bytes} bytes; a store holds whole blocks, and one 256-token "
+              f"{cfg.local.capacity_bytes} bytes; a store holds whole blocks, and one 256-token "
               f"block of an 8B model is 32 MiB: give it a few GiB (sizes take a unit, e.g. "
               f"--capacity 8gb)", file=sys.stderr)
     return cfg
@@ -60,7 +61,7 @@ def _serve(cfg: StoreConfig) -> int:
     try:
         with launcher.start_lock(cfg):  # refuses a runtime dir not ours to trust
             if launcher.is_running(cfg):
-                print(f"store {cfg.name!r} is already running at {cfg.socket_path}",
+                print(f"store {cfg.name!r} is already running at {socket_path(cfg)}",
                       file=sys.stderr)
                 return 1
     except (StoreUnavailable, OSError) as exc:

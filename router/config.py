@@ -43,6 +43,7 @@ from kvcentric.router.api.access_config import check_positive as _positive
 from kvcentric.router.cost.processor import SHARING
 from kvcentric.router.fleet.instance_spec import InstanceSpec
 from kvcentric.seq_hash import check_seed
+from kvcentric.store.backends import get_backend
 
 __all__ = ["AuthConfig", "LimitsConfig", "RouterConfig", "load_config"]
 ENV_UPSTREAM_KEY = "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"
@@ -429,13 +430,14 @@ def _loopback(host: str) -> bool:
 
 
 def _store(raw: Any) -> StoreConfig | None:
-    """The store as for the connector; the router never starts one and never prefaults."""
+    """The store as for the connector, opened passively (its backend's ``passive``: the
+    router never starts a local coordinator and never prefaults its arena)."""
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
         raise ValueError("store must be a mapping like the connector's store config")
-    merged = {"op_timeout_s": 1.0, **raw, "autostart": False, "prefault": False}
-    return StoreConfig.from_dict(merged)
+    cfg = StoreConfig.from_dict({"op_timeout_s": 1.0, **raw})
+    return get_backend(cfg.backend).passive(cfg)
 
 
 def load_config(path: str | Path) -> RouterConfig:

@@ -81,9 +81,9 @@ def store_cfg(runtime_dir: Path) -> Iterator[StoreConfig]:
     coordinator is now and then descheduled for more than 100 ms (measured at load 5.6:
     6 of 188k calls), which trips the client's breaker, and tests that check what a call
     returns are not about that. tests/store/test_store_hung.py tests the bound itself."""
-    cfg = StoreConfig(name=f"t{uuid.uuid4().hex[:10]}", capacity_bytes=64 << 20,
-                      runtime_dir=runtime_dir, op_timeout_s=10.0,
-                      hot_timeout_s=TEST_HOT_TIMEOUT_S)
+    cfg = StoreConfig.from_dict({"name": f"t{uuid.uuid4().hex[:10]}", "capacity_bytes": 64 << 20,
+                                 "runtime_dir": runtime_dir, "op_timeout_s": 10.0,
+                                 "hot_timeout_s": TEST_HOT_TIMEOUT_S})
     yield cfg
     launcher.stop(cfg)
 

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from kvcentric.config import StoreConfig, parse_size
+from kvcentric.store.local.config import socket_path
 
 
 @pytest.mark.parametrize("raw,want", [(4096, 4096), ("4096", 4096), ("512mb", 512 << 20),
@@ -21,8 +22,8 @@ def test_parse_size_rejects(raw: object) -> None:
 def test_store_config_from_dict() -> None:
     cfg = StoreConfig.from_dict({"name": "a", "capacity": "1gb", "runtime_dir": "/tmp/x",
                                  "op_timeout_s": "2"})
-    assert cfg.capacity_bytes == 1 << 30 and cfg.runtime_dir == Path("/tmp/x")
-    assert cfg.op_timeout_s == 2.0 and cfg.socket_path == Path("/tmp/x/a.sock")
+    assert cfg.local.capacity_bytes == 1 << 30 and cfg.local.runtime_dir == Path("/tmp/x")
+    assert cfg.op_timeout_s == 2.0 and socket_path(cfg) == Path("/tmp/x/a.sock")
     with pytest.raises(ValueError,
                        match=r"unknown keys in store: \[.capcity.\]; known: .*capacity_bytes"):
         StoreConfig.from_dict({"capcity": 1})
@@ -47,7 +48,7 @@ def test_store_config_from_dict() -> None:
 
 def test_runtime_dir_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCENTRIC_RUNTIME_DIR", "/tmp/kvc-env")
-    assert StoreConfig().runtime_dir == Path("/tmp/kvc-env")
+    assert StoreConfig().local.runtime_dir == Path("/tmp/kvc-env")
 
 
 def test_connector_settings() -> None:
@@ -73,7 +74,8 @@ def test_booleans_given_as_strings_are_parsed_not_truthy() -> None:
     from kvcentric.router.config import RouterConfig
     from kvcentric.store.mooncake.config import MooncakeSettings
 
-    assert StoreConfig.from_dict({"verify_checksums": "false", "prefault": "0"}).prefault is False
+    parsed = StoreConfig.from_dict({"verify_checksums": "false", "prefault": "0"})
+    assert parsed.local.prefault is False
     assert StoreConfig.from_dict({"verify_checksums": "yes"}).verify_checksums is True
     s = ConnectorSettings.from_extra_config({"save_decode": "false", "async_copy": "off",
                                              "async_commit": "no", "min_fetch_bytes": "4mb"})
@@ -81,7 +83,8 @@ def test_booleans_given_as_strings_are_parsed_not_truthy() -> None:
     assert s.min_fetch_bytes == 4 << 20 and s.spare_cpu_threads is True
     with pytest.raises(ValueError, match="min_fetch_bytes"):
         ConnectorSettings.from_extra_config({"min_fetch_bytes": 0})
-    assert StoreConfig.from_dict({"shared_index": "off", "lease_ttl_s": 5}).shared_index is False
+    parsed = StoreConfig.from_dict({"shared_index": "off", "lease_ttl_s": 5})
+    assert parsed.local.shared_index is False
     with pytest.raises(ValueError, match="lease_ttl_s"):
         StoreConfig.from_dict({"lease_ttl_s": -1})
     assert MooncakeSettings.from_dict({"ranged_reads": "false"}).ranged_reads is False

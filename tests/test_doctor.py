@@ -26,6 +26,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.doctor import engines, router_checks, stores
 from kvcentric.store import StoreUnavailable, open_store
 from kvcentric.store.local import launcher
+from kvcentric.store.local.config import socket_path
 from kvcentric.store.mooncake.config import MooncakeSettings
 from kvcentric.testing.servers import free_port, stop_group
 
@@ -114,7 +115,7 @@ def test_decode_instances_are_not_probed(tmp_path: Path, store_cfg: StoreConfig)
     url = f"http://127.0.0.1:{free_port()}"
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump({"model": "m", "tokenizer": str(tmp_path), "store": {
-        "name": store_cfg.name, "runtime_dir": str(store_cfg.runtime_dir)},
+        "name": store_cfg.name, "runtime_dir": str(store_cfg.local.runtime_dir)},
         "instances": [{"url": url, "role": "decode"}]}))
     found = {f.check: f for f in doctor.run(doctor.DoctorInputs(None, str(path), url))}
     assert found["layout-signature"].status == "skip"
@@ -178,10 +179,11 @@ def test_engine_url_that_is_not_an_engine() -> None:
 
 # ---- the local store ----
 def test_store_not_running(runtime_dir: Path) -> None:
-    cfg = StoreConfig(name=f"absent{uuid.uuid4().hex[:6]}", runtime_dir=runtime_dir)
+    cfg = StoreConfig.from_dict({"name": f"absent{uuid.uuid4().hex[:6]}",
+                                 "runtime_dir": runtime_dir})
     rc, found = cli("--store", json.dumps({"name": cfg.name, "runtime_dir": str(runtime_dir)}))
     assert rc == 1 and found["store-reachable"]["status"] == "fail"
-    assert not cfg.socket_path.exists(), "the doctor must not start a coordinator"
+    assert not socket_path(cfg).exists(), "the doctor must not start a coordinator"
 
 
 def test_store_running(store_cfg: StoreConfig) -> None:
@@ -196,8 +198,9 @@ def test_store_larger_than_its_shm(runtime_dir: Path) -> None:
     and the doctor says why from the config alone."""
     st = os.statvfs(runtime_dir)
     size = st.f_blocks * st.f_frsize
-    cfg = StoreConfig(name=f"big{uuid.uuid4().hex[:6]}", capacity_bytes=size + (1 << 30),
-                      runtime_dir=runtime_dir, prefault=False)
+    cfg = StoreConfig.from_dict({"name": f"big{uuid.uuid4().hex[:6]}",
+                                 "capacity_bytes": size + (1 << 30), "runtime_dir": runtime_dir,
+                                 "prefault": False})
     with pytest.raises(StoreUnavailable, match="cannot reserve"):
         open_store(cfg)
     assert not launcher.is_running(cfg)

@@ -80,7 +80,8 @@ def test_store_holding_another_layout(engine: Engine) -> None:
     with open_store(engine.store) as s:
         s.clear()
     _foreign_keys(engine.store, "0123456789abcdef")
-    store = json.dumps({"name": engine.store.name, "runtime_dir": str(engine.store.runtime_dir)})
+    store = json.dumps({"name": engine.store.name,
+                        "runtime_dir": str(engine.store.local.runtime_dir)})
     rc, found = cli("--store", store, "--url", engine.server.url)
     assert rc == 1
     f = found["layout-signature"]
@@ -99,7 +100,7 @@ def test_engine_writing_to_another_store(engine: Engine, store_cfg: StoreConfig)
 
 def _router(tmp: Path, engine: Engine, **over: Any) -> str:
     cfg = {"model": "tiny", "tokenizer": engine.model, "store": {
-        "name": engine.store.name, "runtime_dir": str(engine.store.runtime_dir)},
+        "name": engine.store.name, "runtime_dir": str(engine.store.local.runtime_dir)},
         "instances": [{"url": engine.server.url, "role": "both", "name": "e0"}], **over}
     path = tmp / "router.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -27,7 +27,7 @@ def test_store_serve_names_the_missing_flag(flags: list[str], words: str,
 
 def test_a_tiny_store_capacity_is_warned(capsys: pytest.CaptureFixture[str]) -> None:
     args = cli.build_parser().parse_args(["store", "serve", "--capacity", "8"])
-    assert cli._store_cfg(args).capacity_bytes == 8
+    assert cli._store_cfg(args).local.capacity_bytes == 8
     err = capsys.readouterr().err
     assert "warning: --capacity 8 is 8 bytes" in err and "give it a few GiB" in err
     assert "--capacity 8gb" in err

@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         # room for two steps' objects (the kept one and the one in flight), with slack;
         # MLA objects are smaller than the MHA ones this bounds
         need = 4 * args.objects * OBJECT_TOKENS * args.layers * 2 * H * D * 2
-        cfg = StoreConfig(name=f"gpu-{name}", capacity_bytes=need,
-                          runtime_dir=runtime_dir(need), op_timeout_s=30.0)
+        cfg = StoreConfig.from_dict({"name": f"gpu-{name}", "capacity_bytes": need,
+                                     "runtime_dir": runtime_dir(need), "op_timeout_s": 30.0})
         case = Case(name, args.layers, args.objects, cfg)
         try:
             results[name] = measure(case, args.repeats)
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             case.close()
             launcher.stop(cfg)
-            shutil.rmtree(cfg.runtime_dir, ignore_errors=True)
+            shutil.rmtree(cfg.local.runtime_dir, ignore_errors=True)
     floor = best_copy(1 << 30, args.repeats)
     summary: dict[str, float] = {"overlap_slowdown": round(ov["slowdown"], 4)}
     for name, r in results.items():

@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     cache_blocks = 2048 if args.quick else 8192
     model_dir = str(build_model("tiny", Path.cwd() / ".models" / "tiny"))
     tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-router-", dir="/dev/shm"))
-    store_cfg = StoreConfig(name=f"br{uuid.uuid4().hex[:8]}", capacity_bytes=256 << 20,
-                            runtime_dir=tmp, prefault=False)
+    store_cfg = StoreConfig.from_dict({"name": f"br{uuid.uuid4().hex[:8]}",
+                                       "capacity_bytes": 256 << 20, "runtime_dir": tmp,
+                                       "prefault": False})
     rows = []
     try:
         grid = [(t, i, 256, False) for t, i in itertools.product(toks, insts)]

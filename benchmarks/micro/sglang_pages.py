@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, dims, evict in runs:
         geo = geometry(*dims)
         batch = max(1, min(STORAGE_BATCH, (64 * MiB) // geo.payload_bytes))
-        cfg = StoreConfig(name=f"bsg{uuid.uuid4().hex[:8]}",
-                          capacity_bytes=max(16 * MiB, ARENA_BATCHES * batch * geo.object_bytes),
-                          hot_timeout_s=2.0)  # a busy box must not turn a batch into a miss
+        cfg = StoreConfig.from_dict({
+            "name": f"bsg{uuid.uuid4().hex[:8]}",
+            "capacity_bytes": max(16 * MiB, ARENA_BATCHES * batch * geo.object_bytes),
+            "hot_timeout_s": 2.0})  # a busy box must not turn a batch into a miss
         try:
             with open_store(cfg) as store:
                 rows[name] = measure(store, geo, rounds if evict else 4 * rounds, evict)

@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> tuple[Load, list[dict[str, Any]], dict[str,
         stop_group(stub)
         if store_cfg is not None:
             launcher.stop(store_cfg)
-            shutil.rmtree(store_cfg.runtime_dir, ignore_errors=True)  # our mkdtemp
+            shutil.rmtree(store_cfg.local.runtime_dir, ignore_errors=True)  # our mkdtemp
     return load, samples, trace
 
 

@@ -64,6 +64,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import OK, KVStore
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import disk_dir
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import VllmServer, connector_config
 from tests.helpers.waiting import wait_until
@@ -356,13 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     args.disk_dir.mkdir(parents=True, exist_ok=True)
     server, store_cfg = start(args, bpt, str(model_dir))
     cfg = StoreConfig.from_dict(store_cfg)
-    assert cfg.disk is not None and cfg.disk_dir is not None
-    watermark = cfg.disk.high_watermark * cfg.capacity_bytes
+    tier_dir = disk_dir(cfg)
+    assert cfg.local.disk is not None and tier_dir is not None
+    watermark = cfg.local.disk.high_watermark * cfg.local.capacity_bytes
     try:
         store = LocalStore(cfg)
         try:
-            rows = measure(server, store, args.lengths, reps, cfg.capacity_bytes, watermark,
-                           cfg.disk_dir, bpt)
+            rows = measure(server, store, args.lengths, reps, cfg.local.capacity_bytes, watermark,
+                           tier_dir, bpt)
         finally:
             store.close()
     finally:
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     out = args.out or RESULTS / f"tiers{'_quick' if args.quick else ''}.json"
     doc = {"benchmark": "tiers", "reps": reps, "model": "bench (bf16)",
-           "kv_bytes_per_token": bpt, "dram_bytes": cfg.capacity_bytes,
+           "kv_bytes_per_token": bpt, "dram_bytes": cfg.local.capacity_bytes,
            "io": "buffered reads; pages dropped before every disk hit (POSIX_FADV_DONTNEED)",
            "rows": rows, "summary": summary}
     rw.write(out, doc, table=table(rows, summary, reps),

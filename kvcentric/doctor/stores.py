@@ -17,8 +17,9 @@ from kvcentric.store.local.ownership import generation_files
 def diagnosis_config(cfg: StoreConfig) -> StoreConfig:
     """``cfg`` as the doctor opens it: never start a coordinator, never map the arena's
     pages in, fail fast."""
-    return cfg.with_(autostart=False, prefault=False, op_timeout_s=min(cfg.op_timeout_s, 3.0),
-                     reconnect_interval_s=0.0)
+    from kvcentric.store.backends import passive_config
+
+    return passive_config(cfg, 3.0)
 
 
 def check_local_store(cfg: StoreConfig) -> tuple[Finding, dict[str, Any] | None]:
@@ -30,7 +31,7 @@ def check_local_store(cfg: StoreConfig) -> tuple[Finding, dict[str, Any] | None]
             stats = store.stats()
     except (StoreUnavailable, OSError, ValueError) as exc:
         return Finding("store-reachable", FAIL, f"local store {cfg.name!r} in "
-                       f"{cfg.runtime_dir} is not reachable: {exc}",
+                       f"{cfg.local.runtime_dir} is not reachable: {exc}",
                        f"start it (kvcentric store serve --name {cfg.name} --capacity ...) "
                        "or let the engine start it (autostart), and give engines, router "
                        "and doctor the same name and runtime_dir"), None
@@ -58,12 +59,13 @@ def _fs_type(path: Path) -> str:
 def check_shm(cfg: StoreConfig, stats: Mapping[str, Any] | None) -> Finding:
     """The arena's capacity against the tmpfs it lives on: a coordinator reserves its whole
     arena at start and refuses to start when it does not fit (engines then recompute)."""
-    capacity = int(stats["capacity_bytes"]) if stats else cfg.capacity_bytes
-    where = cfg.runtime_dir if cfg.runtime_dir.is_dir() else cfg.runtime_dir.parent
+    capacity = int(stats["capacity_bytes"]) if stats else cfg.local.capacity_bytes
+    runtime_dir = cfg.local.runtime_dir
+    where = runtime_dir if runtime_dir.is_dir() else runtime_dir.parent
     try:
         st = os.statvfs(where)
     except OSError as exc:
-        return Finding("store-shm", FAIL, f"runtime_dir {cfg.runtime_dir}: {exc}",
+        return Finding("store-shm", FAIL, f"runtime_dir {cfg.local.runtime_dir}: {exc}",
                        "create the directory on a memory-backed file system (/dev/shm)")
     size = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize

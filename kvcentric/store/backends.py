@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcentric.store.mooncake.config import MooncakeSettings  # plain dataclasses, no wheel
+from kvcentric.store.local.config import LocalSettings  # plain dataclasses: no client, no wheel
+from kvcentric.store.mooncake.config import MooncakeSettings
 
 if TYPE_CHECKING:
     from kvcentric.config import StoreConfig
@@ -30,9 +31,12 @@ if TYPE_CHECKING:
 
 
 class BackendSettings(Protocol):
-    """What a backend's typed config class provides: a frozen dataclass built once from its
-    ``store.<name>`` mapping (and the environment ``env``, ``os.environ`` when ``None``; only
-    config classes read it) with ``ValueError`` on bad values, and that mapping back."""
+    """What a backend's typed config class provides: a frozen dataclass built once, when the
+    :class:`~kvcentric.config.StoreConfig` is parsed, from its ``store.<name>`` mapping (and
+    the environment ``env``, ``os.environ`` when ``None``; only config classes read it) with
+    ``ValueError`` on bad values, and that mapping back. Its init fields, and the spellings
+    in an optional ``ALIASES`` class mapping, are the keys a config may also give at the
+    top level of the store mapping when it selects this backend."""
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None,
@@ -43,6 +47,10 @@ class BackendSettings(Protocol):
 
 def _no_check(cfg: StoreConfig) -> None:
     return None
+
+
+def _unchanged(cfg: StoreConfig) -> StoreConfig:
+    return cfg
 
 
 def _reachable(cfg: StoreConfig) -> list[Finding]:
@@ -99,6 +107,11 @@ class StoreBackend:
         remove_keys: removes the doctor probe's keys (default: through its client).
         add_commands: adds its ``kvcentric store`` subcommands to an argparse subparsers
             object, or ``None``.
+        instead: what to say of another backend's key given to this one (``store.disk`` to a
+            Mooncake store: use Mooncake's own SSD offload), by key.
+        passive: ``cfg`` as a look that changes nothing opens it (the doctor, the metrics
+            exporter): e.g. the local store's starts no coordinator and maps no arena in
+            (default: unchanged).
     """
 
     name: str
@@ -110,18 +123,13 @@ class StoreBackend:
     list_keys: Callable[[StoreConfig, str, int], list[str]] = _list_keys
     remove_keys: Callable[[StoreConfig, Sequence[str]], None] = _remove_keys
     add_commands: Callable[[argparse._SubParsersAction], None] | None = None  # type: ignore[type-arg]
+    passive: Callable[[StoreConfig], StoreConfig] = _unchanged
+    instead: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", self.name):
             raise ValueError(f"store backend name {self.name!r} must be 1 to 32 lower-case "
                              "letters, digits or '_', starting with a letter")
-
-    def load_settings(self, cfg: StoreConfig, env: Mapping[str, str] | None = None) -> Any:
-        """This backend's typed settings from ``cfg``'s ``store.<name>`` section (``None``
-        for a backend without a settings class)."""
-        if self.settings is None:
-            return None
-        return self.settings.from_mapping(cfg.sections.get(self.name), env)
 
 
 # ---- the built-in backends: thin wrappers, so that their packages load only when used ----
@@ -132,9 +140,8 @@ def _open_local(cfg: StoreConfig, required: bool) -> KVStore:
     return LocalStore(cfg, required)
 
 
-def _check_local(cfg: StoreConfig) -> None:
-    if cfg.capacity_bytes <= 0:
-        raise ValueError("capacity_bytes must be positive")
+def _passive_local(cfg: StoreConfig) -> StoreConfig:
+    return cfg.with_(autostart=False, prefault=False)
 
 
 def _local_doctor(cfg: StoreConfig) -> list[Finding]:
@@ -151,34 +158,17 @@ def _open_mooncake(cfg: StoreConfig, required: bool) -> KVStore:
     return MooncakeStore(cfg)  # type: ignore[no-any-return]
 
 
-def _check_mooncake(cfg: StoreConfig) -> None:
-    if cfg.events is not None:
-        raise ValueError("store.events is the local store's publisher; a Mooncake master "
-                         "publishes its own (enable_kv_events), registered with the "
-                         "router's indexer as type Mooncake")
-    if cfg.disk is not None:
-        raise ValueError("store.disk is the local store's SSD tier; for Mooncake set "
-                         "mooncake.ssd_offload_path (its own SSD offload)")
-
-
 def _mooncake_doctor(cfg: StoreConfig) -> list[Finding]:
-    from kvcentric.doctor.findings import FAIL, Finding
     from kvcentric.doctor.stores import check_mooncake_master, check_transport
 
-    try:
-        settings = BACKENDS["mooncake"].load_settings(cfg)
-    except ValueError as exc:
-        return [Finding("mooncake-config", FAIL, f"Mooncake settings: {exc}",
-                        "fix the store's mooncake mapping or the MOONCAKE_* variables")]
-    return [check_mooncake_master(settings), check_transport(settings)]
+    return [check_mooncake_master(cfg.mooncake), check_transport(cfg.mooncake)]
 
 
 def _mooncake_keys(cfg: StoreConfig, prefix: str, limit: int) -> list[str]:
     # the master's key dump: no Mooncake client (and no segment) joins for a look
     from kvcentric.store.mooncake.http import fetch_keys
 
-    settings = BACKENDS["mooncake"].load_settings(cfg)
-    return [k for k in fetch_keys(settings.metrics_url) if k.startswith(prefix)]
+    return [k for k in fetch_keys(cfg.mooncake.metrics_url) if k.startswith(prefix)]
 
 
 def _mooncake_remove(cfg: StoreConfig, keys: Sequence[str]) -> None:
@@ -192,9 +182,15 @@ def _mooncake_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 BACKENDS: dict[str, StoreBackend] = {
-    "local": StoreBackend("local", _open_local, check=_check_local, doctor_checks=_local_doctor),
+    "local": StoreBackend("local", _open_local, settings=LocalSettings,
+                          doctor_checks=_local_doctor, passive=_passive_local),
     "mooncake": StoreBackend("mooncake", _open_mooncake, settings=MooncakeSettings,
-                             check=_check_mooncake, verify_checksums=True,
+                             verify_checksums=True, instead={
+                                 "events": "a Mooncake master publishes its own KV events "
+                                           "(enable_kv_events), registered with the router's "
+                                           "indexer as type Mooncake",
+                                 "disk": "for Mooncake's own SSD offload set "
+                                         "mooncake.ssd_offload_path"},
                              doctor_checks=_mooncake_doctor, list_keys=_mooncake_keys,
                              remove_keys=_mooncake_remove, add_commands=_mooncake_commands),
 }
@@ -221,6 +217,19 @@ def register_backend(spec: StoreBackend) -> None:
 
     if spec.name in BACKENDS:
         raise ValueError(f"store backend {spec.name!r} is already registered")
-    if spec.name in {f.name for f in fields(StoreConfig)} | {"capacity"}:
+    taken = {f.name for f in fields(StoreConfig)}
+    for other in BACKENDS.values():  # a backend's own keys may be given at the top level
+        if other.settings is not None:
+            taken |= {f.name for f in fields(other.settings)}  # type: ignore[arg-type]
+            taken |= set(getattr(other.settings, "ALIASES", {}))
+    if spec.name in taken:
         raise ValueError(f"store backend {spec.name!r} would shadow the store key of that name")
     BACKENDS[spec.name] = spec
+
+
+def passive_config(cfg: StoreConfig, op_timeout_s: float) -> StoreConfig:
+    """``cfg`` as a look that changes nothing opens it (its backend's :attr:`StoreBackend.
+    passive`), failing fast: calls bounded by ``op_timeout_s`` at most, no breaker wait."""
+    quick = cfg.with_(op_timeout_s=min(cfg.op_timeout_s, op_timeout_s),
+                      reconnect_interval_s=0.0)
+    return BACKENDS[cfg.backend].passive(quick)

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from kvcentric.config import StoreConfig
 from kvcentric.store import KVStore, StoreUnavailable, open_store
+from kvcentric.store.backends import passive_config
 from kvcentric.store.metrics import _METRICS
 
 PREFIX = "kvcentric_store"
@@ -32,8 +33,7 @@ class StoreCollector(Collector):
     """Reads one local store's stats at scrape time (one client, reopened after a loss)."""
 
     def __init__(self, cfg: StoreConfig) -> None:
-        self.cfg = cfg.with_(autostart=False, prefault=False, reconnect_interval_s=0.0,
-                             op_timeout_s=min(cfg.op_timeout_s, 2.0))
+        self.cfg = passive_config(cfg, 2.0)
         self._store: KVStore | None = None
         self._lock = threading.Lock()
 

@@ -71,9 +71,9 @@ def store_config(store_kind: str, mooncake: MooncakeCluster | None,
     if mooncake is not None:
         yield mooncake.store_config()  # checksums are the local store's (rejected here)
         return
-    cfg = StoreConfig(name=f"sg{uuid.uuid4().hex[:10]}", capacity_bytes=64 << 20,
-                      runtime_dir=runtime_dir, verify_checksums=True)
-    yield {"backend": "local", "name": cfg.name, "capacity": cfg.capacity_bytes,
+    cfg = StoreConfig.from_dict({"name": f"sg{uuid.uuid4().hex[:10]}", "capacity_bytes": 64 << 20,
+                                 "runtime_dir": runtime_dir, "verify_checksums": True})
+    yield {"backend": "local", "name": cfg.name, "capacity": cfg.local.capacity_bytes,
            "runtime_dir": str(runtime_dir), "verify_checksums": True}
     launcher.stop(cfg)
 
@@ -180,8 +180,8 @@ def test_clear_removes_only_this_key_space(harness: Harness,
 
 
 def _local(cfg: StoreConfig) -> dict[str, Any]:
-    return {"name": cfg.name, "capacity": cfg.capacity_bytes,
-            "runtime_dir": str(cfg.runtime_dir), "op_timeout_s": 2.0,
+    return {"name": cfg.name, "capacity": cfg.local.capacity_bytes,
+            "runtime_dir": str(cfg.local.runtime_dir), "op_timeout_s": 2.0,
             "hot_timeout_s": cfg.hot_timeout_s}
 
 

@@ -23,6 +23,7 @@ import pytest
 from kvcentric.config import StoreConfig, parse_size
 from kvcentric.store import open_store
 from kvcentric.store.local import launcher
+from kvcentric.store.local.config import disk_dir
 from tests.helpers.sglang_harness import Harness
 from tests.helpers.waiting import wait_until
 
@@ -94,7 +95,7 @@ def test_sglang_settings_carry_the_disk_tier(through_disk: dict[str, Any],
     st = through_disk["wrote"]["stats"]  # the coordinator the backend started
     assert st["disk_capacity_bytes"] == parse_size(disk_store["disk"]["capacity"])
     assert st["capacity_bytes"] == parse_size(DRAM)
-    dirs = StoreConfig.from_dict(disk_store).disk_dir
+    dirs = disk_dir(StoreConfig.from_dict(disk_store))
     assert dirs is not None and any(dirs.rglob("*.kvc")), "no file in the disk tier"
 
 

@@ -217,8 +217,8 @@ def test_engine_and_store_configs(path: Path) -> None:
     for wl, c, words in found:
         store, _ = _store(words)
         if store.backend == "local":
-            _memory_mount(wl.template, c, store.runtime_dir)
-            assert not store.autostart, "the store sidecar owns the coordinator"
+            _memory_mount(wl.template, c, store.local.runtime_dir)
+            assert not store.local.autostart, "the store sidecar owns the coordinator"
     for wl, c in containers(docs):
         words = argv(c)
         if words[:3] == ["kvcentric", "store", "serve"]:
@@ -254,9 +254,13 @@ def test_router_config_matches_engines(path: Path) -> None:
             store, kv = _store(engine[2])
             assert kv["kv_role"] == KV_ROLES[inst.role], inst.url
             assert flag(engine[2], "--served-model-name") == cfg.model
-            assert cfg.store is not None and (cfg.store.backend, cfg.store.name,
-                                              cfg.store.runtime_dir) == (
-                store.backend, store.name, store.runtime_dir)
+            assert cfg.store is not None
+            assert (cfg.store.backend, cfg.store.name) == (store.backend, store.name)
+            if store.backend == "local":  # the same coordinator: its runtime dir
+                assert cfg.store.local.runtime_dir == store.local.runtime_dir
+            else:  # the same Mooncake cluster: its master
+                assert (cfg.store.mooncake.master_server_address
+                        == store.mooncake.master_server_address)
             listed.append(host if host != POD_IP else f"{POD_IP}:{url.port}")
         expected = []
         for ewl, _, ewords in engines(docs):

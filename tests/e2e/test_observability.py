@@ -151,7 +151,7 @@ def test_store_exporter_follows_its_store(store_cfg: StoreConfig, tmp_path: Path
     open_store(store_cfg).close()  # starts its coordinator
     port = free_port()
     proc = spawn([sys.executable, "-m", "kvcentric.cli", "store", "exporter", "--name",
-                   store_cfg.name, "--runtime-dir", str(store_cfg.runtime_dir), "--port",
+                   store_cfg.name, "--runtime-dir", str(store_cfg.local.runtime_dir), "--port",
                    str(port)], tmp_path / "exporter.log")
     url = f"http://127.0.0.1:{port}/metrics"
     try:

@@ -112,7 +112,8 @@ def test_cuda_worker_pins_the_store_arena_and_stages_copies(store: StoreConfig) 
     w = worker(store, "flash_attn", kv)
     try:
         path = w._path
-        assert path.pinner is not None and path.pinner.registered_bytes >= store.capacity_bytes
+        assert path.pinner is not None
+        assert path.pinner.registered_bytes >= store.local.capacity_bytes
         assert path.ordering is not None and path.kernel.block_dim == 1
         assert path.kernel.staged  # gathered in HBM, one DMA per object and layer
         assert path.kernel.pack_impl == path.kernel.unpack_impl == "auto"  # torch in HBM

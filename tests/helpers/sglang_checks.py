@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
+from kvcentric.store.local.config import disk_dir
 from tests.helpers.sglang_pool import fill_pages, indices, make_pool, page_bytes
 from tests.helpers.sglang_setup import create, page_keys, storage_config
 
@@ -416,11 +417,11 @@ def check_shipped_config(store: dict[str, Any], path: str) -> None:
 def check_disk_settings(store: dict[str, Any]) -> None:
     """The ``store.disk`` section reaches the backend's store config as a ``DiskConfig``;
     a bad one is a ``ValueError`` when SGLang's factory builds the backend."""
-    from kvcentric.config import DiskConfig
+    from kvcentric.store.local.config import DiskConfig
 
     backend = create(store, model="disk-settings")
     _eq(backend.settings.store.disk, DiskConfig.from_dict(store["disk"]), "store.disk")
-    _eq(backend.settings.store.disk_dir, StoreConfig.from_dict(store).disk_dir, "disk_dir")
+    _eq(disk_dir(backend.settings.store), disk_dir(StoreConfig.from_dict(store)), "disk_dir")
     backend.close()
     disk = store["disk"]
     for bad in ({**disk, "bogus": 1}, {"path": disk["path"]}, {**disk, "capacity": 0},

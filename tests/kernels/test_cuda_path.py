@@ -88,7 +88,7 @@ def test_local_store_arena_registered_then_unregistered_before_unmap(
     pinner = HostPinner(log.runtime())
     store = open_store(replace(store_cfg, reconnect_interval_s=0.1))
     store.pin_host_memory(pinner)
-    assert pinner.registered_bytes == store_cfg.capacity_bytes
+    assert pinner.registered_bytes == store_cfg.local.capacity_bytes
     (kind, first, was_mapped), = log.calls
     assert kind == "register" and was_mapped
     # a restarted coordinator makes a new arena: the old one is unregistered while still
@@ -98,7 +98,7 @@ def test_local_store_arena_registered_then_unregistered_before_unmap(
     assert wait_until(lambda: store.batch_put_from(["k"], [src.data_ptr()], [64]) == [0], 30)
     kinds = [(k, m) for k, _, m in log.calls]
     assert kinds == [("register", True), ("unregister", True), ("register", True)]
-    assert log.calls[1][1] == first and pinner.registered_bytes == store_cfg.capacity_bytes
+    assert log.calls[1][1] == first and pinner.registered_bytes == store_cfg.local.capacity_bytes
     store.close()
     assert log.calls[-1][0] == "unregister" and log.calls[-1][2]  # still mapped then
     assert pinner.registered_bytes == 0

@@ -398,7 +398,7 @@ def test_store_hits_count_for_every_instance(tiny_dir: str, tokenizer: PromptTok
         keys = KeySpace("tiny", "00000000000000aa").keys(hashes)
         assert st.batch_put_from(keys, [buf.ctypes.data] * 3, [64] * 3) == [0, 0, 0]
     ups = Upstreams()
-    store = {"name": store_cfg.name, "runtime_dir": str(store_cfg.runtime_dir)}
+    store = {"name": store_cfg.name, "runtime_dir": str(store_cfg.local.runtime_dir)}
 
     async def fn(c: httpx.AsyncClient) -> list[str]:
         got = []

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvcentric.config import DiskConfig, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.hashing import KeySpace, TailRef, block_hashes, hash_seed
 from kvcentric.router import cli as router_cli
 from kvcentric.router.conductor import Conductor
@@ -34,6 +34,7 @@ from kvcentric.router.fleet.prefix_index import PrefixIndex
 from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.store import Residency, open_store
 from kvcentric.store.local import launcher
+from kvcentric.store.local.config import DiskConfig
 from tests.helpers.disk import device_dir
 from tests.helpers.waiting import wait_until
 
@@ -49,7 +50,8 @@ def toks(seed: int, n: int) -> list[int]:
 def test_example_config_parses() -> None:
     cfg = load_config(REPO / "configs" / "router.yaml")
     assert cfg.model == "tiny" and len(cfg.instances) == 2
-    assert cfg.store is not None and cfg.store.autostart is False and not cfg.store.prefault
+    assert cfg.store is not None
+    assert cfg.store.local.autostart is False and not cfg.store.local.prefault
     assert cfg.instances[0].name == "127.0.0.1:8100" and cfg.instances[0].can_decode
     assert cfg.cost.store_bandwidth_gbps == 5 and cfg.cost.disk_bandwidth_gbps == 2
 
@@ -289,7 +291,8 @@ def test_store_view_leading_run_with_ttl(store_cfg: StoreConfig) -> None:
 
 
 def test_store_view_survives_a_missing_store(tmp_path: Path) -> None:
-    cfg = StoreConfig(name="nothere", runtime_dir=tmp_path, autostart=False, prefault=False)
+    cfg = StoreConfig.from_dict({"name": "nothere", "runtime_dir": tmp_path, "autostart": False,
+                                 "prefault": False})
     view = StoreView(cfg, "tiny", layout_sig="0123456789abcdef")
     hashes = block_hashes(toks(9, 512), 256, hash_seed("tiny"))
     assert view.query(hashes) == 0 and view.errors == 1

@@ -23,6 +23,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import OK, StoreUnavailable, open_store
 from kvcentric.store.local import gate, launcher, ownership, wire
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import socket_path, token_path
 from tests.store.store_contract import put
 
 MB = 1 << 20
@@ -41,7 +42,7 @@ def store(store_cfg: StoreConfig) -> Iterator[LocalStore]:
 def _raw(cfg: StoreConfig) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
-    sock.connect(str(cfg.socket_path))
+    sock.connect(str(socket_path(cfg)))
     return sock
 
 
@@ -62,7 +63,7 @@ def test_admin_ops_without_the_token_close_only_that_connection(
     pid = store.stats()["pid"]
     arena = ownership.generation_files(store_cfg, "arena")
     why = _refused_then_closed(_raw(store_cfg), request_)
-    assert str(store_cfg.token_path) in why and "token" in why
+    assert str(token_path(store_cfg)) in why and "token" in why
     assert store.batch_exists(["a", "b"]) == 2  # nothing cleared, not shut down
     assert store.stats()["pid"] == pid and launcher.is_running(store_cfg)
     assert ownership.generation_files(store_cfg, "arena") == arena
@@ -83,7 +84,7 @@ def test_a_long_pin_without_the_token_is_refused(store: LocalStore,
 
 
 def test_with_the_token_admin_ops_work(store: LocalStore, store_cfg: StoreConfig) -> None:
-    st = os.stat(store_cfg.token_path, follow_symlinks=False)
+    st = os.stat(token_path(store_cfg), follow_symlinks=False)
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
     sock = _raw(store_cfg)
     sock.sendall(wire.encode(["auth", gate.read_token(store_cfg)]))
@@ -101,7 +102,7 @@ def test_with_the_token_admin_ops_work(store: LocalStore, store_cfg: StoreConfig
 def test_stop_reads_the_token_and_refuses_a_planted_one(store_cfg: StoreConfig) -> None:
     s = open_store(store_cfg)
     s.close()
-    token = store_cfg.token_path
+    token = token_path(store_cfg)
     real = token.read_text()
     planted = token.with_name("elsewhere")
     planted.write_text(real)
@@ -110,7 +111,7 @@ def test_stop_reads_the_token_and_refuses_a_planted_one(store_cfg: StoreConfig) 
     with pytest.raises(StoreUnavailable, match="symlink"):
         launcher.stop(store_cfg)
     cli = subprocess.run([sys.executable, "-m", "kvcentric.cli", "store", "stop", "--name",
-                          store_cfg.name, "--runtime-dir", str(store_cfg.runtime_dir)],
+                          store_cfg.name, "--runtime-dir", str(store_cfg.local.runtime_dir)],
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 1 and "symlink" in cli.stderr
     assert launcher.is_running(store_cfg)
@@ -119,7 +120,7 @@ def test_stop_reads_the_token_and_refuses_a_planted_one(store_cfg: StoreConfig) 
     os.write(fd, real.encode())
     os.close(fd)
     cli = subprocess.run([sys.executable, "-m", "kvcentric.cli", "store", "stop", "--name",
-                          store_cfg.name, "--runtime-dir", str(store_cfg.runtime_dir)],
+                          store_cfg.name, "--runtime-dir", str(store_cfg.local.runtime_dir)],
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0 and "stopped" in cli.stdout
     assert not launcher.is_running(store_cfg) and not token.exists()

@@ -12,13 +12,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from kvcentric.config import StoreConfig, parse_fields
 from kvcentric.store import ERR_INVALID, ERR_NO_SPACE, ERR_NOT_FOUND, OK, KVStore, open_store
 from kvcentric.store.backends import BACKENDS, StoreBackend, get_backend, register_backend
+from kvcentric.store.mooncake.config import MooncakeSettings
 from tests.store.store_contract import StoreContract, put
 
 # ---- a whole backend, as a new package would hold it ----
@@ -26,7 +27,10 @@ from tests.store.store_contract import StoreContract, put
 
 @dataclass(frozen=True)
 class ToySettings:
-    """The toy backend's ``store.toy`` section."""
+    """The toy backend's ``store.toy`` section (its keys may also be given at the top level of
+    a store mapping that selects it, under these names or the ``ALIASES``)."""
+
+    ALIASES: ClassVar[Mapping[str, str]] = {"capacity": "capacity_bytes"}
 
     capacity_bytes: int = 32 << 20
 
@@ -37,7 +41,7 @@ class ToySettings:
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None,
                      env: Mapping[str, str] | None = None) -> ToySettings:
-        return cls(**parse_fields(cls, raw, "store.toy", aliases={"capacity": "capacity_bytes"},
+        return cls(**parse_fields(cls, raw, "store.toy", aliases=cls.ALIASES,
                                   sizes={"capacity_bytes"}))
 
     def to_mapping(self) -> dict[str, Any]:
@@ -54,7 +58,7 @@ class ToyStore(KVStore):
 
     @classmethod
     def open(cls, cfg: StoreConfig, required: bool) -> ToyStore:
-        return cls(BACKENDS["toy"].load_settings(cfg).capacity_bytes)
+        return cls(cfg.settings.capacity_bytes)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         return next((i for i, k in enumerate(keys) if k not in self.objs), len(keys))
@@ -132,8 +136,13 @@ class TestToyContract(StoreContract):
 
 def test_toy_section_is_parsed_by_its_own_dataclass() -> None:
     cfg = StoreConfig.from_dict(TOY)
-    assert cfg.sections == {"toy": {"capacity": "16mb"}} and not cfg.verify_checksums
-    assert BACKENDS["toy"].load_settings(cfg) == ToySettings(16 << 20)
+    assert cfg.sections == {"toy": ToySettings(16 << 20)} and not cfg.verify_checksums
+    assert cfg.settings == ToySettings(16 << 20)
+    assert StoreConfig.from_dict({"backend": "toy", "capacity": "8mb"}).settings == ToySettings(
+        8 << 20)  # its own keys at the top level, as a local store's are given
+    assert StoreConfig.from_dict({"backend": "toy"}).settings == ToySettings()
+    with pytest.raises(ValueError, match="at the top level or in store.toy, not both"):
+        StoreConfig.from_dict({"backend": "toy", "capacity": "8mb", "toy": {}})
     with pytest.raises(ValueError, match=r"unknown keys in store\.toy: \['size'\]"):
         open_store({"backend": "toy", "toy": {"size": 1}})
     with pytest.raises(ValueError, match="store.toy.capacity must be positive"):
@@ -145,10 +154,12 @@ def test_unknown_backends_and_sections_are_named(monkeypatch: pytest.MonkeyPatch
                                          r"'mooncake' or 'toy'"):
         StoreConfig.from_dict({"backend": "nope"})
     monkeypatch.delitem(BACKENDS, "toy")
-    with pytest.raises(ValueError, match=r"unknown keys in store: \['toy'\]"):
+    with pytest.raises(ValueError, match=r"unknown store backend 'toy'"):
         StoreConfig.from_dict(TOY)
-    with pytest.raises(ValueError, match="unknown keys in store: \\['local'\\]"):
-        StoreConfig.from_dict({"local": {}})  # local takes no section: its fields are top-level
+    with pytest.raises(ValueError, match=r"unknown keys in store: \['toy'\]"):
+        StoreConfig.from_dict({"toy": TOY["toy"]})
+    with pytest.raises(ValueError, match=r"unknown keys in store: \['runtime_dir'\]"):
+        StoreConfig.from_dict({"backend": "mooncake", "runtime_dir": "/tmp"})  # a local key
     with pytest.raises(ValueError, match="unknown store backend 'nope'; use 'local' or "
                                          "'mooncake'"):
         get_backend("nope")
@@ -204,16 +215,33 @@ def test_local_config_round_trips_through_the_launcher(tmp_path: Path) -> None:
     raw = json.loads(config_json(cfg))
     assert StoreConfig.from_dict(raw) == cfg
     assert StoreConfig.from_dict(json.loads(config_json(StoreConfig()))) == StoreConfig()
-    assert raw["disk"]["seal_key"] == "k" * 16  # the launcher sends it on a pipe
+    assert raw["local"]["disk"]["seal_key"] == "k" * 16  # the launcher sends it on a pipe
+    assert set(raw) == {"backend", "name", "verify_checksums", "op_timeout_s", "hot_timeout_s",
+                        "min_transfer_rate", "reconnect_interval_s", "local"}
+    # the same keys in the local store's own section, and changed through with_
+    assert StoreConfig.from_dict({"name": "rt", "hot_timeout_s": 0.5,
+                                  "local": raw["local"]}) == cfg
+    moved = cfg.with_(runtime_dir=tmp_path / "x", hot_timeout_s=0.25)
+    assert moved.local.runtime_dir == tmp_path / "x" and moved.hot_timeout_s == 0.25
+    assert moved.local.disk == cfg.local.disk and cfg.local.runtime_dir == tmp_path
+    with pytest.raises(ValueError, match=r"\['master_server_address'\] are not all keys of a "
+                                         "local store"):
+        cfg.with_(master_server_address="10.0.0.1:5000")
 
 
 def test_mooncake_config_round_trips_through_its_dataclass() -> None:
     cfg = StoreConfig.from_dict({"backend": "mooncake", "mooncake": {
         "use_env": False, "master_server_address": "10.0.0.1:5000", "protocol": "RDMA",
         "global_segment_size": "32mb", "preferred_segment": "local"}})
-    assert cfg.verify_checksums and cfg.mooncake["protocol"] == "RDMA"
-    settings = BACKENDS["mooncake"].load_settings(cfg, env={"MOONCAKE_REPLICA_NUM": "3"})
-    assert settings.protocol == "rdma" and settings.replica_num == 1  # use_env: false
+    assert cfg.verify_checksums and cfg.mooncake.protocol == "rdma"
+    assert cfg.settings is cfg.mooncake and cfg.mooncake.global_segment_size == 32 << 20
     again = StoreConfig.from_dict(cfg.to_mapping())
     assert again == cfg and again.mooncake == cfg.mooncake
+    settings = MooncakeSettings.from_mapping({"use_env": False}, env={"MOONCAKE_REPLICA_NUM": "3"})
+    assert settings.replica_num == 1  # use_env: false
+    with pytest.raises(ValueError, match="a mooncake store: it has no local settings"):
+        cfg.local  # noqa: B018
+    with pytest.raises(ValueError, match="store.disk is not a setting of a mooncake store: "
+                                         "for Mooncake's own SSD offload set mooncake.ssd_"):
+        StoreConfig.from_dict({"backend": "mooncake", "disk": {"path": "/tmp", "capacity": 1}})
     assert type(settings).from_mapping(settings.to_mapping(), env={}) == settings

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcentric.config import DiskConfig, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_NO_SPACE, ERR_NOT_FOUND, OK, open_store
 from kvcentric.store.local import launcher, tiered
+from kvcentric.store.local.config import DiskConfig
 from kvcentric.store.local.demoter import WriteDone, WriteJob
 from kvcentric.store.local.disk import DATA_OFFSET
 from kvcentric.store.local.holdback import POLL_S, Holdback
@@ -157,10 +158,10 @@ def test_disk_config_validates_the_holdback_knobs(tmp_path: Path) -> None:
     assert DiskConfig(tmp_path, MB, high_watermark=0.8).dirty_fraction == 0.8
     parsed = StoreConfig.from_dict({"disk": {"path": str(tmp_path), "capacity": "1mb",
                                              "dirty_limit": 0.7, "put_wait_s": "0.01"}})
-    assert parsed.disk is not None and parsed.disk.dirty_fraction == 0.7
-    assert parsed.disk.put_wait_s == 0.01
+    assert parsed.local.disk is not None and parsed.local.disk.dirty_fraction == 0.7
+    assert parsed.local.disk.put_wait_s == 0.01
     again = StoreConfig.from_dict(json.loads(launcher.config_json(parsed)))
-    assert again.disk == parsed.disk  # the coordinator gets them
+    assert again.local.disk == parsed.local.disk  # the coordinator gets them
     for bad, why in (({"dirty_limit": 0.1, "high_watermark": 0.2}, "dirty_limit"),
                      ({"dirty_limit": 1.5}, "dirty_limit"), ({"put_wait_s": -1}, "put_wait_s"),
                      ({"put_wait_s": 5}, "put_wait_s"), ({"put_wait_s": "nan"}, "put_wait_s"),

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvcentric.config import DiskConfig, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import DiskConfig, disk_dir, socket_path
 from kvcentric.store.local.disk import DATA_OFFSET
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
@@ -32,10 +33,10 @@ MB = 1 << 20
 
 
 def as_dict(cfg: StoreConfig) -> dict[str, Any]:
-    assert cfg.disk is not None
-    return {"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-            "runtime_dir": str(cfg.runtime_dir), "verify_checksums": cfg.verify_checksums,
-            "disk": {"path": str(cfg.disk.path), "capacity": cfg.disk.capacity_bytes}}
+    assert cfg.local.disk is not None
+    return {"name": cfg.name, "capacity_bytes": cfg.local.capacity_bytes,
+            "runtime_dir": str(cfg.local.runtime_dir), "verify_checksums": cfg.verify_checksums,
+            "disk": {"path": str(cfg.local.disk.path), "capacity": cfg.local.disk.capacity_bytes}}
 
 
 @pytest.fixture
@@ -89,9 +90,9 @@ def _settled(store: LocalStore) -> bool:
 
 
 def _file_of(cfg: StoreConfig, key: str) -> Path:
-    assert cfg.disk_dir is not None
+    assert disk_dir(cfg) is not None
     h = xxhash.xxh3_128_hexdigest(key.encode())
-    (path,) = (cfg.disk_dir / h[:2]).glob(f"{h}-*.kvc")
+    (path,) = (disk_dir(cfg) / h[:2]).glob(f"{h}-*.kvc")
     return path
 
 
@@ -99,9 +100,9 @@ def _file_of(cfg: StoreConfig, key: str) -> Path:
 def test_disk_config_parses_and_checks_the_file_system(tmp_path: Path) -> None:
     cfg = StoreConfig.from_dict({"capacity": "16mb",
                                  "disk": {"path": str(tmp_path / "d"), "capacity": "1mb"}})
-    assert cfg.disk == DiskConfig(tmp_path / "d", 1 * MB)
-    assert cfg.disk_dir == tmp_path / "d" / "default"
-    assert StoreConfig.from_dict({"capacity": "16mb"}).disk is None  # today's behaviour
+    assert cfg.local.disk == DiskConfig(tmp_path / "d", 1 * MB)
+    assert disk_dir(cfg) == tmp_path / "d" / "default"
+    assert StoreConfig.from_dict({"capacity": "16mb"}).local.disk is None  # today's behaviour
     (tmp_path / "file").write_text("x")
     for bad, why in (({"path": str(tmp_path / "file" / "d"), "capacity": "1mb"}, "directory"),
                      ({"path": str(tmp_path), "capacity": "1000tb"}, "free space"),
@@ -112,7 +113,7 @@ def test_disk_config_parses_and_checks_the_file_system(tmp_path: Path) -> None:
             StoreConfig.from_dict({"disk": bad})
     # the coordinator gets the disk tier through the launcher's JSON
     again = StoreConfig.from_dict(json.loads(launcher.config_json(cfg)))
-    assert again.disk == cfg.disk
+    assert again.local.disk == cfg.local.disk
 
 
 # ---- tiers ----
@@ -167,7 +168,7 @@ def test_multiprocess_stress_with_disk(disk_cfg: StoreConfig) -> None:
     assert _wait(lambda: _settled(monitor))
     st = monitor.stats()
     monitor.close()
-    assert peak <= cfg.capacity_bytes
+    assert peak <= cfg.local.capacity_bytes
     assert sum(r["bad"] for r in results) == 0
     assert sum(r["gets"] for r in results) > 100
     assert st["demotions"] > 50 and st["disk_hits"] > 50 and st["promotions"] > 0, st
@@ -226,7 +227,7 @@ def test_disk_full_for_real_drops_counted_and_serves(store: LocalStore) -> None:
 def test_disk_capacity_bound_evicts_leaves_from_disk(disk_cfg: StoreConfig) -> None:
     # a disk (8 MiB) smaller than DRAM (16 MiB) and late write-back: the disk fills with
     # disk-only objects, whose leaves are what the bound evicts
-    cfg = disk_cfg.with_(disk=DiskConfig(disk_cfg.disk.path, 8 * MB,  # type: ignore[union-attr]
+    cfg = disk_cfg.with_(disk=DiskConfig(disk_cfg.local.disk.path, 8 * MB,  # type: ignore[union-attr]
                                          high_watermark=0.8))
     with open_store(cfg) as s:
         assert isinstance(s, LocalStore)
@@ -236,7 +237,7 @@ def test_disk_capacity_bound_evicts_leaves_from_disk(disk_cfg: StoreConfig) -> N
         st = s.stats()
         assert st["disk_used_bytes"] <= 8 * MB and st["disk_evictions"] > 0, st
         assert s.batch_exists(keys[-4:]) == 4
-        root = cfg.disk_dir
+        root = disk_dir(cfg)
         assert root is not None  # evicted files are unlinked by the I/O thread, soon after
         assert _wait(lambda: sum(f.stat().st_size for f in root.rglob("*.kvc")) <= 8 * MB)
 
@@ -245,7 +246,7 @@ def test_unwritable_disk_dir_is_counted_and_served_around(store: LocalStore,
                                                           disk_cfg: StoreConfig) -> None:
     keys = _fill(store, "uw", 150, paced=True)
     assert _wait(lambda: _settled(store))
-    root = disk_cfg.disk_dir
+    root = disk_dir(disk_cfg)
     assert root is not None
     root.rename(root.with_name("moved"))
     root.write_text("not a directory")  # every later write fails, even for root
@@ -309,7 +310,7 @@ def test_store_serve_command_runs_the_disk_tier(store_cfg: StoreConfig, tmp_path
     foreground coordinator demotes what its DRAM cannot hold; a half-given tier is refused
     with a message."""
     base = [sys.executable, "-m", "kvcentric.cli", "store", "serve", "--name", store_cfg.name,
-            "--runtime-dir", str(store_cfg.runtime_dir), "--capacity", "16mb"]
+            "--runtime-dir", str(store_cfg.local.runtime_dir), "--capacity", "16mb"]
     bad = subprocess.run(base + ["--disk-capacity", "1gb"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--disk-capacity needs --disk-path" in bad.stderr
@@ -318,7 +319,7 @@ def test_store_serve_command_runs_the_disk_tier(store_cfg: StoreConfig, tmp_path
                                     "256mb"], stderr=subprocess.DEVNULL, start_new_session=True)
     cfg = store_cfg.with_(capacity_bytes=16 * MB, autostart=False)
     try:
-        assert _wait(lambda: cfg.socket_path.exists() or proc.poll() is not None)
+        assert _wait(lambda: socket_path(cfg).exists() or proc.poll() is not None)
         with open_store(cfg) as s:
             assert isinstance(s, LocalStore)
             keys = _fill(s, "serve", 256, paced=True)  # ~40 MiB through 16 MiB of DRAM

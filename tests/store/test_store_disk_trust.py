@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvcentric.config import DiskConfig, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store import OK, StoreUnavailable, open_store
 from kvcentric.store.local import disk, launcher, ownership
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import DiskConfig, disk_dir
 from tests.helpers import other_user
 from tests.helpers.payload import payload
 from tests.helpers.waiting import wait_until
@@ -67,9 +68,9 @@ def write_back(cfg: StoreConfig, keys: list[str]) -> None:
 
 
 def file_of(cfg: StoreConfig, key: str) -> Path:
-    assert cfg.disk_dir is not None
+    assert disk_dir(cfg) is not None
     h = xxhash.xxh3_128_hexdigest(key.encode())
-    (path,) = (cfg.disk_dir / h[:2]).glob(f"{h}-*.kvc")
+    (path,) = (disk_dir(cfg) / h[:2]).glob(f"{h}-*.kvc")
     return path
 
 
@@ -81,11 +82,11 @@ def restarted(cfg: StoreConfig) -> LocalStore:
 
 
 def serve(cfg: StoreConfig) -> subprocess.CompletedProcess[str]:
-    assert cfg.disk is not None
+    assert cfg.local.disk is not None
     return subprocess.run(
         [sys.executable, "-m", "kvcentric.cli", "store", "serve", "--name", cfg.name,
-         "--runtime-dir", str(cfg.runtime_dir), "--capacity", "16mb", "--disk-path",
-         str(cfg.disk.path), "--disk-capacity", "64mb"],
+         "--runtime-dir", str(cfg.local.runtime_dir), "--capacity", "16mb", "--disk-path",
+         str(cfg.local.disk.path), "--disk-capacity", "64mb"],
         capture_output=True, text=True, timeout=60)
 
 
@@ -97,7 +98,7 @@ def test_a_tier_directory_another_user_made_is_refused(store_cfg: StoreConfig) -
     parent.chmod(0o1777)  # like /tmp: anyone may create a directory in it
     try:
         cfg = store_cfg.with_(disk=DiskConfig(parent, 64 * MB))
-        tier = cfg.disk_dir
+        tier = disk_dir(cfg)
         assert tier is not None
         other_user.python(f"import os; os.mkdir({str(tier)!r}, 0o755); "
                           f"open({str(tier / 'planted.tmp')!r}, 'w').write('x')")
@@ -116,7 +117,7 @@ def test_a_tier_directory_another_user_made_is_refused(store_cfg: StoreConfig) -
 @pytest.mark.parametrize("how", ["writable by others", "a symlink"])
 def test_an_untrusted_tier_directory_of_ours_is_refused(disk_cfg: StoreConfig,
                                                         how: str) -> None:
-    tier = disk_cfg.disk_dir
+    tier = disk_dir(disk_cfg)
     assert tier is not None
     tier.parent.mkdir()
     if how == "a symlink":
@@ -139,7 +140,7 @@ def test_an_untrusted_tier_directory_of_ours_is_refused(disk_cfg: StoreConfig,
 def test_recovery_never_follows_a_symlink(disk_cfg: StoreConfig, tmp_path: Path) -> None:
     keys = [f"rec/{i}" for i in range(6)]
     write_back(disk_cfg, keys)
-    tier = disk_cfg.disk_dir
+    tier = disk_dir(disk_cfg)
     assert tier is not None
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -179,15 +180,15 @@ def test_recovery_never_follows_a_symlink(disk_cfg: StoreConfig, tmp_path: Path)
 
 # ---- keyed seals ----
 def test_keyed_seals_reject_files_written_without_the_key(disk_cfg: StoreConfig) -> None:
-    assert disk_cfg.disk is not None
-    sealed = disk_cfg.with_(disk=DiskConfig(disk_cfg.disk.path, 64 * MB, seal_key=KEY))
+    assert disk_cfg.local.disk is not None
+    sealed = disk_cfg.with_(disk=DiskConfig(disk_cfg.local.disk.path, 64 * MB, seal_key=KEY))
     keys = [f"seal/{i}" for i in range(4)]
     write_back(sealed, keys)
     assert file_of(sealed, keys[0]).read_bytes()[:8] == disk.MAGIC_SEALED
     # someone without the key writes a well-formed, checksummed object file of a new key
     forged = "seal/forged"
     data = payload(forged, 64 << 10).tobytes()
-    path = disk.object_path(sealed.disk_dir, forged, "f00d")  # type: ignore[arg-type]
+    path = disk.object_path(disk_dir(sealed), forged, "f00d")  # type: ignore[arg-type]
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(disk.encode_header(forged, None, len(data),
                                         xxhash.xxh3_64_intdigest(data)) + data)
@@ -201,7 +202,7 @@ def test_keyed_seals_reject_files_written_without_the_key(disk_cfg: StoreConfig)
     assert not path.exists()
     stop(sealed)
 
-    other = disk_cfg.with_(disk=DiskConfig(disk_cfg.disk.path, 64 * MB,
+    other = disk_cfg.with_(disk=DiskConfig(disk_cfg.local.disk.path, 64 * MB,
                                            seal_key="another key, 16+ chars"))
     with restarted(other) as s:  # another key: nothing of the first is served
         st = s.stats()
@@ -210,8 +211,8 @@ def test_keyed_seals_reject_files_written_without_the_key(disk_cfg: StoreConfig)
 
 
 def test_a_seal_key_is_never_on_a_command_line(disk_cfg: StoreConfig) -> None:
-    assert disk_cfg.disk is not None
-    sealed = disk_cfg.with_(disk=DiskConfig(disk_cfg.disk.path, 64 * MB, seal_key=KEY))
+    assert disk_cfg.local.disk is not None
+    sealed = disk_cfg.with_(disk=DiskConfig(disk_cfg.local.disk.path, 64 * MB, seal_key=KEY))
     with open_store(sealed) as s:
         pid = s.stats()["pid"]
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -243,12 +244,13 @@ def test_a_peer_group_member_reads_the_disk_tier(store_cfg: StoreConfig) -> None
             assert wait_until(lambda: settled(s), 20)
             assert s.batch_residency(keys[:3]).disk_only == (0, 1, 2)
             assert oct((tier / cfg.name).stat().st_mode & 0o777) == "0o710"
-            raw = {"name": cfg.name, "runtime_dir": str(cfg.runtime_dir),
+            raw = {"name": cfg.name, "runtime_dir": str(cfg.local.runtime_dir),
                    "peer_group": "nogroup", "capacity_bytes": 16 * MB, "hot_timeout_s": 2.0}
             out = other_user.python(f"""
 import numpy as np
 from kvcentric.config import StoreConfig
 from kvcentric.store import open_store
+from kvcentric.store.local.config import disk_dir
 from tests.helpers.payload import payload
 from tests.store.store_contract import get
 with open_store(StoreConfig.from_dict({raw!r})) as s:

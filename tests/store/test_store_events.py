@@ -17,9 +17,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvcentric.config import DiskConfig, EventsConfig, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
+from kvcentric.store.local.config import DiskConfig, EventsConfig
 from kvcentric.testing.servers import free_port
 from tests.store.store_contract import put
 
@@ -134,7 +135,7 @@ def test_an_rfc_consumer_rebuilds_the_store_live_from_replay_and_after_a_missed_
         store_cfg: StoreConfig) -> None:
     cfg = store_cfg.with_(events=events_cfg())
     store = open_store(cfg)
-    consumer = RfcConsumer(cfg.events.endpoint, cfg.events.replay_endpoint)  # type: ignore[union-attr]
+    consumer = RfcConsumer(cfg.local.events.endpoint, cfg.local.events.replay_endpoint)  # type: ignore[union-attr]
     try:
         a, pa = chain("tiny", 0, 5)
         b, pb = chain("org/model-7b", 100, 3)  # a model id with a slash
@@ -182,7 +183,7 @@ def test_disk_tier_events_follow_demotion_and_a_restart_clears_dram(
     cfg = store_cfg.with_(events=events_cfg(),
                           disk=DiskConfig(tmp_path / "disk", 64 << 20))
     store = open_store(cfg)
-    consumer = RfcConsumer(cfg.events.endpoint, cfg.events.replay_endpoint)  # type: ignore[union-attr]
+    consumer = RfcConsumer(cfg.local.events.endpoint, cfg.local.events.replay_endpoint)  # type: ignore[union-attr]
     try:
         keys, parents = chain("tiny", 0, 6)
         assert put(store, keys, parents) == [OK] * 6
@@ -196,7 +197,7 @@ def test_disk_tier_events_follow_demotion_and_a_restart_clears_dram(
     launcher.stop(cfg)
     # a new coordinator: its first event clears DRAM; the disk tier's files are recovered
     store = open_store(cfg)
-    consumer = RfcConsumer(cfg.events.endpoint, cfg.events.replay_endpoint)  # type: ignore[union-attr]
+    consumer = RfcConsumer(cfg.local.events.endpoint, cfg.local.events.replay_endpoint)  # type: ignore[union-attr]
     try:
         consumer.held = {"cpu": {1: "stale"}, "disk": {}}
         until(lambda: consumer.keys("disk") == set(keys) and not consumer.keys("cpu"),
@@ -213,9 +214,9 @@ def test_a_hostile_replay_request_is_dropped_and_the_store_goes_on(
     ctx = zmq.Context()
     bad = ctx.socket(zmq.DEALER)
     bad.setsockopt(zmq.LINGER, 0)
-    consumer = RfcConsumer(cfg.events.endpoint, cfg.events.replay_endpoint)  # type: ignore[union-attr]
+    consumer = RfcConsumer(cfg.local.events.endpoint, cfg.local.events.replay_endpoint)  # type: ignore[union-attr]
     try:
-        bad.connect(cfg.events.replay_endpoint)  # type: ignore[union-attr]
+        bad.connect(cfg.local.events.replay_endpoint)  # type: ignore[union-attr]
         for frames in ([b"x"], [b"", b"not-8-bytes"], [b"", b"1", b"2", b"3"], [b"\0" * 2000]):
             bad.send_multipart(frames)
         keys, parents = chain("tiny", 0, 2)
@@ -246,5 +247,5 @@ def test_bad_event_settings_are_refused_naming_them(raw: dict[str, Any], words: 
                                "events": {"endpoint": "tcp://127.0.0.1:5700"}})
     ok = StoreConfig.from_dict({"events": {"endpoint": "tcp://10.1.2.3:5700",
                                            "allow_remote": True}})
-    assert ok.events is not None and ok.events.allow_remote
+    assert ok.local.events is not None and ok.local.events.allow_remote
     assert launcher.config_json(ok).count("10.1.2.3") == 1  # reaches the coordinator

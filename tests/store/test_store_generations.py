@@ -25,6 +25,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_NOT_FOUND, ERR_UNAVAILABLE, OK, StoreUnavailable, open_store
 from kvcentric.store.local import launcher, ownership
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import socket_path
 from kvcentric.testing.signals import sigstop
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
@@ -32,8 +33,8 @@ from tests.store.store_contract import get, put, run_worker
 
 
 def as_dict(cfg: StoreConfig) -> dict[str, object]:
-    return {"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-            "runtime_dir": str(cfg.runtime_dir), "hot_timeout_s": cfg.hot_timeout_s}
+    return {"name": cfg.name, "capacity_bytes": cfg.local.capacity_bytes,
+            "runtime_dir": str(cfg.local.runtime_dir), "hot_timeout_s": cfg.hot_timeout_s}
 
 
 def coordinators(cfg: StoreConfig) -> list[int]:
@@ -146,7 +147,7 @@ def _fill_backlog(cfg: StoreConfig) -> list[socket.socket]:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.setblocking(False)
         socks.append(s)
-        if s.connect_ex(str(cfg.socket_path)) in (errno.EAGAIN, errno.EWOULDBLOCK):
+        if s.connect_ex(str(socket_path(cfg))) in (errno.EAGAIN, errno.EWOULDBLOCK):
             return socks
     raise AssertionError("the listen backlog never filled")
 
@@ -169,7 +170,7 @@ def test_a_stopped_coordinator_keeps_the_store(store_cfg: StoreConfig,
         assert f"already has a coordinator (pid {pid}" in direct.stderr
         cli = subprocess.run(
             [sys.executable, "-m", "kvcentric.cli", "store", "serve", "--name",
-             store_cfg.name, "--runtime-dir", str(store_cfg.runtime_dir)],
+             store_cfg.name, "--runtime-dir", str(store_cfg.local.runtime_dir)],
             capture_output=True, text=True, timeout=60)
         assert cli.returncode == 1 and f"pid {pid}" in cli.stderr
         assert coordinators(store_cfg) == [pid] and ownership.holder(store_cfg) == pid
@@ -200,16 +201,16 @@ def test_a_full_tmpfs_refuses_to_start_with_a_clear_message(tmp_path: Path) -> N
     else:  # no mount here: an arena larger than the free space of /dev/shm
         st = os.statvfs("/dev/shm")
         capacity = st.f_bavail * st.f_frsize + (1 << 30)
-    cfg = StoreConfig(name=f"full{uuid.uuid4().hex[:6]}", capacity_bytes=capacity,
-                      runtime_dir=shm if mounted else Path("/dev/shm") / shm.name,
-                      prefault=False)
+    cfg = StoreConfig.from_dict({"name": f"full{uuid.uuid4().hex[:6]}", "capacity_bytes": capacity,
+                                 "runtime_dir": shm if mounted else Path("/dev/shm") / shm.name,
+                                 "prefault": False})
     try:
         if mounted:
             (shm / "filler").write_bytes(bytes(16 << 20))
         with pytest.raises(StoreUnavailable) as exc:
             open_store(cfg)
         msg = str(exc.value)
-        assert f"cannot reserve {capacity} B" in msg and str(cfg.runtime_dir) in msg
+        assert f"cannot reserve {capacity} B" in msg and str(cfg.local.runtime_dir) in msg
         assert "free of" in msg and "No space left on device" in msg
         # what to do: the filler holds the room; an arena larger than all of /dev/shm
         assert (("other files hold 16 MiB" in msg and "remove them" in msg) if mounted
@@ -248,8 +249,8 @@ def test_an_arena_larger_than_its_tmpfs_says_what_to_do(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     if not _mount_tmpfs(shm, "8m"):
         pytest.skip("cannot mount a tmpfs here")
-    cfg = StoreConfig(name=f"big{uuid.uuid4().hex[:6]}", capacity_bytes=16 << 20,
-                      runtime_dir=shm, prefault=False)
+    cfg = StoreConfig.from_dict({"name": f"big{uuid.uuid4().hex[:6]}", "capacity_bytes": 16 << 20,
+                                 "runtime_dir": shm, "prefault": False})
     try:
         with pytest.raises(StoreUnavailable) as exc:
             open_store(cfg)
@@ -272,8 +273,9 @@ def test_a_restart_fits_a_tmpfs_sized_for_one_arena(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     if not _mount_tmpfs(shm, "20m"):
         pytest.skip("cannot mount a tmpfs here")
-    cfg = StoreConfig(name=f"one{uuid.uuid4().hex[:6]}", capacity_bytes=16 << 20,
-                      runtime_dir=shm, reconnect_interval_s=0.1, hot_timeout_s=1.0)
+    cfg = StoreConfig.from_dict({"name": f"one{uuid.uuid4().hex[:6]}", "capacity_bytes": 16 << 20,
+                                 "runtime_dir": shm, "reconnect_interval_s": 0.1,
+                                 "hot_timeout_s": 1.0})
     try:
         with open_store(cfg) as store:
             assert put(store, ["a"]) == [OK]
@@ -294,11 +296,11 @@ def test_a_restart_fits_a_tmpfs_sized_for_one_arena(tmp_path: Path) -> None:
 def test_a_coordinator_whose_runtime_dir_is_removed_exits(tmp_path: Path) -> None:
     """No client can reach a coordinator whose socket path is gone: once its last client
     leaves, it exits (no orphan, whatever idle_timeout_s says)."""
-    cfg = StoreConfig(name="gone", capacity_bytes=16 << 20, runtime_dir=tmp_path / "rt",
-                      prefault=False)
+    cfg = StoreConfig.from_dict({"name": "gone", "capacity_bytes": 16 << 20,
+                                 "runtime_dir": tmp_path / "rt", "prefault": False})
     with open_store(cfg) as store:
         pid = store.stats()["pid"]
-        shutil.rmtree(cfg.runtime_dir)
+        shutil.rmtree(cfg.local.runtime_dir)
         assert put(store, ["still"]) == [OK]  # connected clients keep being served
     assert wait_until(lambda: not launcher.pid_alive(pid), 10)
 

@@ -26,8 +26,8 @@ from tests.store.store_contract import WORKER, StoreContract, get, put, run_work
 
 
 def as_dict(cfg: StoreConfig) -> dict[str, Any]:
-    return {"name": cfg.name, "capacity_bytes": cfg.capacity_bytes,
-            "runtime_dir": str(cfg.runtime_dir), "verify_checksums": cfg.verify_checksums,
+    return {"name": cfg.name, "capacity_bytes": cfg.local.capacity_bytes,
+            "runtime_dir": str(cfg.local.runtime_dir), "verify_checksums": cfg.verify_checksums,
             "hot_timeout_s": cfg.hot_timeout_s}
 
 
@@ -137,7 +137,7 @@ def test_multiprocess_stress(store_cfg: StoreConfig) -> None:
     assert all(p.returncode == 0 for p in procs)
     st = monitor.stats()
     monitor.close()
-    assert peak <= cfg.capacity_bytes and st["used_bytes"] <= cfg.capacity_bytes
+    assert peak <= cfg.local.capacity_bytes and st["used_bytes"] <= cfg.local.capacity_bytes
     assert sum(r["bad"] for r in results) == 0
     assert sum(r["gets"] for r in results) > 100 and st["evictions"] > 100
     assert st["leases"] == 0 and st["pending"] == 0
@@ -173,7 +173,7 @@ def test_coordinator_death_fails_fast_then_recovers(store: LocalStore,
 
 def test_cli_serve_stats_stop(store_cfg: StoreConfig) -> None:
     base = [sys.executable, "-m", "kvcentric.cli", "store"]
-    common = ["--name", store_cfg.name, "--runtime-dir", str(store_cfg.runtime_dir)]
+    common = ["--name", store_cfg.name, "--runtime-dir", str(store_cfg.local.runtime_dir)]
     srv = subprocess.Popen(base + ["serve", *common, "--capacity", "16mb"],
                            stderr=subprocess.PIPE, text=True)
     try:
@@ -209,8 +209,8 @@ def test_unstartable_coordinator_is_store_unavailable(tmp_path: Path) -> None:
     from kvcentric.store import StoreUnavailable
 
     rt = tmp_path / "rt"
-    cfg = StoreConfig(name="gone", capacity_bytes=16 << 20, runtime_dir=rt,
-                      reconnect_interval_s=0.5)
+    cfg = StoreConfig.from_dict({"name": "gone", "capacity_bytes": 16 << 20, "runtime_dir": rt,
+                                 "reconnect_interval_s": 0.5})
     store = open_store(cfg)
     try:
         assert put(store, ["a"]) == [OK]

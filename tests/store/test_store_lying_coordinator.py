@@ -39,8 +39,9 @@ def fake(tmp_path: Path, lie: str, outside: Path, tier: bool = False
          ) -> Iterator[tuple[StoreConfig, Path]]:
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
-    cfg = StoreConfig(name=f"f{uuid.uuid4().hex[:8]}", runtime_dir=rt, capacity_bytes=8 << 20,
-                      autostart=False, hot_timeout_s=2.0, op_timeout_s=5.0)
+    cfg = StoreConfig.from_dict({"name": f"f{uuid.uuid4().hex[:8]}", "runtime_dir": rt,
+                                 "capacity_bytes": 8 << 20, "autostart": False,
+                                 "hot_timeout_s": 2.0, "op_timeout_s": 5.0})
     argv = [sys.executable, "-m", "tests.helpers.fake_coordinator", "--runtime-dir", str(rt),
             "--name", cfg.name, "--lie", lie, "--outside", str(outside),
             "--log", str(tmp_path / "fake.log")]
@@ -90,7 +91,7 @@ def test_a_hello_naming_other_files_is_refused_and_nothing_is_mapped(
         engine = open_store(cfg, required=False)
         assert put_one(engine, "k") == [ERR_UNAVAILABLE]  # the engine recomputes
         engine.close()
-        assert not mapped(outside) and not mapped(cfg.runtime_dir)
+        assert not mapped(outside) and not mapped(cfg.local.runtime_dir)
 
 
 @pytest.mark.parametrize("lie", ["reserve-offset", "acquire-offset"])

@@ -69,7 +69,7 @@ def test_defaults_are_a_loopback_pure_client() -> None:
     s = MooncakeSettings()
     assert (s.master_server_address, s.metadata_server, s.protocol, s.global_segment_size) == \
         ("127.0.0.1:50051", "P2PHANDSHAKE", "tcp", 0)
-    assert StoreConfig.from_dict({"backend": "mooncake"}).mooncake == {}
+    assert StoreConfig.from_dict({"backend": "mooncake"}).mooncake == MooncakeSettings.load(None)
     assert s.ranged_reads  # layer-wise loads unless turned off
     assert not MooncakeSettings.load({"use_env": False, "ranged_reads": "false"}).ranged_reads
 

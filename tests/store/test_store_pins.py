@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvcentric.config import DiskConfig, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_NO_SPACE, OK, KVStore, open_store
 from kvcentric.store.local import launcher
+from kvcentric.store.local.config import DiskConfig
 from tests.helpers.waiting import wait_until
 
 MB = 1 << 20
@@ -88,7 +88,7 @@ def test_a_pin_ends_at_its_deadline(store: KVStore) -> None:
 def test_a_store_of_pinned_objects_refuses_puts(store_cfg: StoreConfig) -> None:
     # one client may pin the whole store only when its cap says so (the default cap is
     # half the capacity: tests/test_store_hostile_peers.py)
-    with open_store(store_cfg.with_(max_pinned_bytes=store_cfg.capacity_bytes)) as store:
+    with open_store(store_cfg.with_(max_pinned_bytes=store_cfg.local.capacity_bytes)) as store:
         pinned = [f"p{i}" for i in range(16)]
         assert commit(store, pinned, pin_s=60) == [OK] * 16
         assert commit(store, ["newcomer"]) == [ERR_NO_SPACE]  # refused, nothing evicted
@@ -104,8 +104,7 @@ def test_pins_are_bounded(store: KVStore) -> None:
 
 def test_with_a_disk_tier_a_pinned_object_stays_readable(store_cfg: StoreConfig,
                                                          tmp_path: Path) -> None:
-    cfg = replace(store_cfg, name=store_cfg.name + "d",
-                  disk=DiskConfig(tmp_path / "disk", 512 * MB))
+    cfg = store_cfg.with_(name=store_cfg.name + "d", disk=DiskConfig(tmp_path / "disk", 512 * MB))
     try:
         _pinned_survives_with_disk(cfg)
     finally:

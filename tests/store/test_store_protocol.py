@@ -26,6 +26,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_HAS_LEASE, OK, open_store
 from kvcentric.store.local import ownership, wire
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import socket_path
 from tests.store.store_contract import get, put
 
 
@@ -41,7 +42,7 @@ def store(store_cfg: StoreConfig) -> Iterator[LocalStore]:
 def _raw(cfg: StoreConfig) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
-    sock.connect(str(cfg.socket_path))
+    sock.connect(str(socket_path(cfg)))
     return sock
 
 

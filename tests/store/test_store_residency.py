@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvcentric.config import DiskConfig, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store import OK, KVStore, Residency, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import DiskConfig
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import get, put
 

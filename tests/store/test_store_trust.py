@@ -27,6 +27,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import ERR_UNAVAILABLE, OK, StoreUnavailable, open_store
 from kvcentric.store.local import launcher, ownership
 from kvcentric.store.local.client import LocalStore
+from kvcentric.store.local.config import socket_path
 from tests.helpers import other_user
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import get, put
@@ -61,9 +62,9 @@ def reachable() -> Iterator[Path]:
 
 
 def cfg_at(runtime_dir: Path, **kw: object) -> StoreConfig:
-    return StoreConfig(name=f"t{uuid.uuid4().hex[:8]}", capacity_bytes=8 << 20,
-                       runtime_dir=runtime_dir, hot_timeout_s=1.0, start_timeout_s=30.0,
-                       **kw)  # type: ignore[arg-type]
+    return StoreConfig.from_dict({"name": f"t{uuid.uuid4().hex[:8]}", "capacity_bytes": 8 << 20,
+                                  "runtime_dir": runtime_dir, "hot_timeout_s": 1.0,
+                                  "start_timeout_s": 30.0, **kw})
 
 
 def as_nobody(code: str, group: str = "nogroup") -> str:
@@ -73,7 +74,7 @@ def as_nobody(code: str, group: str = "nogroup") -> str:
 def serve(cfg: StoreConfig) -> subprocess.CompletedProcess[str]:
     """``kvcentric store serve`` in the foreground (it exits at once when it refuses)."""
     return subprocess.run([sys.executable, "-m", "kvcentric.cli", "store", "serve", "--name",
-                           cfg.name, "--runtime-dir", str(cfg.runtime_dir), "--capacity",
+                           cfg.name, "--runtime-dir", str(cfg.local.runtime_dir), "--capacity",
                            "8mb"], capture_output=True, text=True, timeout=60)
 
 
@@ -231,9 +232,9 @@ def test_a_connection_from_another_user_is_dropped(reachable: Path,
     with open_store(cfg) as ours:
         assert put(ours, ["a"]) == [OK]
         pid = ours.stats()["pid"]
-        cfg.runtime_dir.chmod(0o711)
-        cfg.socket_path.chmod(0o666)
-        assert _nobody_says_hello(cfg.socket_path, group="daemon") == "closed"
+        cfg.local.runtime_dir.chmod(0o711)
+        socket_path(cfg).chmod(0o666)
+        assert _nobody_says_hello(socket_path(cfg), group="daemon") == "closed"
         assert get(ours, ["a"])[0] is not None
         st = ours.stats()
         assert st["pid"] == pid and st["refused_peers"] == 1
@@ -249,9 +250,10 @@ def test_a_peer_group_member_uses_the_store_but_cannot_administer_it(reachable: 
     cfg = cfg_at(reachable / "rt", peer_group="nogroup")
     with open_store(cfg) as ours:
         assert put(ours, ["a"]) == [OK]
-        assert oct(cfg.runtime_dir.stat().st_mode & 0o7777) == "0o710"
-        raw = {"name": cfg.name, "runtime_dir": str(cfg.runtime_dir), "peer_group": "nogroup",
-               "capacity_bytes": cfg.capacity_bytes, "hot_timeout_s": 1.0}
+        assert oct(cfg.local.runtime_dir.stat().st_mode & 0o7777) == "0o710"
+        raw = {"name": cfg.name, "runtime_dir": str(cfg.local.runtime_dir),
+               "peer_group": "nogroup", "capacity_bytes": cfg.local.capacity_bytes,
+               "hot_timeout_s": 1.0}
         out = as_nobody(f"""
 import json, numpy as np
 from kvcentric.store import StoreUnavailable, open_store
@@ -288,10 +290,10 @@ def test_a_coordinator_of_another_user_is_refused(spot: Path, tmp_path: Path) ->
     as_nobody(f"import os; os.mkdir({str(theirs)!r}, 0o755)")
     log = theirs / "fake.log"
     cfg = cfg_at(tmp_path / "rt", autostart=False)
-    cfg.runtime_dir.mkdir(mode=0o700)
+    cfg.local.runtime_dir.mkdir(mode=0o700)
     fake = fake_as_nobody(theirs, cfg.name, log, sock=theirs / "fake.sock")
     try:
-        cfg.socket_path.symlink_to(theirs / "fake.sock")
+        socket_path(cfg).symlink_to(theirs / "fake.sock")
         with pytest.raises(StoreUnavailable, match="runs as nobody"):
             LocalStore(cfg)
         # the fake logs the client's hang-up after all it received: wait for that

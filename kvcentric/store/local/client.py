@@ -273,7 +273,8 @@ class LocalStore(KVStore):
             if any(len(e) > 3 for e in entries):
                 tier, owner = s.tier, s.owner
                 assert tier is not None  # check_lease refused disk entries without one
-                reads = DiskReads(len(entries), self._disk_pool(), self.cfg.disk_read_timeout_s,
+                reads = DiskReads(len(entries), self._disk_pool(),
+                                  self.cfg.local.disk_read_timeout_s,
                                   lambda path: disk.open_object(tier, path, owner))
             ptrs: list[int] = []
             for i, ent in enumerate(entries):

@@ -19,7 +19,7 @@ the first range asked for, and the first layer waited for all of them; the pool'
 range-ordered reads hand the first layer its bytes first, while the whole lease takes
 about as long either way.
 
-Every wait is bounded by ``timeout_s`` (``StoreConfig.disk_read_timeout_s``): a read that
+Every wait is bounded by ``timeout_s`` (``LocalSettings.disk_read_timeout_s``): a read that
 does not finish in time fails its fetch (the lease is then incomplete, the engine
 recomputes), and :meth:`DiskReads.close` does not wait past it either: it hands the end
 of the lease (its settle, its memory) to the last straggling read, so the memory a read

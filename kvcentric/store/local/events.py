@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvcentric.config import EventsConfig
+from kvcentric.store.local.config import EventsConfig
 
 if TYPE_CHECKING:
     from kvcentric.store.local.index import Entry

@@ -26,8 +26,9 @@ import secrets
 import socket
 from typing import Any
 
-from kvcentric.config import MAX_PIN_S, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store.local import trust
+from kvcentric.store.local.config import MAX_PIN_S, token_path
 
 ADMIN_OPS = frozenset({"clear", "shutdown"})
 TOKEN_BYTES = 32
@@ -43,10 +44,10 @@ def write_token(cfg: StoreConfig) -> str:
     coordinator, is replaced); returns it."""
     token = secrets.token_hex(TOKEN_BYTES)
     try:
-        os.unlink(cfg.token_path)
+        os.unlink(token_path(cfg))
     except FileNotFoundError:
         pass
-    fd = trust.open_file(cfg.token_path, os.O_WRONLY, "the store's admin token", new=True,
+    fd = trust.open_file(token_path(cfg), os.O_WRONLY, "the store's admin token", new=True,
                          mode=0o600)
     try:
         os.write(fd, token.encode())
@@ -58,11 +59,11 @@ def write_token(cfg: StoreConfig) -> str:
 def read_token(cfg: StoreConfig) -> str:
     """The admin token of ``cfg``'s coordinator; ``Untrusted`` if the file is a symlink,
     not ours or readable by others, ``OSError`` if it cannot be read."""
-    fd = trust.open_file(cfg.token_path, os.O_RDONLY, "the store's admin token")
+    fd = trust.open_file(token_path(cfg), os.O_RDONLY, "the store's admin token")
     try:
         st = os.fstat(fd)
         if st.st_mode & 0o077:
-            raise trust.Untrusted(f"refusing the store's admin token {str(cfg.token_path)!r}: "
+            raise trust.Untrusted(f"refusing the store's admin token {str(token_path(cfg))!r}: "
                                   f"other users may read it ({trust.describe(st)})")
         return os.read(fd, 4 * TOKEN_BYTES).decode(errors="replace").strip()
     finally:
@@ -74,7 +75,7 @@ class Gate:
 
     def __init__(self, cfg: StoreConfig, token: str) -> None:
         self.cfg = cfg
-        self.gid = cfg.peer_gid
+        self.gid = cfg.local.peer_gid
         self._token = token.encode()
         self.refused_peers = 0
 
@@ -91,7 +92,7 @@ class Gate:
     def auth(self, token: str) -> None:
         """``Forbidden`` unless ``token`` is this coordinator's."""
         if not hmac.compare_digest(token.encode(errors="replace"), self._token):
-            raise Forbidden(f"wrong admin token (it is in {self.cfg.token_path})")
+            raise Forbidden(f"wrong admin token (it is in {token_path(self.cfg)})")
 
     def check(self, admin: bool, op: str, args: tuple[Any, ...]) -> None:
         """``Forbidden`` when ``op`` with ``args`` needs the admin token and the connection
@@ -100,9 +101,9 @@ class Gate:
             pin_s = args[2]
             if not 0 <= pin_s <= MAX_PIN_S:
                 raise ValueError(f"commit: a pin outside [0, {MAX_PIN_S}] s")
-            if pin_s > self.cfg.max_pin_s and not admin:
+            if pin_s > self.cfg.local.max_pin_s and not admin:
                 raise Forbidden(f"a pin of {pin_s:g} s (over max_pin_s = "
-                                f"{self.cfg.max_pin_s:g} s) needs the store's admin token "
-                                f"({self.cfg.token_path})")
+                                f"{self.cfg.local.max_pin_s:g} s) needs the store's admin token "
+                                f"({token_path(self.cfg)})")
         elif op in ADMIN_OPS and not admin:
-            raise Forbidden(f"{op!r} needs the store's admin token ({self.cfg.token_path})")
+            raise Forbidden(f"{op!r} needs the store's admin token ({token_path(self.cfg)})")

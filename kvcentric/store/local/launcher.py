@@ -23,25 +23,27 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
 from kvcentric.store.local import gate, ownership, trust
+from kvcentric.store.local.config import lock_path, owner_path, socket_path, token_path
 
 
 def config_json(cfg: StoreConfig) -> str:
     """Serialise ``cfg`` for the coordinator (:meth:`StoreConfig.to_mapping`; it parses the
     JSON back with :meth:`StoreConfig.from_dict`). Holds the seal key: a pipe's payload."""
-    return json.dumps(cfg.to_mapping(sections=False))
+    return json.dumps(replace(cfg, sections={"local": cfg.local}).to_mapping())  # its own only
 
 
 def is_running(cfg: StoreConfig) -> bool:
-    """True when a coordinator accepts connections on ``cfg.socket_path``."""
+    """True when a coordinator accepts connections on its :func:`socket_path`."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(1.0)
     try:
-        s.connect(str(cfg.socket_path))
+        s.connect(str(socket_path(cfg)))
         return True
     except OSError:
         return False
@@ -53,8 +55,8 @@ def is_running(cfg: StoreConfig) -> bool:
 def start_lock(cfg: StoreConfig) -> Iterator[None]:
     """Exclusive lock held while checking for and starting a coordinator; creates the
     runtime dir (``0700``) and refuses one that is not ours to trust (``Untrusted``)."""
-    trust.check_dir(cfg.runtime_dir, "store runtime directory", create=True)
-    fd = trust.open_or_create(cfg.lock_path, os.O_RDWR, "store start lock")
+    trust.check_dir(cfg.local.runtime_dir, "store runtime directory", create=True)
+    fd = trust.open_or_create(lock_path(cfg), os.O_RDWR, "store start lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -69,7 +71,7 @@ def _check_dir(cfg: StoreConfig) -> bool:
     """True when the runtime dir exists and may be trusted by a client, False when it
     does not exist; ``Untrusted`` otherwise."""
     try:
-        trust.check_dir(cfg.runtime_dir, "store runtime directory", gid=cfg.peer_gid,
+        trust.check_dir(cfg.local.runtime_dir, "store runtime directory", gid=cfg.local.peer_gid,
                         mine=False)
     except FileNotFoundError:
         return False
@@ -85,11 +87,11 @@ def ensure_running(cfg: StoreConfig) -> None:
     none answers and none can be started: the runtime dir cannot be created or locked, a
     silent coordinator holds the store, the process cannot be spawned, it refuses to start
     (the message says why, e.g. the arena does not fit its tmpfs), or it does not answer
-    within ``cfg.start_timeout_s``; ``Untrusted`` for a runtime dir not to be trusted.
+    within ``cfg.local.start_timeout_s``; ``Untrusted`` for a runtime dir not to be trusted.
     """
     if _check_dir(cfg) and is_running(cfg):
         return
-    log_path = cfg.runtime_dir / f"{cfg.name}.log"
+    log_path = cfg.local.runtime_dir / f"{cfg.name}.log"
     try:
         with start_lock(cfg):
             if is_running(cfg):
@@ -98,7 +100,7 @@ def ensure_running(cfg: StoreConfig) -> None:
             if pid is not None:
                 raise StoreUnavailable(
                     f"the coordinator of store {cfg.name!r} (pid {pid or 'unknown'}) holds "
-                    f"{cfg.owner_path} but does not answer at {cfg.socket_path}; not "
+                    f"{owner_path(cfg)} but does not answer at {socket_path(cfg)}; not "
                     "starting a second one")
             logfd = trust.open_or_create(log_path, os.O_WRONLY | os.O_APPEND, "store log")
             try:
@@ -113,12 +115,12 @@ def ensure_running(cfg: StoreConfig) -> None:
             assert proc.stdin is not None
             with proc.stdin:  # a pipe, not argv: other users can read a command line
                 proc.stdin.write(config_json(cfg).encode())
-            if proc.wait(timeout=cfg.start_timeout_s) != 0:
+            if proc.wait(timeout=cfg.local.start_timeout_s) != 0:
                 raise StoreUnavailable(f"store coordinator failed to start: "
                                        f"{_last_line(log_path, start)} (see {log_path})")
             _wait_up(cfg, log_path)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise StoreUnavailable(f"cannot start the store coordinator in {cfg.runtime_dir}: "
+        raise StoreUnavailable(f"cannot start the store coordinator in {cfg.local.runtime_dir}: "
                                f"{exc}") from exc
 
 
@@ -138,12 +140,12 @@ def _last_line(path: Path, start: int) -> str:
 
 
 def _wait_up(cfg: StoreConfig, log_path: Path) -> None:
-    deadline = time.monotonic() + cfg.start_timeout_s
+    deadline = time.monotonic() + cfg.local.start_timeout_s
     while time.monotonic() < deadline:
         if is_running(cfg):
             return
         time.sleep(0.02)
-    raise StoreUnavailable(f"store coordinator did not start in {cfg.start_timeout_s} s; "
+    raise StoreUnavailable(f"store coordinator did not start in {cfg.local.start_timeout_s} s; "
                            f"see {log_path}")
 
 
@@ -160,9 +162,9 @@ def stop(cfg: StoreConfig, timeout_s: float = 10.0) -> bool:
         token = gate.read_token(cfg)
     except OSError as exc:
         raise StoreUnavailable(f"cannot stop store {cfg.name!r}: its admin token "
-                               f"{cfg.token_path} cannot be read: {exc}") from exc
-    with RpcClient(cfg.socket_path, timeout_s) as rpc:
-        rpc.connect(lambda sock: trust.check_peer(sock, os.geteuid(), cfg.socket_path))
+                               f"{token_path(cfg)} cannot be read: {exc}") from exc
+    with RpcClient(socket_path(cfg), timeout_s) as rpc:
+        rpc.connect(lambda sock: trust.check_peer(sock, os.geteuid(), socket_path(cfg)))
         try:
             rpc.call("auth", token)
             rpc.call("shutdown")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
 from kvcentric.store.local import gate, launcher, ownership, session
+from kvcentric.store.local.config import token_path
 from kvcentric.store.local.session import Arena, Hello, Session
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class Link:
                 raise StoreUnavailable(f"store {self.cfg.name!r} unavailable; next reconnect "
                                        f"attempt in {self._down_until - now:.1f} s")
             try:
-                if self.cfg.autostart:
+                if self.cfg.local.autostart:
                     self._forget_dead_generation()
                     launcher.ensure_running(self.cfg)
                 rpc, hello = session.greet(self.cfg)
@@ -124,7 +125,7 @@ class Link:
         if old is not None:
             old.drop()
         arena = Arena(raw["arena"], int(raw["capacity"]), raw["generation"],
-                      self.cfg.prefault, hello.owner)
+                      self.cfg.local.prefault, hello.owner)
         if self.pinner is not None:
             arena.pin(self.pinner)
         with self._state:
@@ -215,7 +216,7 @@ class Link:
             token = gate.read_token(self.cfg)
         except OSError as exc:
             raise StoreUnavailable(f"cannot read the admin token of store {self.cfg.name!r} "
-                                   f"({self.cfg.token_path}): {exc}") from exc
+                                   f"({token_path(self.cfg)}): {exc}") from exc
         try:
             s.rpc.call("auth", token)
         except StoreUnavailable as exc:

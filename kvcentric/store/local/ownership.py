@@ -1,8 +1,8 @@
 """One coordinator per store, and the fresh files of each coordinator generation.
 
 **One coordinator.** A store (``runtime_dir``, ``name``) has at most one live coordinator:
-the process that holds an exclusive ``flock`` on ``{name}.owner`` (:attr:`StoreConfig.owner_path
-<kvcentric.config.StoreConfig.owner_path>`) for its whole life. The kernel drops the lock when
+the process that holds an exclusive ``flock`` on ``{name}.owner`` (:func:`owner_path
+<kvcentric.store.local.config.owner_path>`) for its whole life. The kernel drops the lock when
 that process dies (``kill -9`` included) and never while it lives: a stopped (SIGSTOP) or
 swamped coordinator keeps it, so a launcher that finds the socket silent sees the lock held
 (:func:`holder`) and reports the store unavailable instead of starting a second coordinator
@@ -41,6 +41,7 @@ from pathlib import Path
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import trust
+from kvcentric.store.local.config import owner_path
 
 LOCK_WAIT_S = 1.0  # launchers probe the lock (shared, for microseconds): retry past them
 GENERATION_HEX = 32  # a 128-bit generation id
@@ -53,7 +54,7 @@ class StartRefused(RuntimeError):
 
 def generation_file(cfg: StoreConfig, kind: str, generation: str) -> Path:
     """``{name}.{kind}.{generation}`` in the runtime dir (``kind``: arena, index)."""
-    return cfg.runtime_dir / f"{cfg.name}.{kind}.{generation}"
+    return cfg.local.runtime_dir / f"{cfg.name}.{kind}.{generation}"
 
 
 def generation_files(cfg: StoreConfig, kind: str) -> list[Path]:
@@ -61,10 +62,10 @@ def generation_files(cfg: StoreConfig, kind: str) -> list[Path]:
     cleaned up yet); never another store's (names are matched exactly)."""
     pattern = re.compile(re.escape(f"{cfg.name}.{kind}.") + f"[0-9a-f]{{{GENERATION_HEX}}}")
     try:
-        names = os.listdir(cfg.runtime_dir)
+        names = os.listdir(cfg.local.runtime_dir)
     except OSError:
         return []
-    return [cfg.runtime_dir / n for n in names if pattern.fullmatch(n)]
+    return [cfg.local.runtime_dir / n for n in names if pattern.fullmatch(n)]
 
 
 def holder(cfg: StoreConfig) -> int | None:
@@ -72,7 +73,7 @@ def holder(cfg: StoreConfig) -> int | None:
     is unreadable), or None when no coordinator lives. Takes the lock shared for an instant;
     a starting coordinator retries past that (:data:`LOCK_WAIT_S`)."""
     try:  # read-only: a peer_group member may probe a store it cannot write
-        fd = os.open(cfg.owner_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(owner_path(cfg), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None  # no runtime dir or lock file: nobody holds it
     try:
@@ -116,23 +117,23 @@ class Generation:
         lock file is not to be trusted (the message names path, owner and mode), another
         coordinator lives (even a stopped one) or the arena cannot be reserved."""
         try:
-            gid = cfg.peer_gid
-            trust.check_dir(cfg.runtime_dir, "store runtime directory", gid=gid, create=True)
+            gid = cfg.local.peer_gid
+            trust.check_dir(cfg.local.runtime_dir, "store runtime directory", gid=gid, create=True)
             if gid is not None:  # ours: the group may reach the socket, not create files
-                os.chown(cfg.runtime_dir, -1, gid)
-                os.chmod(cfg.runtime_dir, 0o710)
-            fd = trust.open_or_create(cfg.owner_path, os.O_RDWR, "store lock file",
+                os.chown(cfg.local.runtime_dir, -1, gid)
+                os.chmod(cfg.local.runtime_dir, 0o710)
+            fd = trust.open_or_create(owner_path(cfg), os.O_RDWR, "store lock file",
                                       mode=0o600 if gid is None else 0o640, gid=gid)
         except trust.Untrusted as exc:
             raise StartRefused(str(exc)) from exc
         except (OSError, ValueError) as exc:
-            raise StartRefused(f"cannot open {cfg.owner_path}: {exc}") from exc
+            raise StartRefused(f"cannot open {owner_path(cfg)}: {exc}") from exc
         try:
             _lock(fd, cfg)
             gen = cls(cfg, fd, gid)
             gen.record_pid()
             gen._remove_dead()
-            reserve(gen.arena_path, cfg.capacity_bytes, "arena", gid)
+            reserve(gen.arena_path, cfg.local.capacity_bytes, "arena", gid)
         except BaseException:
             os.close(fd)  # drops the lock
             raise
@@ -173,8 +174,8 @@ def _lock(fd: int, cfg: StoreConfig) -> None:
                 break
             time.sleep(0.01)
     raise StartRefused(
-        f"store {cfg.name!r} in {cfg.runtime_dir} already has a coordinator (pid "
-        f"{_read_pid(fd) or 'unknown'} holds {cfg.owner_path}); it may be stopped or busy: "
+        f"store {cfg.name!r} in {cfg.local.runtime_dir} already has a coordinator (pid "
+        f"{_read_pid(fd) or 'unknown'} holds {owner_path(cfg)}); it may be stopped or busy: "
         "not starting a second one on its files")
 
 

@@ -32,9 +32,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvcentric.config import MAX_PUT_WAIT_S, StoreConfig
+from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
 from kvcentric.store.local import disk
+from kvcentric.store.local.config import MAX_PUT_WAIT_S, disk_dir, socket_path
 from kvcentric.store.local.ownership import GENERATION_HEX, generation_file
 
 _GENERATION = re.compile(f"[0-9a-f]{{{GENERATION_HEX}}}")
@@ -57,10 +58,10 @@ def check_hello(cfg: StoreConfig, hello: Any) -> Path | None:
     """``BadReply`` unless ``hello`` names this store's files of its generation and sane
     bounds; returns the disk tier's directory (``None`` without a tier)."""
     if not isinstance(hello, dict):
-        raise BadReply(f"the coordinator at {cfg.socket_path} sent no hello map")
+        raise BadReply(f"the coordinator at {socket_path(cfg)} sent no hello map")
     gen = hello.get("generation")
     if not isinstance(gen, str) or not _GENERATION.fullmatch(gen):
-        raise BadReply(f"the coordinator at {cfg.socket_path} names no generation (an "
+        raise BadReply(f"the coordinator at {socket_path(cfg)} names no generation (an "
                        "older kvcentric?): restart it")
     if hello.get("arena") != str(generation_file(cfg, "arena", gen)):
         raise BadReply(f"the coordinator's arena {str(hello.get('arena'))[:200]!r} is not "
@@ -79,7 +80,7 @@ def check_hello(cfg: StoreConfig, hello: Any) -> Path | None:
                        "out of range")
     if not hello.get("disk_tier"):
         return None
-    mine = cfg.disk_dir
+    mine = disk_dir(cfg)
     # an older coordinator names no directory: this client's config then says where
     raw = hello.get("disk_dir") or (str(mine.absolute()) if mine is not None else None)
     if not isinstance(raw, str) or not raw.startswith("/") or Path(raw).name in ("", ".."):

@@ -34,6 +34,7 @@ from typing import Any
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import gate, trust, wire
+from kvcentric.store.local.config import disk_dir, socket_path, token_path
 from kvcentric.store.local.demoter import DiskWorker
 from kvcentric.store.local.events import StoreEvents
 from kvcentric.store.local.gate import Forbidden, Gate
@@ -71,17 +72,19 @@ class Coordinator:
 
     def __init__(self, cfg: StoreConfig) -> None:
         self.cfg = cfg
+        self.local = local = cfg.local
         self._disk: DiskWorker | None = None
         self.index: ObjectIndex
         self._holdback: Holdback | None = None  # reserves waiting for the disk tier
-        if cfg.disk is not None and cfg.disk_dir is not None:
-            self.index = TieredIndex(cfg.capacity_bytes, cfg.disk.capacity_bytes,
-                                     cfg.disk_dir.absolute(), cfg.disk.high_watermark,
-                                     self._submit, dirty_limit=cfg.disk.dirty_fraction,
-                                     pin_cap=cfg.pinned_bytes_cap)
-            self._holdback = Holdback(self.index, cfg.disk.put_wait_s)
+        tier_dir = disk_dir(cfg)
+        if local.disk is not None and tier_dir is not None:
+            self.index = TieredIndex(local.capacity_bytes, local.disk.capacity_bytes,
+                                     tier_dir.absolute(), local.disk.high_watermark,
+                                     self._submit, dirty_limit=local.disk.dirty_fraction,
+                                     pin_cap=local.pinned_bytes_cap)
+            self._holdback = Holdback(self.index, local.disk.put_wait_s)
         else:
-            self.index = ObjectIndex(cfg.capacity_bytes, pin_cap=cfg.pinned_bytes_cap)
+            self.index = ObjectIndex(local.capacity_bytes, pin_cap=local.pinned_bytes_cap)
         self.gen: Generation | None = None
         self._gate: Gate | None = None
         self._sel = selectors.DefaultSelector()
@@ -100,9 +103,9 @@ class Coordinator:
         gen = Generation.claim(self.cfg)
         what = f"reserve the store's lookup index at {gen.index_path}"
         try:
-            self._shared = SharedIndexWriter(gen.index_path, slots_for(self.cfg.capacity_bytes),
+            self._shared = SharedIndexWriter(gen.index_path, slots_for(self.local.capacity_bytes),
                                              gen.gid)
-            what = f"write the store's admin token at {self.cfg.token_path}"
+            what = f"write the store's admin token at {token_path(self.cfg)}"
             self._gate = Gate(self.cfg, gate.write_token(self.cfg))
             if isinstance(self.index, TieredIndex):
                 what = f"create the disk tier's directory {self.index.root}"
@@ -111,7 +114,7 @@ class Coordinator:
         except (OSError, trust.Untrusted) as exc:
             if self._gate is not None:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.cfg.token_path)
+                    os.unlink(token_path(self.cfg))
             gen.release()
             raise StartRefused(str(exc) if isinstance(exc, trust.Untrusted) else
                                f"cannot {what}: {exc}") from exc
@@ -125,10 +128,10 @@ class Coordinator:
         """Start the disk tier's I/O threads and the rebuild of its index from its files."""
         if not isinstance(self.index, TieredIndex):
             return
-        assert self.cfg.disk is not None and self.gen is not None  # prepare() checked root
-        key = self.cfg.disk.seal_key
-        self._disk = DiskWorker(self.gen.arena_path, self.cfg.capacity_bytes, self.index.root,
-                                self.cfg.disk.writers, key.encode() if key else None,
+        assert self.local.disk is not None and self.gen is not None  # prepare() checked root
+        key = self.local.disk.seal_key
+        self._disk = DiskWorker(self.gen.arena_path, self.local.capacity_bytes, self.index.root,
+                                self.local.disk.writers, key.encode() if key else None,
                                 self.gen.gid)
         self._sel.register(self._disk.wake_fd, selectors.EVENT_READ, DISK_EVENT)
         self.index.recovering = True
@@ -139,13 +142,13 @@ class Coordinator:
         survive one). An address that cannot be bound is logged and the store serves
         without events: they are opt-in metadata, and a store that refused KV over its
         event port would turn a monitoring problem into recomputes everywhere."""
-        if self.cfg.events is None:
+        if self.local.events is None:
             return
         try:
-            self._events = StoreEvents(self.cfg.events, self.cfg.name)
+            self._events = StoreEvents(self.local.events, self.cfg.name)
         except Exception as exc:  # noqa: BLE001 -- zmq.ZMQError, without importing zmq here
             log.error("store %r: KV events off: cannot bind %s / %s: %s", self.cfg.name,
-                      self.cfg.events.endpoint, self.cfg.events.replay_endpoint, exc)
+                      self.local.events.endpoint, self.local.events.replay_endpoint, exc)
             return
         self.index.events = self._events
         fd = self._events.replay_fd
@@ -165,7 +168,7 @@ class Coordinator:
                 idx.pump(now)
 
     def _listen(self) -> socket.socket:
-        path = str(self.cfg.socket_path)
+        path = str(socket_path(self.cfg))
         if os.path.exists(path):
             os.unlink(path)  # stale: the launcher holds the lock and found nobody answering
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -191,7 +194,7 @@ class Coordinator:
         lsock = self._listen()
         self._sel.register(lsock, selectors.EVENT_READ, None)
         log.info("kvcentric local store %r up: %s, capacity %d B, pid %d", self.cfg.name,
-                 self.gen.arena_path, self.cfg.capacity_bytes, os.getpid())
+                 self.gen.arena_path, self.local.capacity_bytes, os.getpid())
         last_log = last_sweep = time.monotonic()
         try:
             while self._running:
@@ -220,7 +223,7 @@ class Coordinator:
                     self._events.flush()
                     self._events.serve_replays()
                 self._shared.beat()
-                if self.cfg.lease_ttl_s > 0 and now - last_sweep >= LEASE_SWEEP_INTERVAL_S:
+                if self.local.lease_ttl_s > 0 and now - last_sweep >= LEASE_SWEEP_INTERVAL_S:
                     self._expire_leases(now)
                     last_sweep = now
                 if now - last_log >= STATS_LOG_INTERVAL_S:
@@ -256,16 +259,16 @@ class Coordinator:
             return False
         if not self._reachable():
             log.info("%s no longer names this coordinator's socket; exiting",
-                     self.cfg.socket_path)
+                     socket_path(self.cfg))
             return True
-        if self.cfg.idle_timeout_s > 0 and now - self._idle_since >= self.cfg.idle_timeout_s:
-            log.info("idle for %.0f s with no clients; exiting", self.cfg.idle_timeout_s)
+        if self.local.idle_timeout_s > 0 and now - self._idle_since >= self.local.idle_timeout_s:
+            log.info("idle for %.0f s with no clients; exiting", self.local.idle_timeout_s)
             return True
         return False
 
     def _reachable(self) -> bool:
         try:
-            return os.stat(self.cfg.socket_path).st_ino == self._sock_ino
+            return os.stat(socket_path(self.cfg)).st_ino == self._sock_ino
         except OSError:
             return False
 
@@ -385,10 +388,10 @@ class Coordinator:
 
     def _expire_leases(self, now: float) -> None:
         with self._write_section("expire"):
-            expired = self.index.expire_leases(now - self.cfg.lease_ttl_s)
+            expired = self.index.expire_leases(now - self.local.lease_ttl_s)
         if expired:
             log.warning("reclaimed %d read leases older than %.0f s", expired,
-                        self.cfg.lease_ttl_s)
+                        self.local.lease_ttl_s)
 
     def _dispatch(self, owner: int, op: str, args: tuple[Any, ...]) -> Any:
         """Run one checked request (:func:`wire.checked_args`, :meth:`Gate.check`)."""
@@ -442,12 +445,12 @@ class Coordinator:
             return {"arena": str(self.gen.arena_path), "capacity": idx.alloc.capacity,
                     "generation": self.gen.id, "pid": os.getpid(),
                     "index": str(self.gen.index_path) if shared and shared.enabled else None,
-                    "lease_ttl_s": self.cfg.lease_ttl_s,
+                    "lease_ttl_s": self.local.lease_ttl_s,
                     "disk_tier": isinstance(idx, TieredIndex),
                     "disk_dir": str(idx.root) if isinstance(idx, TieredIndex) else None,
-                    "max_pin_s": self.cfg.max_pin_s,
+                    "max_pin_s": self.local.max_pin_s,
                     # clients' hot-path bound covers a reserve held back this long
-                    "reserve_wait_s": (self.cfg.disk.put_wait_s if self.cfg.disk is not None
+                    "reserve_wait_s": (self.local.disk.put_wait_s if self.local.disk is not None
                                        and self._holdback is not None else 0.0)}
         if op == "shutdown":
             self._running = False
@@ -469,11 +472,11 @@ class Coordinator:
             self._shared.close()
         if self._reachable():  # else the path is gone or another store's now: leave it
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.cfg.socket_path)
+                os.unlink(socket_path(self.cfg))
         if self.gen is not None:
             if self._gate is not None:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.cfg.token_path)
+                    os.unlink(token_path(self.cfg))
             self.gen.release()  # last: the lock keeps a second coordinator out until here
         log.info("kvcentric local store %r stopped", self.cfg.name)
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
 from kvcentric.store.local import replies, trust
+from kvcentric.store.local.config import socket_path
 from kvcentric.store.local.rpc import RpcClient
 from kvcentric.store.local.shared_index import SharedIndexReader
 
@@ -168,16 +169,16 @@ def greet(cfg: StoreConfig) -> tuple[RpcClient, Hello]:
     ``BadReply`` (both ``StoreUnavailable``) when the dir, the peer or the hello fails its
     checks (module docstring)."""
     try:
-        owner = trust.check_dir(cfg.runtime_dir, "store runtime directory", gid=cfg.peer_gid,
-                                mine=False)
+        owner = trust.check_dir(cfg.local.runtime_dir, "store runtime directory",
+                                gid=cfg.local.peer_gid, mine=False)
     except FileNotFoundError as exc:
-        raise StoreUnavailable(f"cannot reach store at {cfg.socket_path}: no runtime "
-                               f"directory {cfg.runtime_dir}") from exc
+        raise StoreUnavailable(f"cannot reach store at {socket_path(cfg)}: no runtime "
+                               f"directory {cfg.local.runtime_dir}") from exc
     except OSError as exc:
-        raise StoreUnavailable(f"cannot examine {cfg.runtime_dir}: {exc}") from exc
-    rpc = RpcClient(cfg.socket_path, cfg.op_timeout_s, poll_s=cfg.hot_timeout_s)
+        raise StoreUnavailable(f"cannot examine {cfg.local.runtime_dir}: {exc}") from exc
+    rpc = RpcClient(socket_path(cfg), cfg.op_timeout_s, poll_s=cfg.hot_timeout_s)
     try:
-        rpc.connect(lambda sock: trust.check_peer(sock, owner, cfg.socket_path))
+        rpc.connect(lambda sock: trust.check_peer(sock, owner, socket_path(cfg)))
         raw = rpc.call("hello")
         hello = Hello(raw, owner, replies.check_hello(cfg, raw))
     except BaseException:
@@ -189,7 +190,7 @@ def greet(cfg: StoreConfig) -> tuple[RpcClient, Hello]:
 def open_index(cfg: StoreConfig, path: str | None, owner: int) -> SharedIndexReader | None:
     """Map a generation's shared lookup index (a file of ``owner``), or None (lookups use
     the socket)."""
-    if not path or not cfg.shared_index:
+    if not path or not cfg.local.shared_index:
         return None
     try:
         return SharedIndexReader(Path(path), owner)

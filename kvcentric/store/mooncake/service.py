@@ -142,13 +142,13 @@ def node_config(args: argparse.Namespace) -> dict[str, Any]:
 def run_node(args: argparse.Namespace) -> int:
     """Contribute a segment to the pool until SIGTERM/SIGINT."""
     from kvcentric.config import StoreConfig
-    from kvcentric.store.mooncake.config import MooncakeSettings, engine_env, offload_env
+    from kvcentric.store.mooncake.config import engine_env, offload_env
     from kvcentric.store.mooncake.store import MooncakeStore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stop = _stop_event()
     cfg = StoreConfig(backend="mooncake", sections={"mooncake": node_config(args)})
-    settings = MooncakeSettings.load(cfg.mooncake)
+    settings = cfg.mooncake
     os.environ.update(engine_env(settings))  # a command's own process: set before the engine
     os.environ.update(offload_env(settings))
     if not settings.global_segment_size:

@@ -56,7 +56,6 @@ from kvcentric.store.base import (
 from kvcentric.store.mooncake.checksums import get_checked, put_sealed
 from kvcentric.store.mooncake.client import check_installed, chunks
 from kvcentric.store.mooncake.config import (
-    MooncakeSettings,
     engine_env,
     offload_bucket_problem,
 )
@@ -76,7 +75,7 @@ class MooncakeStore(KVStore):
 
     def __init__(self, cfg: StoreConfig) -> None:
         self.cfg = cfg
-        self.settings = s = MooncakeSettings.load(cfg.mooncake)
+        self.settings = s = cfg.mooncake
         protocol, devices = resolve_transport(s.protocol, s.device_name, s.fallback_to_tcp)
         missing = engine_env(s)
         if missing:
