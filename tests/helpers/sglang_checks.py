@@ -420,7 +420,7 @@ def check_disk_settings(store: dict[str, Any]) -> None:
     from kvcentric.store.local.config import DiskConfig
 
     backend = create(store, model="disk-settings")
-    _eq(backend.settings.store.disk, DiskConfig.from_dict(store["disk"]), "store.disk")
+    _eq(backend.settings.store.local.disk, DiskConfig.from_dict(store["disk"]), "store.disk")
     _eq(disk_dir(backend.settings.store), disk_dir(StoreConfig.from_dict(store)), "disk_dir")
     backend.close()
     disk = store["disk"]
