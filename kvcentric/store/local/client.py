@@ -2,12 +2,8 @@
 
 Every process maps the coordinator's arena file (tmpfs) and copies bytes itself with one
 ``memmove`` per object; the coordinator only allocates, leases and commits. So a put or a
-get costs one memcpy plus small round trips, and engines on one node share physical pages.
-``batch_put_from`` and ``batch_get_into`` pipeline them: a batch goes in chunks of about
-``PIPELINE_BYTES``, and each chunk's request (reserve, acquire) is sent before the previous
-chunk's bytes are copied and its commit sent without waiting, so the coordinator works on
-one core while this process copies on another; a batch exposes about one round trip of one
-chunk, not two round trips of the whole batch.
+get costs one memcpy plus two small round trips per batch, and engines on one node share
+physical pages.
 
 Ownership: memory behind caller ``ptrs`` is the caller's. ``WriteSlot.ptr`` and
 ``ReadLease.ptrs`` point into the shared arena and are valid only until commit/abort and
@@ -26,7 +22,6 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import StoreConfig
@@ -47,46 +42,12 @@ from kvcentric.store.base import (
 from kvcentric.store.local import disk, replies
 from kvcentric.store.local.disk_reads import READ_THREADS, DiskReads
 from kvcentric.store.local.link import Link
-from kvcentric.store.local.rpc import Pending
-from kvcentric.store.local.session import Arena, Session
+from kvcentric.store.local.session import Session
 
 if TYPE_CHECKING:
     from kvcentric.cuda.pinning import HostPinner
 
 log = logging.getLogger("kvcentric.store")
-
-PIPELINE_BYTES = 4 << 20
-"""Bytes per chunk of a pipelined batch: enough copying to hide the next chunk's round
-trip, few enough chunks that their round trips stay cheap."""
-
-
-def chunks(sizes: Sequence[int], chunk_bytes: int | None = None) -> list[tuple[int, int]]:
-    """``[start, end)`` index ranges of consecutive objects of about ``chunk_bytes`` each
-    (default :data:`PIPELINE_BYTES`; a chunk ends at the object that reaches it, the last
-    takes what is left)."""
-    if chunk_bytes is None:
-        chunk_bytes = PIPELINE_BYTES
-    out, start, acc = [], 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc >= chunk_bytes:
-            out.append((start, i + 1))
-            start, acc = i + 1, 0
-    if start < len(sizes):
-        out.append((start, len(sizes)))
-    return out
-
-
-@dataclass
-class _Sent:
-    """A hot request sent and not yet taken, with what its reply is checked against; it
-    holds a reference on ``arena`` until taken."""
-
-    pending: Pending
-    arena: Arena
-    keys: Sequence[str]
-    sizes: list[int]
-    asked: float = 0.0
 
 
 class LocalStore(KVStore):
@@ -159,37 +120,25 @@ class LocalStore(KVStore):
 
     def batch_alloc(self, keys: Sequence[str], sizes: Sequence[int],
                     parents: Sequence[str | None] | None = None) -> list[WriteSlot | None]:
+        return self._reserve(keys, sizes, parents)[0]
+
+    def _reserve(self, keys: Sequence[str], sizes: Sequence[int],
+                 parents: Sequence[str | None] | None) -> tuple[list[WriteSlot | None], list[int]]:
+        """Slots for new keys (None where the key exists or space ran out) and reserve
+        codes. Each slot holds a reference on its arena until committed or aborted."""
         if len(keys) != len(sizes) or (parents is not None and len(parents) != len(keys)):
             raise ValueError("keys, sizes and parents must have equal lengths")
         if not keys:
-            return []
+            return [], []
         s = self._link.live()
-        return self._reserve_take(s, self._reserve_send(s, keys, sizes, parents))[0]
-
-    def _reserve_send(self, s: Session, keys: Sequence[str], sizes: Sequence[int],
-                      parents: Sequence[str | None] | None) -> _Sent:
-        """Ask ``s``'s coordinator for slots for ``keys`` (taken by :meth:`_reserve_take`);
-        the arena reference taken here keeps its mapping until then."""
         arena = s.arena
         if not arena.hold():  # taken before the call: the mapping cannot go meanwhile
             raise StoreUnavailable(f"store {self.cfg.name!r}: arena released")
         ints = [int(n) for n in sizes]
         try:
-            pending = self._link.hot_send(
-                s, "reserve", list(keys), ints,
-                list(parents) if parents is not None else [None] * len(keys))
-        except BaseException:
-            arena.drop()
-            raise
-        return _Sent(pending, arena, keys, ints)
-
-    def _reserve_take(self, s: Session, sent: _Sent) -> tuple[list[WriteSlot | None], list[int]]:
-        """Slots for new keys (None where the key exists or space ran out) and reserve
-        codes. Each slot holds a reference on its arena until committed or aborted."""
-        arena = sent.arena
-        try:
-            codes = self._link.hot_wait(s, sent.pending)
-            replies.check_slots(codes, sent.sizes, arena.capacity)
+            codes = self._link.hot(s, "reserve", list(keys), ints,
+                                   list(parents) if parents is not None else [None] * len(keys))
+            replies.check_slots(codes, ints, arena.capacity)
         except replies.BadReply as exc:
             arena.drop()
             self._link.trip(s, exc)  # its slots die with it: the coordinator reclaims them
@@ -197,8 +146,8 @@ class LocalStore(KVStore):
         except BaseException:
             arena.drop()
             raise
-        slots = [WriteSlot(k, arena.base + off, n, s) if off >= 0 else None
-                 for k, n, off in zip(sent.keys, sent.sizes, codes)]
+        slots = [WriteSlot(k, arena.base + off, int(n), s) if off >= 0 else None
+                 for k, n, off in zip(keys, sizes, codes)]
         live = sum(1 for x in slots if x is not None)
         if live == 0:
             arena.drop()
@@ -230,42 +179,20 @@ class LocalStore(KVStore):
         if s is None or any(x.handle is not s for x in slots):
             self._end_slots(slots)
             return [ERR_UNAVAILABLE] * len(slots)
+        sums = [checksum(x.ptr, x.size) if self.cfg.verify_checksums else None for x in slots]
         try:
             if pin_s > s.max_pin_s and not s.admin:
                 pin_s = self._long_pin(s, pin_s)
+            codes = list(self._link.hot(s, "commit", [x.key for x in slots], sums,
+                                        float(pin_s)))
         except StoreUnavailable:
-            self._end_slots(slots)
-            return [ERR_UNAVAILABLE] * len(slots)
-        return self._commit_take(s, slots, self._commit_send(s, slots, pin_s))
-
-    def _commit_send(self, s: Session, slots: Sequence[WriteSlot],
-                     pin_s: float) -> Pending | None:
-        """Send the commit of ``slots`` (of session ``s``, written); ``None`` when it
-        could not be sent (``s`` is dead)."""
-        sums = [checksum(x.ptr, x.size) if self.cfg.verify_checksums else None for x in slots]
-        try:
-            return self._link.hot_send(s, "commit", [x.key for x in slots], sums,
-                                       float(pin_s))
-        except StoreUnavailable:
-            return None
-
-    def _commit_take(self, s: Session, slots: Sequence[WriteSlot],
-                     pending: Pending | None) -> list[int]:
-        """The codes of a commit sent by :meth:`_commit_send`; ends ``slots``."""
-        codes = [ERR_UNAVAILABLE] * len(slots)
-        try:
-            if pending is not None:
-                got = list(self._link.hot_wait(s, pending))
-                if len(got) == len(slots):
-                    codes = got
-                else:
-                    self._link.trip(s, replies.BadReply("commit: the reply does not match "
-                                                        "the request"))
-        except StoreUnavailable:
-            pass
+            codes = [ERR_UNAVAILABLE] * len(slots)
         except ValueError:  # refused (a pin out of bounds): nothing was committed
             self.batch_abort(slots)
             raise
+        if len(codes) != len(slots):
+            self._link.trip(s, replies.BadReply("commit: the reply does not match the request"))
+            codes = [ERR_UNAVAILABLE] * len(slots)
         self._end_slots(slots)
         return codes
 
@@ -298,57 +225,20 @@ class LocalStore(KVStore):
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
                        parents: Sequence[str | None] | None = None) -> list[int]:
-        """Pipelined (module docstring): chunk ``k + 1``'s reserve goes out before chunk
-        ``k`` is copied, and chunk ``k``'s commit right after; the commits' codes are
-        taken at the end. A chunk that cannot be reserved ends the batch (it and the
-        rest are ``ERR_UNAVAILABLE``). With a disk tier the batch is one chunk: the
-        coordinator may hold a reserve back for the demoter, and a commit sent behind it
-        would wait with it."""
-        if len(keys) != len(ptrs) or len(keys) != len(sizes) or (
-                parents is not None and len(parents) != len(keys)):
-            raise ValueError("keys, ptrs, sizes and parents must have equal lengths")
-        out = [ERR_UNAVAILABLE] * len(keys)
-        if not keys:
-            return out
-
-        def reserve(a: int, b: int) -> _Sent:
-            return self._reserve_send(s, keys[a:b], sizes[a:b],
-                                      parents[a:b] if parents is not None else None)
-
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            raise ValueError("keys, ptrs and sizes must have equal lengths")
         try:
-            s = self._link.live()
-            parts = chunks(sizes) if not s.disk_tier else [(0, len(keys))]
-            nxt: _Sent | None = reserve(*parts[0])
+            slots, codes = self._reserve(keys, sizes, parents)
         except StoreUnavailable:
-            return out
-        sent = []  # (first index, slots, reserve codes, live slots, the commit in flight)
-        for k, (a, b) in enumerate(parts):
-            assert nxt is not None
-            try:
-                slots, codes = self._reserve_take(s, nxt)
-            except StoreUnavailable:
-                break
-            nxt = None
-            if k + 1 < len(parts):
-                try:
-                    nxt = reserve(*parts[k + 1])
-                except StoreUnavailable:
-                    pass  # this chunk's commit finds the session dead too
-            for slot, src in zip(slots, ptrs[a:b]):
-                if slot is not None:
-                    ctypes.memmove(slot.ptr, src, slot.size)
-            live = [x for x in slots if x is not None]
-            sent.append((a, slots, codes, live,
-                         self._commit_send(s, live, 0.0) if live else None))
-            if nxt is None:
-                break
-        for a, slots, codes, live, pending in sent:
-            committed = iter(self._commit_take(s, live, pending) if live else [])
-            # a key already stored (or being stored by another writer) counts as stored
-            for i, (slot, c) in enumerate(zip(slots, codes)):
-                out[a + i] = next(committed) if slot is not None else (
-                    OK if c == ERR_EXISTS else c)
-        return out
+            return [ERR_UNAVAILABLE] * len(keys)
+        live = [s for s in slots if s is not None]
+        for s, src in zip(slots, ptrs):
+            if s is not None:
+                ctypes.memmove(s.ptr, src, s.size)
+        committed = iter(self.batch_commit(live))
+        # a key already stored (or being stored by another writer) counts as stored
+        return [next(committed) if s is not None else (OK if c == ERR_EXISTS else c)
+                for s, c in zip(slots, codes)]
 
     def batch_acquire(self, keys: Sequence[str], sizes: Sequence[int] | None = None) -> ReadLease:
         return self._acquire(keys, eager=True)
@@ -364,36 +254,22 @@ class LocalStore(KVStore):
         if not keys:
             return ReadLease([], [], [], [], None)
         s = self._link.live()
-        return self._acquire_take(s, self._acquire_send(s, keys), eager)
-
-    def _acquire_send(self, s: Session, keys: Sequence[str]) -> _Sent:
-        """Ask ``s``'s coordinator to lease ``keys`` (taken by :meth:`_acquire_take`)."""
         arena = s.arena
         if not arena.hold():
             raise StoreUnavailable(f"store {self.cfg.name!r}: arena released")
-        asked = time.monotonic()
-        try:
-            pending = self._link.hot_send(s, "acquire", list(keys))
-        except BaseException:
-            arena.drop()
-            raise
-        return _Sent(pending, arena, keys, [], asked)
-
-    def _acquire_take(self, s: Session, sent: _Sent, eager: bool) -> ReadLease:
-        """The lease of an acquire sent by :meth:`_acquire_send` (see :meth:`_acquire`)."""
-        arena, keys = sent.arena, sent.keys
         reads = None
         try:
+            asked = time.monotonic()
             asking = list(keys)
             try:
                 lease_id, entries = replies.check_lease(
-                    self._link.hot_wait(s, sent.pending), asking, arena.capacity, s.tier)
+                    self._link.hot(s, "acquire", asking), asking, arena.capacity, s.tier)
             except replies.BadReply as exc:
                 self._link.trip(s, exc)  # nothing read: the lease dies with the session
                 raise
             # the coordinator reclaims the lease lease_ttl_s after it granted it, which is
             # after we asked: treating it as lapsed from asked + ttl is always on the safe side
-            deadline = sent.asked + s.lease_ttl_s if s.lease_ttl_s > 0 else float("inf")
+            deadline = asked + s.lease_ttl_s if s.lease_ttl_s > 0 else float("inf")
             if any(len(e) > 3 for e in entries):
                 tier, owner = s.tier, s.owner
                 assert tier is not None  # check_lease refused disk entries without one
@@ -476,66 +352,34 @@ class LocalStore(KVStore):
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
                        sizes: Sequence[int]) -> list[int]:
-        """Pipelined (module docstring): chunk ``k + 1``'s acquire goes out before chunk
-        ``k`` is copied, while chunk ``k`` was leased whole (the leading run goes on). Every
-        lease is checked after all copies and released at the end."""
         if len(keys) != len(ptrs) or len(keys) != len(sizes):
             raise ValueError("keys, ptrs and sizes must have equal lengths")
-        parts = chunks(sizes)
-        if not parts:
-            return []
         try:
-            s = self._link.live()
-            nxt: _Sent | None = self._acquire_send(s, keys[parts[0][0]:parts[0][1]])
+            lease = self.batch_acquire(keys)
         except StoreUnavailable:
             return [ERR_UNAVAILABLE] * len(keys)
         out = [ERR_NOT_FOUND] * len(keys)
-        leases: list[ReadLease] = []
         try:
-            for k, (a, b) in enumerate(parts):
-                assert nxt is not None
-                sent, nxt = nxt, None
-                try:
-                    lease = self._acquire_take(s, sent, eager=True)
-                except StoreUnavailable:
-                    return [ERR_UNAVAILABLE] * len(keys)
-                leases.append(lease)
-                if len(lease.ptrs) == b - a and k + 1 < len(parts):
-                    try:
-                        nxt = self._acquire_send(s, keys[b:parts[k + 1][1]])
-                    except StoreUnavailable:
-                        pass  # the leases taken so far are no longer valid either
-                for i, (src, size) in enumerate(zip(lease.ptrs, lease.sizes)):
-                    if size > sizes[a + i]:
-                        out[a + i] = ERR_INVALID
-                        continue
-                    ctypes.memmove(ptrs[a + i], src, size)
-                    out[a + i] = size
-                self._verify(lease, ptrs, out, a)
-                if nxt is None:
-                    break
-            if not all(self.lease_valid(lease) for lease in leases):
+            for i, (src, size) in enumerate(zip(lease.ptrs, lease.sizes)):
+                if size > sizes[i]:
+                    out[i] = ERR_INVALID
+                    continue
+                ctypes.memmove(ptrs[i], src, size)
+                out[i] = size
+            self._verify(lease, ptrs, out)
+            if not self.lease_valid(lease):
                 return [ERR_UNAVAILABLE] * len(keys)  # copied without a lease: can't trust it
         finally:
-            if nxt is not None:  # sent, never taken (an exception above): end its lease
-                try:
-                    leases.append(self._acquire_take(s, nxt, eager=False))
-                except StoreUnavailable:
-                    pass
-            for lease in leases:
-                self.release(lease)
+            self.release(lease)
         return out
 
-    def _verify(self, lease: ReadLease, ptrs: Sequence[int], out: list[int],
-                first: int = 0) -> None:
-        """Check the copies of ``lease``'s objects (the batch's ``first`` onwards)."""
+    def _verify(self, lease: ReadLease, ptrs: Sequence[int], out: list[int]) -> None:
         if not self.cfg.verify_checksums:
             return
         for i, want in enumerate(lease.checksums):
-            j = first + i
-            if out[j] > 0 and want is not None and not lease.verified(i, ptrs[j]):
+            if out[i] > 0 and want is not None and not lease.verified(i, ptrs[i]):
                 log.warning("checksum mismatch for %s: treating as missing", lease.keys[i])
-                out[j] = ERR_CORRUPT
+                out[i] = ERR_CORRUPT
 
     def remove(self, key: str, force: bool = False) -> int:
         return int(self._link.call("remove", key, force))

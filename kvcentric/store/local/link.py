@@ -36,7 +36,6 @@ from kvcentric.config import StoreConfig
 from kvcentric.store.base import StoreUnavailable
 from kvcentric.store.local import gate, launcher, ownership, session
 from kvcentric.store.local.config import token_path
-from kvcentric.store.local.rpc import Pending
 from kvcentric.store.local.session import Arena, Hello, Session
 
 if TYPE_CHECKING:
@@ -195,25 +194,6 @@ class Link:
         """One hot-path round trip on ``s`` (``s.hot_timeout_s``); a failure trips ``s``."""
         try:
             return s.rpc.call(op, *args, timeout_s=s.hot_timeout_s)
-        except StoreUnavailable as exc:
-            self.trip(s, exc)
-            raise
-
-    def hot_send(self, s: Session, op: str, *args: Any) -> Pending:
-        """Send one hot-path request on ``s`` now; :meth:`hot_wait` takes its reply (the
-        two halves of :meth:`hot`, so that work can run between them). A failure trips
-        ``s``."""
-        try:
-            return s.rpc.submit(op, *args, timeout_s=s.hot_timeout_s)
-        except StoreUnavailable as exc:
-            self.trip(s, exc)
-            raise
-
-    def hot_wait(self, s: Session, pending: Pending) -> Any:
-        """The reply to ``pending``, waiting at most ``s.hot_timeout_s`` from now; a failure
-        trips ``s``."""
-        try:
-            return s.rpc.wait(pending, timeout_s=s.hot_timeout_s)
         except StoreUnavailable as exc:
             self.trip(s, exc)
             raise
