@@ -297,10 +297,7 @@ class StoreConfig:
         spec = get_backend(str(raw.get("backend", "local")))
         names = section_names()
         shared = {f.name for f in fields(cls) if f.init} - {"sections"}
-        own: set[str] = set()
-        if spec.settings is not None:
-            own = {f.name for f in fields(spec.settings) if f.init}  # type: ignore[arg-type]
-            own |= set(getattr(spec.settings, "ALIASES", {}))
+        own = spec.own_keys
         unknown = set(raw) - shared - own - set(names)
         for key in sorted(unknown & set(spec.instead)):
             raise ValueError(f"store.{key} is not a setting of a {spec.name} store: "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcentric.store.local.config import LocalSettings  # plain dataclasses: no client, no wheel
@@ -126,6 +126,15 @@ class StoreBackend:
     passive: Callable[[StoreConfig], StoreConfig] = _unchanged
     instead: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def own_keys(self) -> set[str]:
+        """The keys of its section a store mapping may also give at the top level: its
+        settings class's init fields and ``ALIASES`` (none without a settings class)."""
+        if self.settings is None:
+            return set()
+        keys = {f.name for f in fields(self.settings) if f.init}  # type: ignore[arg-type]
+        return keys | set(getattr(self.settings, "ALIASES", {}))
+
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", self.name):
             raise ValueError(f"store backend name {self.name!r} must be 1 to 32 lower-case "
@@ -211,17 +220,13 @@ def get_backend(name: str) -> StoreBackend:
 def register_backend(spec: StoreBackend) -> None:
     """Add ``spec`` to :data:`BACKENDS`; ``ValueError`` when its name is taken, by another
     backend or by a ``StoreConfig`` key (its section is a top-level key of the store config)."""
-    from dataclasses import fields
-
     from kvcentric.config import StoreConfig
 
     if spec.name in BACKENDS:
         raise ValueError(f"store backend {spec.name!r} is already registered")
     taken = {f.name for f in fields(StoreConfig)}
     for other in BACKENDS.values():  # a backend's own keys may be given at the top level
-        if other.settings is not None:
-            taken |= {f.name for f in fields(other.settings)}  # type: ignore[arg-type]
-            taken |= set(getattr(other.settings, "ALIASES", {}))
+        taken |= other.own_keys
     if spec.name in taken:
         raise ValueError(f"store backend {spec.name!r} would shadow the store key of that name")
     BACKENDS[spec.name] = spec
