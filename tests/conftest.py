@@ -21,7 +21,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.netns import NetNamespace, unavailable_reason
 from kvcentric.testing.servers import VllmServer
-from kvcentric.testing.zygote import Zygote
+from kvcentric.testing.zygote import FORKING_VLLM_ENTRY, Zygote
 from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
 from tests.helpers.engines import engine_pool, plain_tiny  # noqa: F401 (session fixtures)
 from tests.helpers.hermetic import isolate
@@ -47,8 +47,9 @@ def pytest_configure(config: pytest.Config) -> None:
     isolate(os.environ, home)
     bind_worker(os.environ)
     # engines of this session fork from one process that imported vLLM's API server
-    # (started with the first engine; kvcentric.testing.zygote)
-    zygote = Zygote(home / "zygote.sock", home / "zygote.log")
+    # (started with the first engine; kvcentric.testing.zygote), and each forks its
+    # EngineCore and workers in turn (kvcentric.testing.vllm_forking)
+    zygote = Zygote(home / "zygote.sock", home / "zygote.log", entry=FORKING_VLLM_ENTRY)
     config.stash[_ZYGOTE] = zygote
     VllmServer.zygote = zygote
 

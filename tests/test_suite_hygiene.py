@@ -186,14 +186,14 @@ def test_engines_inherit_no_telemetry_and_caches_of_their_own() -> None:
 
 
 def test_engines_start_with_the_sessions_kv_cache_and_executor(tmp_path: Path) -> None:
-    """An engine a test starts gets the session's KV size as vLLM's flag, with the
-    legacy variable (which vLLM's CPU platform lets override the flag) removed; one that
-    sets VLLM_CPU_KVCACHE_SPACE itself keeps it. Shown with a stand-in interpreter that
+    """An engine a test starts runs without torch.compile and gets the session's KV size
+    as vLLM's flag, with the legacy variable (which vLLM's CPU platform lets override the
+    flag) removed; one that sets VLLM_CPU_KVCACHE_SPACE itself keeps it. Shown with a stand-in interpreter that
     records the command and environment it was started with."""
     import json
 
     from kvcentric.testing.servers import EXECUTOR_ENV, KV_BYTES_ENV, VllmServer
-    from tests.helpers.hermetic import ENGINE_EXECUTOR, ENGINE_KV_BYTES
+    from tests.helpers.hermetic import ENGINE_EXECUTOR, ENGINE_KV_BYTES, NO_COMPILE
     from tests.helpers.waiting import wait_until
 
     assert os.environ[KV_BYTES_ENV] == ENGINE_KV_BYTES[KV_BYTES_ENV]
@@ -215,6 +215,7 @@ def test_engines_start_with_the_sessions_kv_cache_and_executor(tmp_path: Path) -
         return argv, seen
 
     argv, seen = started({})
+    assert seen["TORCHDYNAMO_DISABLE"] == NO_COMPILE["TORCHDYNAMO_DISABLE"] == "1"
     i = argv.index("--kv-cache-memory-bytes")
     assert argv[i + 1] == ENGINE_KV_BYTES[KV_BYTES_ENV]
     assert "VLLM_CPU_KVCACHE_SPACE" not in seen

@@ -3,7 +3,8 @@ start is what ``subprocess.Popen(..., start_new_session=True)`` would have start
 argv, exactly its environment, its directory and log, a session of its own, stdin closed,
 the caller's network namespace), its exit status comes back as Popen reports it, a
 malformed request is refused without harm, and the zygote ends with the process that
-started it. Every engine the suite starts goes through the real one (vLLM's entry)."""
+started it. Every engine the suite starts goes through the real one (vLLM's entry, its
+EngineCore forked too: kvcentric.testing.vllm_forking)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvcentric.testing.netns import NetNamespace
+from kvcentric.testing.servers import VllmServer
 from kvcentric.testing.signals import thread_states
 from kvcentric.testing.zygote import ForkedProcess, Zygote
 from tests.helpers.waiting import wait_until
@@ -152,3 +154,20 @@ def test_the_zygote_ends_with_the_process_that_started_it(tmp_path: Path) -> Non
     # no thread left that could run (none at all once it has been reaped)
     assert wait_until(lambda: set(thread_states(zpid)) <= {"Z", "X"}, 30), \
         "the zygote outlived its owner"
+
+
+@pytest.mark.vllm
+def test_the_sessions_engines_fork_their_engine_core(plain_tiny: VllmServer) -> None:
+    """The suite's engines come from the zygote with kvcentric.testing.vllm_forking's entry:
+    the API server's EngineCore child is a fork of it (its command line is the zygote's),
+    not a spawned interpreter (``python -c "from multiprocessing.spawn import ..."``)."""
+    assert plain_tiny.proc is not None
+    pid = plain_tiny.proc.pid
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    lines = {k: Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0") for k in kids}
+    mine = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert b"kvcentric.testing.zygote" in mine
+    # the EngineCore is the server's one child (the worker runs inside it: one rank)
+    assert len(kids) == 1, lines
+    assert lines[kids[0]] == mine, lines
+    assert not any(b"multiprocessing.spawn" in part for part in lines[kids[0]])

@@ -9,9 +9,10 @@ vllm.entrypoints.openai.api_server`` runs) with the engine's argv, environment, 
 directory and log, as the leader of a new session, stdin closed: what
 ``subprocess.Popen(..., start_new_session=True)`` would have started, one import
 earlier, and in the network namespace of the calling thread (a test that starts an
-engine inside a private namespace, next to Mooncake). vLLM still spawns the EngineCore
-fresh, with the engine's environment. Values vLLM reads from the environment at import
-time come from the zygote's (the session's).
+engine inside a private namespace, next to Mooncake). With vLLM's own entry the
+engine still spawns its EngineCore fresh, with the engine's environment; with
+``FORKING_VLLM_ENTRY`` (:mod:`kvcentric.testing.vllm_forking`) it forks that too. Values
+vLLM reads from the environment at import time come from the zygote's (the session's).
 
 The server (``python -m kvcentric.testing.zygote SOCKET [--entry MODULE:FUNCTION]``)
 answers one JSON line per connection on a Unix socket in a directory only its owner can
@@ -47,6 +48,9 @@ from typing import Any
 from kvcentric.testing.netns import setns_net
 
 VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry:main"
+# the same server with its EngineCore and worker processes forked from it, not spawned
+# (kvcentric.testing.vllm_forking): what a session that starts many engines uses
+FORKING_VLLM_ENTRY = "kvcentric.testing.vllm_forking:main"
 # a request line is an engine's argv and environment: generous, but bounded
 MAX_REQUEST = 1 << 20
 

@@ -37,6 +37,11 @@ ENGINE_KV_BYTES = {"KVC_ENGINE_KV_CACHE_BYTES": str(256 << 20)}
 # the process layout vLLM has on a GPU for one rank, and on the CPU one of the three
 # processes that each import vLLM (seconds of CPU each) fewer per engine start
 ENGINE_EXECUTOR = {"KVC_ENGINE_EXECUTOR": "uni"}
+# torch.compile off in every process of the session: the engines run eagerly anyway
+# (--enforce-eager), but vLLM still compiles a few helpers with inductor on their first
+# call (at TP > 1 the vocab-parallel embedding's mask, get_masked_input_and_mask): a C++
+# build of seconds per worker process, on every engine's first request
+NO_COMPILE = {"TORCHDYNAMO_DISABLE": "1"}
 
 
 def isolate(environ: MutableMapping[str, str], home: Path) -> None:
@@ -49,7 +54,7 @@ def isolate(environ: MutableMapping[str, str], home: Path) -> None:
         xdg = environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
         environ["HF_HOME"] = str(Path(xdg) / "huggingface")
     environ.update(NO_TELEMETRY)
-    for k, v in {**ENGINE_KV_BYTES, **ENGINE_EXECUTOR}.items():
+    for k, v in {**ENGINE_KV_BYTES, **ENGINE_EXECUTOR, **NO_COMPILE}.items():
         environ.setdefault(k, v)
     dirs = cache_dirs(home)
     for d in dirs.values():
