@@ -65,13 +65,13 @@ $(PEERS_STAMP): $(STAMP) Makefile
 # engines, its /dev/shm names) when it ends or is interrupted.
 # Two passes (tests/helpers/xdist_groups.py): every test not marked `serial`, then the
 # `serial` tests alone on the box. Both run; the target fails if either does, and an
-# interrupted first pass ends the target. XDIST: empty, the first pass runs in one process
-# (what CI runs); `make test XDIST="-n 2 --dist loadfile"` runs it on two pytest-xdist
-# workers, not yet the default: on the 2-core box two workers' engine starts contend
-# for the cores and memory instead of overlapping (benchmarks/results/test_durations.md).
+# interrupted first pass ends the target. XDIST: the first pass runs on two pytest-xdist
+# workers, every module that starts vLLM engines on one of them (one engine test at a
+# time, as in one process) and the other modules on the other; `make test XDIST=` runs
+# it in one process.
 JUNIT := build/junit.xml
 JUNIT_SERIAL := build/junit-serial.xml
-XDIST ?=
+XDIST ?= -n 2 --dist loadfile
 PYTEST_ARGS := -q -p no:cacheprovider -rs --durations=25
 test: setup peers
 	@mkdir -p $(dir $(JUNIT))

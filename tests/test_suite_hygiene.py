@@ -188,8 +188,8 @@ def test_engines_inherit_no_telemetry_and_caches_of_their_own() -> None:
 def test_engines_start_with_the_sessions_kv_cache_and_executor(tmp_path: Path) -> None:
     """An engine a test starts runs without torch.compile and gets the session's KV size
     as vLLM's flag, with the legacy variable (which vLLM's CPU platform lets override the
-    flag) removed; one that sets VLLM_CPU_KVCACHE_SPACE itself keeps it. Shown with a stand-in interpreter that
-    records the command and environment it was started with."""
+    flag) removed; one that sets VLLM_CPU_KVCACHE_SPACE itself keeps it. Shown with a
+    stand-in interpreter that records the command and environment it was started with."""
     import json
 
     from kvcentric.testing.servers import EXECUTOR_ENV, KV_BYTES_ENV, VllmServer

@@ -1,5 +1,6 @@
-"""tests/helpers/xdist_groups.py: how make test's parallel pass pins its workers' engines
-and orders its modules, and that the serial pass has what it is for."""
+"""tests/helpers/xdist_groups.py: how make test's parallel pass pins its workers' engines,
+keeps every engine module on one worker and orders its units, and that the serial pass
+has what it is for."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.xdist_groups import BIND_ENV, LONGEST_FIRST, bind_worker, longest_first
+from tests.helpers.xdist_groups import (
+    BIND_ENV,
+    ENGINE_MODULES,
+    ENGINE_UNIT,
+    LONGEST_FIRST,
+    bind_worker,
+    longest_first,
+    unit_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SERIAL_MODULES = ("tests/store/test_store_hung.py", "tests/store/test_store_mooncake_hung.py",
@@ -45,8 +54,24 @@ def test_the_longest_modules_go_first_the_rest_keep_their_order() -> None:
 
 
 def test_every_named_module_exists() -> None:
-    missing = [m for m in LONGEST_FIRST if not (ROOT / m).is_file()]
-    assert not missing, f"LONGEST_FIRST names modules that are gone: {missing}"
+    named = [m for m in (*LONGEST_FIRST, *ENGINE_MODULES) if m != ENGINE_UNIT]
+    missing = [m for m in named if not (ROOT / m).is_file()]
+    assert not missing, f"xdist_groups names modules that are gone: {missing}"
+
+
+# what makes a module start engines: the vllm mark, or the session's plain engine pool
+ENGINE_USE = re.compile(r"\bpytest\.mark\.vllm\b|\bplain_tiny\b|\bengine_pool\b")
+
+
+def test_every_engine_module_runs_in_the_engine_unit() -> None:
+    """Every test module that starts vLLM engines is in ENGINE_MODULES (so the parallel
+    pass never starts engines on both workers at once), and each of those does."""
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if ENGINE_USE.search(p.read_text()))
+    assert found == sorted(ENGINE_MODULES)
+    assert unit_of("tests/e2e/test_faults.py::test_reduced_kill_matrix") == ENGINE_UNIT
+    assert unit_of("tests/connector/test_vllm_tp.py::test_x[a::b]") == ENGINE_UNIT
+    assert unit_of("tests/store/test_store_local.py::test_x") == "tests/store/test_store_local.py"
 
 
 def test_the_serial_pass_collects_the_timing_and_stress_tests() -> None:

@@ -1,23 +1,24 @@
-"""How ``make test`` runs the suite: a first pass (parallel on request), then a serial pass.
+"""How ``make test`` runs the suite: a parallel first pass, then a serial pass.
 
 ``make test`` runs pytest twice (Makefile):
 
-1. ``-m "not serial"``, in one process by default. With ``XDIST="-n 2 --dist loadfile"``
-   (not yet the default: on the 2-core box two workers' engine starts contend for the
-   cores and the memory rather than overlap): two pytest-xdist workers, each test module a
-   unit sent whole to one worker (its module-scoped fixtures made once, its tests in their
-   order). :func:`pytest_xdist_make_scheduler` hands out the
-   longest modules first (:data:`LONGEST_FIRST`), so that no long engine module starts
-   last and leaves the other worker idle while it runs. Each worker has its own session:
-   its own plain engine pool (tests/helpers/engines.py) and Mooncake namespace.
-   :func:`bind_worker` pins each worker's engines to a core of their own.
+1. ``-m "not serial"`` on two pytest-xdist workers (``XDIST="-n 2 --dist loadfile"``, the
+   default; ``make test XDIST=`` runs it in one process). :func:`pytest_xdist_make_scheduler`
+   makes every module of :data:`ENGINE_MODULES` (those that start vLLM engines) one unit,
+   ``engines``, sent whole to one worker and handed out first: that worker starts the
+   session's engines one test at a time, as a one-process run would, while the other
+   worker takes the other modules, each a unit of its own, longest first
+   (:data:`LONGEST_FIRST`). Two workers' engine starts never meet: on the 2-core box they
+   contended for the cores and the memory instead of overlapping. Each worker has its
+   own session: its own plain engine pool (tests/helpers/engines.py), zygote and Mooncake
+   namespace. :func:`bind_worker` pins each worker's engines to a core of their own.
 2. ``-m serial``: one process, nothing else running. A module or test is ``serial`` when it
    holds a wall-clock bound a concurrent engine start breaks (tens of milliseconds to a few
    tenths of a second), or when it loads the box so hard that another test's bound
    breaks beside it (the store stress tests; the Mooncake store's put and set tests, whose
    transfers failed next to them). Each marks itself with ``pytest.mark.serial``.
 
-Without xdist (plain ``make test``, or a plain ``pytest``) the scheduler and the binding
+Without xdist (``make test XDIST=``, or a plain ``pytest``) the scheduler and the binding
 do not apply, and a plain ``pytest`` runs serial and other tests together in one process.
 """
 
@@ -29,24 +30,40 @@ from typing import Any
 
 import pytest
 
-# rootdir-relative, longest first (build/junit.xml of a full run, rendered by
-# `python -m benchmarks.lib.durations`); modules not named here follow in collection order
-LONGEST_FIRST = (
+# rootdir-relative: the modules whose tests start vLLM engines (``pytest.mark.vllm``, or the
+# session's plain engine pool), run as one unit (ENGINE_UNIT) on one worker;
+# tests/test_suite_hygiene.py checks that every module with such a test is named here
+ENGINE_MODULES = (
     "tests/connector/test_vllm_hma.py",
-    "tests/connector/test_vllm_connector.py",
     "tests/e2e/test_faults.py",
-    "tests/e2e/test_router_e2e.py",
-    "tests/test_install.py",
-    "tests/test_doctor_engine.py",
+    "tests/connector/test_vllm_connector.py",
     "tests/connector/test_vllm_tp.py",
-    "tests/router/test_router_fuzz.py",
+    "tests/e2e/test_router_e2e.py",
+    "tests/test_doctor_engine.py",
+    "tests/router/test_router_fuzz_engine.py",
     "tests/connector/test_vllm_mooncake.py",
     "tests/connector/test_vllm_disk.py",
-    "tests/test_packaging.py",
     "tests/connector/test_vllm_inputs.py",
     "tests/bench/test_bench_serving.py",
     "tests/e2e/test_observability.py",
     "tests/bench/test_bench_serving_tokenizers.py",
+    "tests/test_zygote.py",
+)
+ENGINE_UNIT = "engines"
+# the other units, longest first (build/junit.xml of a full run, rendered by
+# `python -m benchmarks.lib.durations`); units not named here follow in collection order
+LONGEST_FIRST = (
+    ENGINE_UNIT,
+    "tests/test_install.py",
+    "tests/test_doctor.py",
+    "tests/store/test_store_mooncake.py",
+    "tests/connector/test_sglang_backend.py",
+    "tests/router/test_router_fuzz.py",
+    "tests/test_packaging.py",
+    "tests/bench/test_slo_capacity.py",
+    "tests/store/test_store_local.py",
+    "tests/store/test_store_disk.py",
+    "tests/router/test_router_replicas.py",
 )
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -67,22 +84,32 @@ def bind_worker(environ: MutableMapping[str, str], cores: Sequence[int] | None =
     environ[BIND_ENV] = str(allowed[int(worker[2:]) % len(allowed)])
 
 
-def longest_first(modules: Iterable[str]) -> list[str]:
-    """``modules`` in the order the parallel pass hands them out: those of
+def unit_of(nodeid: str) -> str:
+    """The unit of the parallel pass that test ``nodeid`` belongs to: :data:`ENGINE_UNIT`
+    for a test of an engine module, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return ENGINE_UNIT if module in ENGINE_MODULES else module
+
+
+def longest_first(units: Iterable[str]) -> list[str]:
+    """``units`` in the order the parallel pass hands them out: those of
     :data:`LONGEST_FIRST` in its order, then the others in their given order."""
     rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
-    return sorted(modules, key=lambda m: rank.get(m, len(rank)))  # stable
+    return sorted(units, key=lambda m: rank.get(m, len(rank)))  # stable
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile``, the modules of :data:`LONGEST_FIRST` handed out first (other
-    modes: xdist's own)."""
+    """``--dist loadfile`` with the units of :func:`unit_of` (the engine modules one unit),
+    longest first (other modes: xdist's own)."""
     if config.getoption("dist", "no") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling  # only under xdist
 
-    class LongestFirstScheduling(LoadScopeScheduling):
+    class EnginesTogetherScheduling(LoadScopeScheduling):
         _ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
 
         def _assign_work_unit(self, node: Any) -> None:
             if not self._ordered:  # the queue is complete before the first assignment
@@ -92,4 +119,4 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 self._ordered = True
             super()._assign_work_unit(node)
 
-    return LongestFirstScheduling(config, log)
+    return EnginesTogetherScheduling(config, log)

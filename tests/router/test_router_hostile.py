@@ -1,8 +1,9 @@
 """A hostile tenant against the router, in process (fake engines as in
 tests/router/test_router_app.py): each attack of issue 32 is mounted through the router's HTTP
 front and shown refused with a 4xx that names why, before any engine or any template runs,
-or harmless. The same attacks against a real vLLM CPU engine, and schemathesis with every
-check, are in tests/router/test_router_fuzz.py."""
+or harmless. The same attacks against a real vLLM CPU engine are in
+tests/router/test_router_fuzz_engine.py, schemathesis with every check in it and in
+tests/router/test_router_fuzz.py."""
 
 from __future__ import annotations
 
