@@ -178,10 +178,17 @@ def test_engine_url_that_is_not_an_engine() -> None:
 
 
 # ---- the local store ----
-def test_store_not_running(runtime_dir: Path) -> None:
+def test_store_not_running(runtime_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command itself (in this process: a fresh interpreter's vLLM import adds nothing
+    to what is checked here)."""
+    from kvcentric.cli import main
+
     cfg = StoreConfig.from_dict({"name": f"absent{uuid.uuid4().hex[:6]}",
                                  "runtime_dir": runtime_dir})
-    rc, found = cli("--store", json.dumps({"name": cfg.name, "runtime_dir": str(runtime_dir)}))
+    capsys.readouterr()
+    rc = main(["doctor", "--store", json.dumps({"name": cfg.name,
+                                                "runtime_dir": str(runtime_dir)}), "--json"])
+    found = {f["check"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
     assert rc == 1 and found["store-reachable"]["status"] == "fail"
     assert not socket_path(cfg).exists(), "the doctor must not start a coordinator"
 

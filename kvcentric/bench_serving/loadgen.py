@@ -76,6 +76,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-requests", type=int, default=None)
     g.add_argument("--max-input-len", type=int, default=None,
                    help="trace: skip requests longer than this (after --scale-tokens)")
+    g.add_argument("--max-output-len", type=int, default=None,
+                   help="trace: cap each request's output tokens (after --scale-tokens)")
     g.add_argument("--sample-sessions", type=float, default=None,
                    help="trace: keep this seeded fraction of conversations (whole)")
 

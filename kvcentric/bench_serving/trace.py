@@ -113,6 +113,8 @@ def _kept(records: list[TraceRecord], spec: WorkloadSpec) -> Iterator[tuple[Trac
         if not sampled(rec, spec.sample_sessions, spec.seed):
             continue
         n_in, n_out = scaled_lengths(rec, spec.scale_tokens)
+        if spec.max_output_len is not None:
+            n_out = min(n_out, spec.max_output_len)
         if spec.max_input_len is None or n_in <= spec.max_input_len:
             yield rec, n_in, n_out
 

@@ -83,6 +83,7 @@ class WorkloadSpec:
     max_requests: int | None = None
     scale_tokens: float = 1.0
     max_input_len: int | None = None
+    max_output_len: int | None = None
     sample_sessions: float | None = None
 
     def __post_init__(self) -> None:
@@ -108,6 +109,8 @@ class WorkloadSpec:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if not (self.time_scale > 0 and 0 < self.scale_tokens <= 1):
             raise ValueError("--time-scale must be > 0 and --scale-tokens in (0, 1]")
+        if self.max_output_len is not None and self.max_output_len < 1:
+            raise ValueError("--max-output-len must be >= 1")
         if self.sample_sessions is not None and not 0 < self.sample_sessions <= 1:
             raise ValueError("--sample-sessions must be in (0, 1]")
         if self.workload == "trace" and not self.trace:

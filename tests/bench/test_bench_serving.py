@@ -4,6 +4,7 @@ against a real vLLM CPU server (tiny model: the session's shared plain engine)."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import threading
@@ -143,7 +144,8 @@ def test_workload_shapes(src: TokenSource) -> None:
     for warm, s in zip(hr.warmup, hr.sessions):
         assert s.turns[0].user[:30] == warm.turns[0].user and len(s.turns[0].user) == 100
     for bad in ({"hit_ratio": 1.5}, {"workload": "nope"}, {"workload": "trace"},
-                {"num_users": 0}, {"user_rate": -1.0}, {"scale_tokens": 2.0}):
+                {"num_users": 0}, {"user_rate": -1.0}, {"scale_tokens": 2.0},
+                {"max_output_len": 0}):
         with pytest.raises(ValueError):
             WorkloadSpec(**bad)
 
@@ -388,9 +390,15 @@ def expected_hits(seqs: list[list[int]], block: int = VLLM_BLOCK) -> int:
 
 @pytest.mark.vllm
 def test_trace_replay(server: VllmServer, src: TokenSource, trace_file: Path) -> None:
+    # outputs capped: the hits are the claim, and the trace's own outputs (hundreds of
+    # tokens after scaling) would be most of the test's time
     spec = WorkloadSpec(workload="trace", trace=str(trace_file), max_requests=14,
-                        scale_tokens=0.25, max_input_len=2500, time_scale=1e-4, seed=15)
+                        scale_tokens=0.25, max_input_len=2500, max_output_len=4,
+                        time_scale=1e-4, seed=15)
     workload = build(spec, src)
+    assert all(t.output_len <= 4 for s in workload.sessions for t in s.turns)
+    uncapped = build(dataclasses.replace(spec, max_output_len=None), src)
+    assert max(t.output_len for s in uncapped.sessions for t in s.turns) > 4
     server.reset_prefix_cache()  # the other trace's blocks (equal ids: equal tokens) go
     res = _run(src, [server.url], spec, fmt="ids", conc=1)
     recs = _check_records(res, None)
