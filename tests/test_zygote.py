@@ -171,3 +171,33 @@ def test_the_sessions_engines_fork_their_engine_core(plain_tiny: VllmServer) -> 
     assert len(kids) == 1, lines
     assert lines[kids[0]] == mine, lines
     assert not any(b"multiprocessing.spawn" in part for part in lines[kids[0]])
+
+
+SEEN_BY_CHILD: list[int] = []
+
+
+def test_run_forked_answers_from_a_child_that_keeps_its_side_effects() -> None:
+    """vllm_forking.run_forked (vLLM's model-class inspection in the session's engines):
+    the value comes back, the child's changes stay in the child, an error comes back as
+    RuntimeError with the child's traceback, and a child that dies without answering is
+    an error, not a hang or a None."""
+    from kvcentric.testing.vllm_forking import run_forked
+
+    def work() -> dict[str, int]:
+        SEEN_BY_CHILD.append(os.getpid())
+        return {"pid": os.getpid()}
+
+    got = run_forked(work)
+    assert got["pid"] != os.getpid() and SEEN_BY_CHILD == []
+
+    def fails() -> None:
+        raise KeyError("no such model class")
+
+    with pytest.raises(RuntimeError, match="no such model class"):
+        run_forked(fails)
+
+    def dies() -> None:
+        os._exit(3)
+
+    with pytest.raises(RuntimeError, match="died before it answered"):
+        run_forked(dies)

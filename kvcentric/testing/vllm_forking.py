@@ -9,6 +9,12 @@ starts by fork, the start method vLLM itself uses on a GPU whenever CUDA is not 
 initialised in the parent (``vllm.utils.system_utils.get_mp_context``): the child
 inherits the parent's imports and runs the same target with the same arguments.
 
+The same goes for vLLM's model-class inspection (``registry._run_in_subprocess``), which
+runs in a fresh interpreter importing vLLM on the first engine of each architecture per
+cache directory (a session's own): :func:`run_forked` runs it in a forked child instead.
+vLLM isolates it to keep CUDA uninitialised in the server; on the CPU there is none, and
+the child still keeps whatever the model's import does out of the server.
+
 Why fork is sound at those two points: the API server and the EngineCore run no torch
 operator before they start their children (no OpenMP pool to inherit; the workers bind
 their own threads after they start), and vLLM's shutdown (process groups, sentinels) is
@@ -25,8 +31,12 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import os
+import pickle
+import traceback
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm.entrypoints.launchers.api_server.entry import main as serve
 
@@ -34,6 +44,8 @@ from vllm.entrypoints.launchers.api_server.entry import main as serve
 # vllm.utils.system_utils.get_mp_context: the EngineCore (CoreEngineProcManager) and the
 # TP/PP workers (MultiprocExecutor); data-parallel coordinators keep vLLM's choice
 STARTERS = ("vllm.v1.engine.utils", "vllm.v1.executor.multiproc_executor")
+REGISTRY = "vllm.model_executor.models.registry"
+_T = TypeVar("_T")
 
 
 def fork_context() -> BaseContext:
@@ -41,15 +53,50 @@ def fork_context() -> BaseContext:
     return multiprocessing.get_context("fork")
 
 
+def run_forked(fn: Callable[[], _T]) -> _T:
+    """``fn()`` in a forked child; its result (pickled) or its error comes back. Blocks
+    until the child exits; what ``fn`` imports or allocates stays in the child."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            os.close(r)
+            try:
+                data = pickle.dumps((True, fn()))
+            except BaseException:
+                data, code = pickle.dumps((False, traceback.format_exc())), 1
+            with os.fdopen(w, "wb") as out:
+                out.write(data)
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError("the forked child died before it answered")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise RuntimeError(f"Error raised in subprocess:\n{value}")
+    result: _T = value
+    return result
+
+
+def _patch(module_name: str, attr: str, value: Any) -> None:
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise RuntimeError(f"{module_name} has no {attr} any more: this vLLM needs "
+                           "kvcentric.testing.vllm_forking updated")
+    setattr(module, attr, value)
+
+
 def use_fork() -> None:
-    """Make vLLM start its EngineCore and worker processes by fork in this process and in
-    the processes it forks (they inherit the patched modules)."""
+    """Make vLLM start its EngineCore and worker processes, and inspect model classes, by
+    fork in this process and in the processes it forks (they inherit the patches)."""
     for name in STARTERS:
-        module = importlib.import_module(name)
-        if not hasattr(module, "get_mp_context"):
-            raise RuntimeError(f"{name} no longer starts processes through get_mp_context: "
-                               "this vLLM needs kvcentric.testing.vllm_forking updated")
-        setattr(module, "get_mp_context", fork_context)  # noqa: B010 (a module typed as ModuleType)
+        _patch(name, "get_mp_context", fork_context)
+    _patch(REGISTRY, "_run_in_subprocess", run_forked)
 
 
 def main() -> Any:
