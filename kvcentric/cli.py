@@ -7,7 +7,8 @@
     kvcentric store exporter [--name N] [--host 127.0.0.1] [--port 9464]
     kvcentric store mooncake-master [--host 127.0.0.1] [--port 50051] ...
     kvcentric store mooncake-node --segment 16gb --master HOST:PORT ...
-    kvcentric doctor [--store JSON] [--router-config FILE] [--url ENGINE_URL] [--json]
+    kvcentric doctor [--store JSON] [--router-config FILE] [--url ENGINE_URL]
+                     [--skip-engines] [--json]
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                         "default: the router config's store")
     d.add_argument("--router-config", default=None, help="router YAML to check")
     d.add_argument("--url", default=None, help="an engine's http://host:port")
+    d.add_argument("--skip-engines", action="store_true",
+                   help="leave out the installed-engine and plugin checks (each imports "
+                        "vLLM or SGLang), e.g. on a host that runs no engine")
     d.add_argument("--json", action="store_true", help="print the findings as JSON")
     d.set_defaults(run=_doctor)
 
@@ -157,7 +161,8 @@ def _doctor(args: argparse.Namespace) -> int:
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
             print(f"kvcentric doctor: --store: {exc}", file=sys.stderr)
             return 2
-    findings = run(DoctorInputs(store, args.router_config, args.url))
+    findings = run(DoctorInputs(store, args.router_config, args.url,
+                                engines=not args.skip_engines))
     if args.json:
         print(json.dumps({"ok": not any(f.status == FAIL for f in findings),
                           "findings": [f.as_dict() for f in findings]}, indent=2))

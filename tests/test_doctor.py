@@ -117,7 +117,8 @@ def test_decode_instances_are_not_probed(tmp_path: Path, store_cfg: StoreConfig)
     path.write_text(yaml.safe_dump({"model": "m", "tokenizer": str(tmp_path), "store": {
         "name": store_cfg.name, "runtime_dir": str(store_cfg.local.runtime_dir)},
         "instances": [{"url": url, "role": "decode"}]}))
-    found = {f.check: f for f in doctor.run(doctor.DoctorInputs(None, str(path), url))}
+    found = {f.check: f for f in doctor.run(doctor.DoctorInputs(None, str(path), url,
+                                                                engines=False))}
     assert found["layout-signature"].status == "skip"
     assert found["router-instance"].status == "fail"  # and nothing answers there
 
@@ -179,16 +180,18 @@ def test_engine_url_that_is_not_an_engine() -> None:
 
 # ---- the local store ----
 def test_store_not_running(runtime_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The command itself (in this process: a fresh interpreter's vLLM import adds nothing
-    to what is checked here)."""
+    """The command itself, in this process, with ``--skip-engines``: the store's findings
+    and no engine or plugin check (those import vLLM and SGLang; the tests above)."""
     from kvcentric.cli import main
 
     cfg = StoreConfig.from_dict({"name": f"absent{uuid.uuid4().hex[:6]}",
                                  "runtime_dir": runtime_dir})
     capsys.readouterr()
     rc = main(["doctor", "--store", json.dumps({"name": cfg.name,
-                                                "runtime_dir": str(runtime_dir)}), "--json"])
+                                                "runtime_dir": str(runtime_dir)}),
+               "--skip-engines", "--json"])
     found = {f["check"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    assert not {"vllm-version", "sglang-version", "engines", "connector-plugin"} & set(found)
     assert rc == 1 and found["store-reachable"]["status"] == "fail"
     assert not socket_path(cfg).exists(), "the doctor must not start a coordinator"
 

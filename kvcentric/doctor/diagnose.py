@@ -18,23 +18,21 @@ from kvcentric.doctor.stores import store_findings
 
 @dataclass(frozen=True)
 class DoctorInputs:
+    """What the doctor checks. ``engines``: False leaves out the installed-engine and
+    plugin checks (each imports vLLM or SGLang: most of a run's time), e.g. on a router
+    or store host that runs no engine, or to recheck a store or router config."""
+
     store: StoreConfig | None = None
     router_config: str | None = None
     url: str | None = None
+    engines: bool = True
 
 
 def run(inputs: DoctorInputs) -> list[Finding]:
     """Every check the inputs allow, in a fixed order."""
-    # each engine's import, in a child process of its own, overlaps the other's and the
-    # plugin check's import of vLLM here: on more than one core the doctor waits for the
-    # slowest import, not for the sum
-    probes = [probe_vllm(), probe_sglang()]
-    plugin = check_plugin()
-    out = [p.finding() for p in probes]
-    if all(f.status == SKIP for f in out):
-        out.append(Finding("engines", WARN, "neither vLLM nor SGLang is installed here",
-                           "run the doctor where the engine runs"))
-    out.append(plugin)
+    out: list[Finding] = []
+    if inputs.engines:
+        out += engine_findings()
     router = None
     if inputs.router_config:
         router, finding = router_checks.load_router(inputs.router_config)
@@ -56,4 +54,19 @@ def run(inputs: DoctorInputs) -> list[Finding]:
             out.append(finding)
     if router is not None:
         out += router_checks.check_router(router, probe)
+    return out
+
+
+def engine_findings() -> list[Finding]:
+    """The installed engines (each probed in a child process) and the vLLM plugin."""
+    # each engine's import, in a child process of its own, overlaps the other's and the
+    # plugin check's import of vLLM here: on more than one core the doctor waits for the
+    # slowest import, not for the sum
+    probes = [probe_vllm(), probe_sglang()]
+    plugin = check_plugin()
+    out = [p.finding() for p in probes]
+    if all(f.status == SKIP for f in out):
+        out.append(Finding("engines", WARN, "neither vLLM nor SGLang is installed here",
+                           "run the doctor where the engine runs"))
+    out.append(plugin)
     return out

@@ -234,8 +234,14 @@ def test_storage_node_killed_mid_streamed_lease_fails_the_range(mc: MooncakeClus
 
 
 def test_full_store_refuses_puts_cleanly(mc: MooncakeCluster) -> None:
+    """A put larger than the pool is refused as no space, at once. The pool must be this
+    client's 16 MiB alone: a segment of an earlier test's client stays in the master's
+    pool until its client TTL lapses, and a put placed there fails its transfer (to a
+    process that is gone) instead: wait for the master to drop them first."""
     with open_store(mc.store_config(global_segment_size="16mb", no_space_wait_s=0.3)) as s:
         s.clear()  # type: ignore[attr-defined]
+        assert wait_until(lambda: s.stats()["capacity_bytes"] == 16 << 20,
+                          3 * mc.client_ttl_s), s.stats()
         big = np.zeros(24 << 20, np.uint8)
         s.register_buffer(big.ctypes.data, big.nbytes)
         t0 = time.monotonic()
