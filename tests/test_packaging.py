@@ -35,6 +35,17 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "bin" / "python"
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this checkout, built once as a user builds it (build isolation)."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                    "--wheel-dir", str(out), str(ROOT)], check=True, timeout=600,
+                   capture_output=True)
+    (whl,) = out.glob("kvcentric-*.whl")
+    return whl
+
+
 def _resolve(python: Path, spec: str, tmp: Path) -> dict[str, str]:
     """What pip would install for ``spec`` into an empty venv: {name: version}."""
     report = tmp / "report.json"
@@ -46,8 +57,9 @@ def _resolve(python: Path, spec: str, tmp: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("extras", ["", "[vllm,router]"])
-def test_extras_pull_no_torch_and_no_vllm(fresh_venv: Path, tmp_path: Path, extras: str) -> None:
-    got = _resolve(fresh_venv, f".{extras}", tmp_path)
+def test_extras_pull_no_torch_and_no_vllm(fresh_venv: Path, wheel: Path, tmp_path: Path,
+                                          extras: str) -> None:
+    got = _resolve(fresh_venv, f"{wheel}{extras}", tmp_path)  # the wheel's metadata
     assert "kvcentric" in got
     assert "torch" not in got, got
     assert not [n for n in got if n.startswith("vllm")], got
@@ -66,11 +78,8 @@ def test_mooncake_extra_is_the_cuda_capable_wheel() -> None:
     assert not [r for r in reqs if r.startswith(("vllm", "torch"))], reqs
 
 
-def test_wheel_installs_one_namespace(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
-                    "--wheel-dir", str(tmp_path), str(ROOT)], check=True, timeout=600,
-                   capture_output=True)
-    (whl,) = tmp_path.glob("kvcentric-*.whl")
+def test_wheel_installs_one_namespace(wheel: Path) -> None:
+    whl = wheel
     names = zipfile.ZipFile(whl).namelist()
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"kvcentric"}, tops
