@@ -79,14 +79,13 @@ def test_mooncake_extra_is_the_cuda_capable_wheel() -> None:
 
 
 def test_wheel_installs_one_namespace(wheel: Path) -> None:
-    whl = wheel
-    names = zipfile.ZipFile(whl).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"kvcentric"}, tops
     for mod in ("kvcentric/kernels/dispatch.py", "kvcentric/router/api/app.py",
                 "kvcentric/connector/vllm/connector.py", "kvcentric/store/mooncake/store.py"):
         assert mod in names
-    entry = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("entry_points.txt")))
+    entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert b"kvcentric.connector.vllm.plugin:register" in entry
     assert b"kvcentric-router = kvcentric.router.cli:main" in entry
 

@@ -15,12 +15,13 @@ cache directory (a session's own): :func:`run_forked` runs it in a forked child 
 vLLM isolates it to keep CUDA uninitialised in the server; on the CPU there is none, and
 the child still keeps whatever the model's import does out of the server.
 
-Why fork is sound at those two points: the API server and the EngineCore run no torch
+Why fork is sound at those points: the API server and the EngineCore run no torch
 operator before they start their children (no OpenMP pool to inherit; the workers bind
-their own threads after they start), and vLLM's shutdown (process groups, sentinels) is
-the same for forked and spawned children. What it changes: values vLLM reads from the
-environment at import time are the parent's, which for a zygote's fork are the session's
-(the zygote documents the same for the API server).
+their own threads after they start; the inspection child only imports a model class),
+and vLLM's shutdown (process groups, sentinels) is the same for forked and spawned
+children. What it changes: values vLLM reads from the environment at import time are the
+parent's, which for a zygote's fork are the session's (the zygote documents the same for
+the API server).
 
 For test sessions and benchmarks that start many engines; production keeps vLLM's own
 start method (``python -m vllm.entrypoints.openai.api_server``). Importing this module

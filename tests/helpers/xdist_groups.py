@@ -32,7 +32,7 @@ import pytest
 
 # rootdir-relative: the modules whose tests start vLLM engines (``pytest.mark.vllm``, or the
 # session's plain engine pool), run as one unit (ENGINE_UNIT) on one worker;
-# tests/test_suite_hygiene.py checks that every module with such a test is named here
+# tests/test_suite_plan.py checks that every module with such a test is named here
 ENGINE_MODULES = (
     "tests/connector/test_vllm_hma.py",
     "tests/e2e/test_faults.py",
