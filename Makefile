@@ -64,7 +64,8 @@ $(PEERS_STAMP): $(STAMP) Makefile
 # .ci/cleanup-run ends what each pass started (process groups, detached stores and
 # engines, its /dev/shm names) when it ends or is interrupted.
 # Two passes (tests/helpers/xdist_groups.py): every test not marked `serial`, then the
-# `serial` tests alone on the box. Both run; the target fails if either does, and an
+# `serial` tests alone on the box (collected from the modules that hold them only:
+# `python -m tests.helpers.xdist_groups` prints SERIAL_MODULES). Both run; the target fails if either does, and an
 # interrupted first pass ends the target. XDIST: the first pass runs on two pytest-xdist
 # workers, every module that starts vLLM engines on one of them (one engine test at a
 # time, as in one process) and the other modules on the other; `make test XDIST=` runs
@@ -79,7 +80,8 @@ test: setup peers
 	  --junitxml=$(JUNIT) -m "not serial" $(XDIST); first=$$?; \
 	  [ $$first -lt 128 ] || exit $$first; \
 	KVC_NO_SKIPS=1 .ci/cleanup-run $(BIN)/python -m pytest $(PYTEST_ARGS) \
-	  --junitxml=$(JUNIT_SERIAL) -m serial; second=$$?; \
+	  --junitxml=$(JUNIT_SERIAL) -m serial $$($(BIN)/python -m tests.helpers.xdist_groups) \
+	  ; second=$$?; \
 	  echo "make test: first pass exit $$first, serial pass exit $$second"; \
 	  [ $$first -eq 0 ] && [ $$second -eq 0 ]
 

@@ -29,8 +29,9 @@ from tests.helpers.skip_policy import (  # noqa: F401 (pytest hooks, registered 
     pytest_make_collect_report,
     pytest_runtest_makereport,
 )
-from tests.helpers.xdist_groups import (  # noqa: F401 (pytest hook, registered here)
+from tests.helpers.xdist_groups import (  # noqa: F401 (pytest hooks, registered here)
     bind_worker,
+    pytest_collection_modifyitems,
     pytest_xdist_make_scheduler,
 )
 

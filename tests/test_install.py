@@ -24,9 +24,11 @@ Extras installed here: none, ``[router]``, ``[mooncake-cpu]``, ``[kernels]`` and
 ``[vllm]`` installs nothing. Not installed: ``[mooncake]``, Mooncake's CUDA wheel (the
 ``[mooncake-cpu]`` venv covers the same commands on a machine without CUDA).
 
-Kept short: pip's cache, one venv per extra, module-scoped fixtures; the plain venv is made
-without pip (the development venv's pip installs into it) and its wheel is built without
-build isolation (the development venv's setuptools).
+Kept short: pip's cache, one venv per extra, module-scoped fixtures, no byte-compiling of
+what pip installs (:data:`NO_COMPILE`; ``PIP_COMPILE=0`` for the quickstart, whose
+commands run as written); the plain venv is made without pip (the development venv's pip
+installs into it) and its wheel is built without build isolation (the development venv's
+setuptools).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ SCRIPTS = sorted(PYPROJECT["project"]["scripts"])
 MODULE_FORMS = ("kvcentric.cli", "kvcentric.router.cli", "kvcentric.store.mooncake.service",
                 "kvcentric.bench_serving")
 README_BLOCK = "kvcentric-router init"  # the quickstart's bash block holds this command
+# pip byte-compiles what it installs by default (transformers alone is thousands of
+# modules): a third of each install's time, and nothing these tests check (a user's
+# first import compiles what it needs). Off in every venv made here.
+NO_COMPILE = "--no-compile"
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -89,6 +95,7 @@ def _clean_env(bin_dir: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
     env["PATH"] = os.pathsep.join([str(bin_dir), *path] if bin_dir else path)
+    env["PIP_COMPILE"] = "0"  # see NO_COMPILE
     return env
 
 
@@ -142,8 +149,8 @@ def plain(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("plain") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
-                    "install", "--quiet", str(wheel)], check=True, capture_output=True,
-                   timeout=600)
+                    "install", "--quiet", NO_COMPILE, str(wheel)], check=True,
+                   capture_output=True, timeout=600)
     return venv / "bin"
 
 
@@ -182,7 +189,7 @@ def test_each_engine_extra_installs_and_every_command_runs(
     venv = tmp_path_factory.mktemp(extra) / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
-                    "install", "--quiet", f"{wheel}[{extra}]"], check=True,
+                    "install", "--quiet", NO_COMPILE, f"{wheel}[{extra}]"], check=True,
                    capture_output=True, timeout=900)
     _assert_helps(venv / "bin", tmp_path)
     out = _run(["kvcentric", "doctor", "--json"], venv / "bin", tmp_path)

@@ -9,24 +9,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.xdist_groups import (
     BIND_ENV,
     ENGINE_MODULES,
     ENGINE_UNIT,
     LONGEST_FIRST,
+    SERIAL_MODULES,
     bind_worker,
     longest_first,
+    stray_serial_tests,
     unit_of,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SERIAL_MODULES = ("tests/store/test_store_hung.py", "tests/store/test_store_mooncake_hung.py",
-                  "tests/store/test_store_mooncake.py", "tests/bench/test_emulator.py",
-                  "tests/bench/test_procfs.py", "tests/connector/test_models.py")
-# collecting every module imports them all (slow): these are the serial pass's own plus
-# the ones it takes single tests from and an engine module it must not take
-SERIAL_PROBE = (*SERIAL_MODULES, "tests/store/test_store_local.py",
-                "tests/connector/test_sglang_backend.py", "tests/connector/test_vllm_tp.py")
+SERIAL_MARK = re.compile(r"\bpytest\.mark\.serial\b")
+# the modules whose every test is serial
+WHOLLY_SERIAL = ("tests/store/test_store_hung.py", "tests/store/test_store_mooncake_hung.py",
+                 "tests/store/test_store_mooncake.py", "tests/bench/test_emulator.py",
+                 "tests/bench/test_procfs.py", "tests/connector/test_models.py")
 
 
 def test_each_worker_pins_its_engines_to_a_core_of_its_own() -> None:
@@ -54,7 +56,7 @@ def test_the_longest_modules_go_first_the_rest_keep_their_order() -> None:
 
 
 def test_every_named_module_exists() -> None:
-    named = [m for m in (*LONGEST_FIRST, *ENGINE_MODULES) if m != ENGINE_UNIT]
+    named = [m for m in (*LONGEST_FIRST, *ENGINE_MODULES, *SERIAL_MODULES) if m != ENGINE_UNIT]
     missing = [m for m in named if not (ROOT / m).is_file()]
     assert not missing, f"xdist_groups names modules that are gone: {missing}"
 
@@ -75,19 +77,46 @@ def test_every_engine_module_runs_in_the_engine_unit() -> None:
 
 
 def test_the_serial_pass_collects_the_timing_and_stress_tests() -> None:
-    """What `-m serial` collects (make test's second pass): the modules that hold tight
-    wall-clock bounds and the tests that load both cores, and nothing that starts an
-    engine (the engines belong to the parallel pass)."""
+    """What make test's second pass collects (`-m serial` over SERIAL_MODULES): the
+    modules that hold tight wall-clock bounds and the tests that load both cores, and
+    nothing that starts an engine (the engines belong to the parallel pass)."""
+    modules = subprocess.run([sys.executable, "-m", "tests.helpers.xdist_groups"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert modules == list(SERIAL_MODULES)  # what the Makefile passes
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                        "-p", "no:cacheprovider", "-m", "serial", *SERIAL_PROBE],
+                        "-p", "no:cacheprovider", "-m", "serial", *modules],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
     files = {i.split("::", 1)[0] for i in ids}
-    assert set(SERIAL_MODULES) <= files
+    assert files == set(SERIAL_MODULES)  # each holds a serial test
+    assert set(WHOLLY_SERIAL) <= files
     assert "tests/store/test_store_local.py::test_multiprocess_stress" in ids
     sglang = [i for i in ids if "test_sglang_backend" in i]
     assert sglang and all("[mooncake" in i for i in sglang)  # its local-store cases: not
-    assert "tests/connector/test_vllm_tp.py" not in files
     vllm = re.compile(r"\bpytest\.mark\.vllm\b")
     assert not [f for f in files if vllm.search((ROOT / f).read_text())]
+
+
+def test_every_module_with_a_serial_test_is_in_the_serial_pass() -> None:
+    """A module that marks a test serial and is not in SERIAL_MODULES would run in
+    neither pass: the source says which modules mark tests serial, and a run that
+    collects a stray serial test is refused."""
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if SERIAL_MARK.search(p.read_text()))
+    assert found == sorted(SERIAL_MODULES)
+
+    class Item:
+        def __init__(self, nodeid: str, serial: bool) -> None:
+            self.nodeid, self.serial = nodeid, serial
+
+        def get_closest_marker(self, name: str) -> object | None:
+            return object() if name == "serial" and self.serial else None
+
+    items = [Item(f"{SERIAL_MODULES[0]}::test_a", True),
+             Item("tests/store/test_store_pins.py::test_b", False),
+             Item("tests/store/test_store_pins.py::test_c[x::y]", True)]
+    assert stray_serial_tests(items) == ["tests/store/test_store_pins.py::test_c[x::y]"]
+    from tests.helpers.xdist_groups import pytest_collection_modifyitems
+    with pytest.raises(pytest.UsageError, match="test_store_pins.py::test_c"):
+        pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]

@@ -16,7 +16,12 @@
    holds a wall-clock bound a concurrent engine start breaks (tens of milliseconds to a few
    tenths of a second), or when it loads the box so hard that another test's bound
    breaks beside it (the store stress tests; the Mooncake store's put and set tests, whose
-   transfers failed next to them). Each marks itself with ``pytest.mark.serial``.
+   transfers failed next to them). Each marks itself with ``pytest.mark.serial``, and its
+   module is in :data:`SERIAL_MODULES`: the serial pass collects those modules only
+   (``python -m tests.helpers.xdist_groups`` prints them for the Makefile), since
+   collecting all of them imports vLLM and rewrites every test module's asserts for
+   nothing. :func:`pytest_collection_modifyitems` fails any run that collects a
+   ``serial`` test outside them, which neither pass would run.
 
 Without xdist (``make test XDIST=``, or a plain ``pytest``) the scheduler and the binding
 do not apply, and a plain ``pytest`` runs serial and other tests together in one process.
@@ -65,6 +70,20 @@ LONGEST_FIRST = (
     "tests/store/test_store_disk.py",
     "tests/router/test_router_replicas.py",
 )
+# rootdir-relative: every module with a test marked ``serial`` (the serial pass collects
+# these only; pytest_collection_modifyitems fails a run with a serial test elsewhere)
+SERIAL_MODULES = (
+    "tests/bench/test_emulator.py",
+    "tests/bench/test_procfs.py",
+    "tests/bench/test_slo_capacity.py",
+    "tests/connector/test_models.py",
+    "tests/connector/test_sglang_backend.py",
+    "tests/store/test_store_disk.py",
+    "tests/store/test_store_hung.py",
+    "tests/store/test_store_local.py",
+    "tests/store/test_store_mooncake.py",
+    "tests/store/test_store_mooncake_hung.py",
+)
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
@@ -82,6 +101,22 @@ def bind_worker(environ: MutableMapping[str, str], cores: Sequence[int] | None =
         return
     allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))
     environ[BIND_ENV] = str(allowed[int(worker[2:]) % len(allowed)])
+
+
+def stray_serial_tests(items: Iterable[pytest.Item]) -> list[str]:
+    """The ids of the ``serial`` tests among ``items`` whose module is not in
+    :data:`SERIAL_MODULES` (neither pass would run them)."""
+    return [i.nodeid for i in items if i.get_closest_marker("serial") is not None
+            and i.nodeid.split("::", 1)[0] not in SERIAL_MODULES]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a run that collects a ``serial`` test outside :data:`SERIAL_MODULES`."""
+    stray = stray_serial_tests(items)
+    if stray:
+        raise pytest.UsageError(
+            "tests marked serial outside SERIAL_MODULES (tests/helpers/xdist_groups.py; "
+            f"make test's serial pass would never collect them): {stray[:5]}")
 
 
 def unit_of(nodeid: str) -> str:
@@ -120,3 +155,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             super()._assign_work_unit(node)
 
     return EnginesTogetherScheduling(config, log)
+
+
+if __name__ == "__main__":
+    print(" ".join(SERIAL_MODULES))

@@ -1,6 +1,7 @@
 """The mooncake backend against a real ``mooncake_master`` in a private network namespace:
-the KVStore contract, processes sharing KV through a storage node, the service commands,
-and faults (master killed and restarted, storage node killed, store full)."""
+checksums, processes sharing KV through a storage node, the service commands, and faults
+(master killed and restarted, storage node killed, store full), in make test's serial
+pass. The KVStore contract: tests/store/test_store_mooncake_contract.py."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from kvcentric.store import (
     ERR_NO_SPACE,
     ERR_UNAVAILABLE,
     OK,
-    KVStore,
     StoreUnavailable,
     open_store,
 )
@@ -30,7 +30,7 @@ from kvcentric.testing.netns import NetNamespace, unavailable_reason
 from tests.helpers.mooncake_cluster import ROOT, MooncakeCluster, clean_env, cluster, end
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
-from tests.store.store_contract import WORKER, StoreContract, get, put
+from tests.store.store_contract import WORKER, get, put
 
 pytest.importorskip("mooncake.store", reason="the Mooncake wheel is not installed")
 _NO_NETNS = unavailable_reason()
@@ -66,49 +66,6 @@ def worker(c: MooncakeCluster, cfg: dict[str, Any], *args: str) -> Any:
     return json.loads(out.strip().splitlines()[-1])
 
 
-# ---- the contract: this client contributes the only segment, others are pure clients ----
-@pytest.fixture
-def store(mc: MooncakeCluster) -> Iterator[KVStore]:
-    s = open_store(mc.store_config(global_segment_size="32mb"))
-    s.clear()  # type: ignore[attr-defined]
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def store_config(mc: MooncakeCluster) -> dict[str, Any]:
-    return mc.store_config()
-
-
-class TestMooncakeContract(StoreContract):
-    """The contract with Mooncake's defaults: ``verify_checksums`` on (a trailer on every
-    object: Mooncake's network is neither authenticated nor protected)."""
-
-    def test_checksums_are_on_by_default(self, store: KVStore) -> None:
-        from kvcentric.config import StoreConfig
-        assert store.cfg.verify_checksums is True  # type: ignore[attr-defined]
-        assert StoreConfig(backend="mooncake").verify_checksums is True
-        assert StoreConfig().verify_checksums is False  # the local store's default
-        assert StoreConfig.from_dict({"backend": "mooncake",
-                                      "verify_checksums": False}).verify_checksums is False
-
-
-class TestMooncakeContractWithoutChecksums(StoreContract):
-    """The whole contract again with ``verify_checksums: false`` (a trusted network: no
-    trailer, and streamed reads get byte ranges)."""
-
-    @pytest.fixture
-    def store(self, mc: MooncakeCluster) -> Iterator[KVStore]:
-        s = open_store(mc.store_config(global_segment_size="32mb") | {"verify_checksums": False})
-        s.clear()  # type: ignore[attr-defined]
-        yield s
-        s.close()
-
-    @pytest.fixture
-    def store_config(self, mc: MooncakeCluster) -> dict[str, Any]:
-        return mc.store_config() | {"verify_checksums": False}
-
-
 def test_checksums_catch_corrupted_and_unchecked_objects(mc: MooncakeCluster) -> None:
     """Bytes changed inside the store (a raw client swaps in the object with one byte
     flipped and the original trailer) are caught on every read path, and an object written
@@ -138,37 +95,6 @@ def test_checksums_catch_corrupted_and_unchecked_objects(mc: MooncakeCluster) ->
         raw.close()
 
 
-def test_scatter_gather_puts_and_gets(store: KVStore) -> None:
-    """Objects gathered from several buffers (pages) read back whole, and vice versa."""
-    from kvcentric.store.mooncake.store import MooncakeStore
-    assert isinstance(store, MooncakeStore)
-    pages = [np.full(4096, i, np.uint8) for i in range(6)]
-    ptrs, sizes = [p.ctypes.data for p in pages], [p.nbytes for p in pages]
-    assert store.batch_put_from_multi(["sg/0", "sg/1"], [ptrs[:3], ptrs[3:]],
-                                      [sizes[:3], sizes[3:]]) == [OK, OK]
-    assert store.batch_put_from_multi(["sg/0"], [ptrs[:3]], [sizes[:3]]) == [OK]  # skipped
-    whole = np.zeros(3 * 4096, np.uint8)
-    assert store.batch_get_into(["sg/1"], [whole.ctypes.data], [whole.nbytes]) == [3 * 4096]
-    assert np.array_equal(whole, np.repeat(np.arange(3, 6, dtype=np.uint8), 4096))
-    out = [np.zeros(4096, np.uint8) for _ in range(3)]
-    got = store.batch_get_into_multi(["sg/0", "nope"], [[o.ctypes.data for o in out]] * 2,
-                                     [[4096] * 3] * 2)
-    assert got[0] == 3 * 4096 and got[1] < 0
-    assert all(np.array_equal(o, pages[i]) for i, o in enumerate(out))
-    assert store.stats()["skipped_puts"] == 1
-    # more buffers than one Mooncake call takes: split into several calls, same result
-    big = np.random.default_rng(0).integers(0, 255, 70 * 16 * 1024, dtype=np.uint8)
-    ptr_lists = [[big.ctypes.data + (16 * i + j) * 1024 for j in range(16)] for i in range(70)]
-    keys = [f"sgbig/{i}" for i in range(70)]
-    assert store.batch_put_from_multi(keys, ptr_lists, [[1024] * 16] * 70) == [OK] * 70
-    back = np.zeros_like(big)
-    back_lists = [[back.ctypes.data + (16 * i + j) * 1024 for j in range(16)]
-                  for i in range(70)]
-    assert store.batch_get_into_multi(keys, back_lists, [[1024] * 16] * 70) == [16384] * 70
-    assert np.array_equal(back, big)
-
-
-# ---- processes and nodes ----
 def test_two_pure_clients_share_kv_through_a_storage_node(mc: MooncakeCluster) -> None:
     mc.start_node("shared", "64mb")
     try:
