@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty venv (no pip of its own: the development venv's pip resolves for it)."""
     d = tmp_path_factory.mktemp("venv")
-    venv.EnvBuilder(with_pip=True).create(d)
+    venv.EnvBuilder(with_pip=False).create(d)
     return d / "bin" / "python"
 
 
@@ -49,8 +50,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _resolve(python: Path, spec: str, tmp: Path) -> dict[str, str]:
     """What pip would install for ``spec`` into an empty venv: {name: version}."""
     report = tmp / "report.json"
-    subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--quiet",
-                    "--ignore-installed", "--report", str(report), spec],
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                    "--dry-run", "--quiet", "--ignore-installed", "--report", str(report), spec],
                    cwd=ROOT, check=True, timeout=600, capture_output=True)
     items = json.loads(report.read_text())["install"]
     return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in items}
