@@ -8,7 +8,7 @@
     kvcentric store mooncake-master [--host 127.0.0.1] [--port 50051] ...
     kvcentric store mooncake-node --segment 16gb --master HOST:PORT ...
     kvcentric doctor [--store JSON] [--router-config FILE] [--url ENGINE_URL]
-                     [--skip-engines] [--json]
+                     [--engine vllm|sglang ...] [--skip-engines] [--json]
 """
 
 from __future__ import annotations
@@ -136,6 +136,9 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                         "default: the router config's store")
     d.add_argument("--router-config", default=None, help="router YAML to check")
     d.add_argument("--url", default=None, help="an engine's http://host:port")
+    d.add_argument("--engine", action="append", choices=["vllm", "sglang"], default=None,
+                   help="inspect only this installed engine (repeat for both; default: "
+                        "both); the vLLM plugin is checked with vllm")
     d.add_argument("--skip-engines", action="store_true",
                    help="leave out the installed-engine and plugin checks (each imports "
                         "vLLM or SGLang), e.g. on a host that runs no engine")
@@ -147,6 +150,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvcentric.doctor import FAIL, DoctorInputs, render, run
+    from kvcentric.doctor.diagnose import ENGINES
 
     store = None
     if args.store:
@@ -161,8 +165,12 @@ def _doctor(args: argparse.Namespace) -> int:
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
             print(f"kvcentric doctor: --store: {exc}", file=sys.stderr)
             return 2
-    findings = run(DoctorInputs(store, args.router_config, args.url,
-                                engines=not args.skip_engines))
+    if args.skip_engines and args.engine:
+        print("kvcentric doctor: --engine and --skip-engines exclude each other",
+              file=sys.stderr)
+        return 2
+    engines = () if args.skip_engines else tuple(args.engine or ENGINES)
+    findings = run(DoctorInputs(store, args.router_config, args.url, engines=engines))
     if args.json:
         print(json.dumps({"ok": not any(f.status == FAIL for f in findings),
                           "findings": [f.as_dict() for f in findings]}, indent=2))

@@ -23,7 +23,8 @@ import yaml
 
 from kvcentric import doctor
 from kvcentric.config import StoreConfig
-from kvcentric.doctor import engines, router_checks, stores
+from kvcentric.doctor import DoctorInputs, engines, router_checks, stores
+from kvcentric.doctor.diagnose import ENGINES
 from kvcentric.store import StoreUnavailable, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.config import socket_path
@@ -52,8 +53,8 @@ def test_old_vllm_shadowing_the_installed_one(tmp_path: Path) -> None:
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.6.3"\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    rc, found = cli(env=env)
-    assert rc == 1
+    rc, found = cli("--engine", "vllm", env=env)  # SGLang's import is not the claim
+    assert rc == 1 and "sglang-version" not in found
     f = found["vllm-version"]
     assert f["status"] == "fail" and "0.6.3" in f["message"] and str(tmp_path) in f["message"]
     assert "0.32.0" in f["fix"]
@@ -96,12 +97,39 @@ def test_plugin_missing_when_kvcentric_is_not_installed(tmp_path: Path) -> None:
             (fake / entry.name).symlink_to(entry)
     (src / "kvcentric").symlink_to(ROOT / "kvcentric")  # the package, not its metadata
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(fake)])}
-    rc, found = cli(env=env, pyflags=("-S",), cwd=tmp_path)
+    rc, found = cli("--engine", "vllm", env=env, pyflags=("-S",), cwd=tmp_path)
     assert rc == 1
     f = found["connector-plugin"]
     assert f["status"] == "fail" and "not installed" in f["message"]
     assert "kv_connector_module_path" in f["fix"]
     assert engines.check_plugin().status == "ok"
+
+
+def test_engine_selects_what_is_inspected(tmp_path: Path) -> None:
+    """``--engine sglang`` inspects SGLang only (no vLLM probe, no plugin check); an
+    engine that is not installed is a warning naming it; ``--engine`` with
+    ``--skip-engines`` and an unknown engine are refused."""
+    (tmp_path / "vllm").mkdir()  # a vLLM whose import would fail the run if probed
+    (tmp_path / "vllm" / "__init__.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("raise ImportError('gone')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    rc, found = cli("--engine", "sglang", env=env)
+    assert set(found) == {"sglang-version", "engines"}, found
+    assert found["sglang-version"]["status"] == "skip"
+    assert found["engines"]["status"] == "warn"
+    assert found["engines"]["message"] == "SGLang is not installed here"
+    both = subprocess.run([sys.executable, "-m", "kvcentric.cli", "doctor", "--engine", "vllm",
+                           "--skip-engines"], capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and "exclude each other" in both.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvcentric.cli", "doctor", "--engine", "trt"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    with pytest.raises(ValueError, match="trt"):
+        DoctorInputs(engines=("trt",))
+    from kvcentric.cli import build_parser
+    args = build_parser().parse_args(["doctor", *(f"--engine={e}" for e in ENGINES)])
+    assert tuple(args.engine) == ENGINES  # the CLI's choices are the engines it knows
 
 
 def test_plugin_excluded_by_vllm_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,7 +146,7 @@ def test_decode_instances_are_not_probed(tmp_path: Path, store_cfg: StoreConfig)
         "name": store_cfg.name, "runtime_dir": str(store_cfg.local.runtime_dir)},
         "instances": [{"url": url, "role": "decode"}]}))
     found = {f.check: f for f in doctor.run(doctor.DoctorInputs(None, str(path), url,
-                                                                engines=False))}
+                                                                engines=()))}
     assert found["layout-signature"].status == "skip"
     assert found["router-instance"].status == "fail"  # and nothing answers there
 

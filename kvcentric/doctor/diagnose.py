@@ -15,24 +15,35 @@ from kvcentric.doctor.engines import (
 from kvcentric.doctor.findings import SKIP, WARN, Finding
 from kvcentric.doctor.stores import store_findings
 
+# the engines the doctor knows how to inspect, by their ``--engine`` names
+ENGINES = ("vllm", "sglang")
+_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+
 
 @dataclass(frozen=True)
 class DoctorInputs:
-    """What the doctor checks. ``engines``: False leaves out the installed-engine and
-    plugin checks (each imports vLLM or SGLang: most of a run's time), e.g. on a router
-    or store host that runs no engine, or to recheck a store or router config."""
+    """What the doctor checks. ``engines``: the installed engines to inspect, a subset of
+    :data:`ENGINES` (each inspection imports that engine in a child process: most of a
+    run's time), the vLLM plugin check with ``vllm``; ``()`` leaves them all out, e.g. on a
+    router or store host that runs no engine, or to recheck a store or router config.
+    Raises ``ValueError`` for an engine it does not know."""
 
     store: StoreConfig | None = None
     router_config: str | None = None
     url: str | None = None
-    engines: bool = True
+    engines: tuple[str, ...] = ENGINES
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.engines if e not in ENGINES]
+        if unknown:
+            raise ValueError(f"unknown engine(s) {unknown}: choose from {list(ENGINES)}")
 
 
 def run(inputs: DoctorInputs) -> list[Finding]:
     """Every check the inputs allow, in a fixed order."""
     out: list[Finding] = []
     if inputs.engines:
-        out += engine_findings()
+        out += engine_findings(inputs.engines)
     router = None
     if inputs.router_config:
         router, finding = router_checks.load_router(inputs.router_config)
@@ -57,16 +68,21 @@ def run(inputs: DoctorInputs) -> list[Finding]:
     return out
 
 
-def engine_findings() -> list[Finding]:
-    """The installed engines (each probed in a child process) and the vLLM plugin."""
+def engine_findings(engines: tuple[str, ...] = ENGINES) -> list[Finding]:
+    """The installed ``engines`` (each probed in a child process) and, with ``vllm``, the
+    vLLM plugin."""
     # each engine's import, in a child process of its own, overlaps the other's and the
     # plugin check's import of vLLM here: on more than one core the doctor waits for the
     # slowest import, not for the sum
-    probes = [probe_vllm(), probe_sglang()]
-    plugin = check_plugin()
+    probers = {"vllm": probe_vllm, "sglang": probe_sglang}
+    probes = [probers[e]() for e in dict.fromkeys(engines)]
+    plugin = check_plugin() if "vllm" in engines else None
     out = [p.finding() for p in probes]
     if all(f.status == SKIP for f in out):
-        out.append(Finding("engines", WARN, "neither vLLM nor SGLang is installed here",
-                           "run the doctor where the engine runs"))
-    out.append(plugin)
+        names = [_NAMES[e] for e in dict.fromkeys(engines)]
+        message = (f"neither {names[0]} nor {names[1]} is installed here" if len(names) == 2
+                   else f"{names[0]} is not installed here")
+        out.append(Finding("engines", WARN, message, "run the doctor where the engine runs"))
+    if plugin is not None:
+        out.append(plugin)
     return out
