@@ -11,9 +11,10 @@
    longest first (:data:`LONGEST_FIRST`). Two workers' engine starts never meet: on the
    2-core box they contended for the cores and the memory instead of overlapping. The
    engine unit is the pass's longest chain, and its tests wait (for engines, stores,
-   stopped processes) for much of it: the cores idle then, and a third worker fills them. Each worker has its
-   own session: its own plain engine pool (tests/helpers/engines.py), zygote and Mooncake
-   namespace. :func:`bind_worker` pins each worker's engines to a core of their own.
+   stopped processes) for much of it: the cores idle then, and a third worker fills them.
+   Each worker has its own session: its own plain engine pool (tests/helpers/engines.py),
+   zygote and Mooncake namespace. :func:`bind_worker` pins each worker's engines to a
+   core of its own (mod the cores).
 2. ``-m serial``: one process, nothing else running. A module or test is ``serial`` when it
    holds a wall-clock bound a concurrent engine start breaks (tens of milliseconds to a few
    tenths of a second), or when it loads the box so hard that another test's bound
