@@ -78,11 +78,33 @@ def store_config(store_kind: str, mooncake: MooncakeCluster | None,
     launcher.stop(cfg)
 
 
+Reader = tuple[subprocess.Popen[str], Path]  # the reading process, the log of its stderr
+
+
 @pytest.fixture(scope="module")
-def harness(sglang: Harness, mooncake: MooncakeCluster | None,
+def reader(mooncake: MooncakeCluster | None, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Reader]:
+    """A fresh process (tests/helpers/sglang_worker.py) that reads what the harness stored,
+    started before the harness so that their SGLang imports overlap; it waits for its
+    spec on stdin (:func:`cross_process`). Yields it and the log of its stderr."""
+    cmd = [sys.executable, str(WORKER), "-"]
+    log = tmp_path_factory.mktemp("sglang-reader") / "reader.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(mooncake.ns.wrap(cmd) if mooncake else cmd, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                start_new_session=True)
+    yield proc, log
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def harness(reader: Reader, sglang: Harness, mooncake: MooncakeCluster | None,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     """The SGLang subprocess for this store kind: for Mooncake one started inside the
-    cluster's namespace (a process keeps the namespace it was started in)."""
+    cluster's namespace (a process keeps the namespace it was started in). ``reader``
+    comes first: it starts before the harness's blocking import, and imports beside it."""
     if mooncake is None:
         yield sglang
         return
@@ -109,7 +131,7 @@ def test_bad_config_is_a_clear_error(harness: Harness, store_config: dict[str, A
 
 @pytest.fixture(scope="module")
 def cross_process(harness: Harness, store_config: dict[str, Any],
-                  mooncake: MooncakeCluster | None) -> dict[str, Any]:
+                  reader: Reader) -> dict[str, Any]:
     """Store pages 1-4 per case in the harness process, then load them in a second,
     fresh process (one for all cases) into pages 6, 0, 9, 3 of a zeroed pool."""
     cases = {cid: {"mla": mla, "layout": layout, "model": "xp"}
@@ -117,11 +139,11 @@ def cross_process(harness: Harness, store_config: dict[str, Any],
     wrote = harness.call("write_cases", store=store_config, cases=cases)
     reads = {cid: {**case, "keys": wrote[cid]["keys"], "pages": [6, 0, 9, 3]}
              for cid, case in cases.items()}
-    cmd = [sys.executable, str(WORKER), json.dumps({"store": store_config, "cases": reads})]
-    proc = subprocess.run(mooncake.ns.wrap(cmd) if mooncake else cmd,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    read = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc, log = reader
+    out, _ = proc.communicate(json.dumps({"store": store_config, "cases": reads}) + "\n",
+                              timeout=180)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    read = json.loads(out.strip().splitlines()[-1])
     return {cid: (wrote[cid], read[cid]) for cid in CASE_IDS}
 
 

@@ -1,7 +1,10 @@
 """Subprocess for the SGLang backend tests: read pages another process stored.
 
     python tests/helpers/sglang_worker.py SPEC_JSON
+    python tests/helpers/sglang_worker.py -    # SPEC_JSON as one line on stdin
 
+``-`` reads the spec once SGLang is imported: a test can start the reader early, so that
+its import overlaps the writer's, and send the spec when the writer is done.
 ``SPEC_JSON``: ``{"store": {...}, "cases": {"ID": {"mla": bool, "layout": str,
 "model": str, "keys": [...], "pages": [...]}}}``. For each case, creates the backend
 through SGLang's ``StorageBackendFactory``, registers a fresh (zeroed) host pool, runs
@@ -48,7 +51,7 @@ def read_case(store: dict, case: dict) -> dict:  # type: ignore[type-arg]
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = json.loads(sys.stdin.readline() if sys.argv[1] == "-" else sys.argv[1])
     print(json.dumps({cid: read_case(spec["store"], case)
                       for cid, case in spec["cases"].items()}))
 
