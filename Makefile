@@ -67,13 +67,12 @@ $(PEERS_STAMP): $(STAMP) Makefile
 # `serial` tests alone on the box (collected from the modules that hold them only:
 # `python -m tests.helpers.xdist_groups` prints SERIAL_MODULES). Both run; the target
 # fails if either does, and an interrupted first pass ends the target. XDIST: the first
-# pass runs on three pytest-xdist workers, every module that starts vLLM engines on one
-# of them (one engine test at a time, as in one process) and the other modules on the
-# other two, which fill the cores while the engine tests wait; `make test XDIST=` runs it
-# in one process.
+# pass runs on two pytest-xdist workers, every module that starts vLLM engines on one of
+# them (one engine test at a time, as in one process) and the other modules on the
+# other; `make test XDIST=` runs it in one process.
 JUNIT := build/junit.xml
 JUNIT_SERIAL := build/junit-serial.xml
-XDIST ?= -n 3 --dist loadfile
+XDIST ?= -n 2 --dist loadfile
 PYTEST_ARGS := -q -p no:cacheprovider -rs --durations=25
 test: setup peers
 	@mkdir -p $(dir $(JUNIT))

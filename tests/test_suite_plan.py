@@ -28,7 +28,7 @@ SERIAL_MARK = re.compile(r"\bpytest\.mark\.serial\b")
 # the modules whose every test is serial
 WHOLLY_SERIAL = ("tests/store/test_store_hung.py", "tests/store/test_store_mooncake_hung.py",
                  "tests/store/test_store_mooncake.py", "tests/bench/test_emulator.py",
-                 "tests/bench/test_procfs.py", "tests/connector/test_models.py")
+                 "tests/bench/test_procfs.py")
 
 
 def test_each_worker_pins_its_engines_to_a_core_of_its_own() -> None:
@@ -92,6 +92,7 @@ def test_the_serial_pass_collects_the_timing_and_stress_tests() -> None:
     assert files == set(SERIAL_MODULES)  # each holds a serial test
     assert set(WHOLLY_SERIAL) <= files
     assert "tests/store/test_store_local.py::test_multiprocess_stress" in ids
+    assert "tests/connector/test_models.py::test_idempotent_call_is_fast" in ids
     sglang = [i for i in ids if "test_sglang_backend" in i]
     assert sglang and all("[mooncake" in i for i in sglang)  # its local-store cases: not
     vllm = re.compile(r"\bpytest\.mark\.vllm\b")

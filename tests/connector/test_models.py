@@ -14,9 +14,6 @@ import pytest
 from kvcentric.testing import models
 from kvcentric.testing.models import MARKER_FILE, MODEL_FILES, SPECS, build_model
 
-# serial (tests/helpers/xdist_groups.py): test_idempotent_call_is_fast bounds a call's wall time
-pytestmark = pytest.mark.serial
-
 ENGLISH = "The quick brown fox jumps over the lazy dog. It was a bright cold day in April!"
 
 
@@ -64,6 +61,8 @@ def test_deterministic_and_force_rebuild(tiny_dir: Path, tmp_path: Path) -> None
     assert not [p for p in other.parent.iterdir() if p.name.startswith(".")]  # no temp leftovers
 
 
+# serial (tests/helpers/xdist_groups.py): it bounds a call's wall time
+@pytest.mark.serial
 def test_idempotent_call_is_fast(tiny_dir: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     """A call on a complete model writes nothing and costs a small part of a build: the

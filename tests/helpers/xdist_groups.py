@@ -2,19 +2,17 @@
 
 ``make test`` runs pytest twice (Makefile):
 
-1. ``-m "not serial"`` on three pytest-xdist workers (``XDIST="-n 3 --dist loadfile"``,
-   the default; ``make test XDIST=`` runs it in one process).
-   :func:`pytest_xdist_make_scheduler` makes every module of :data:`ENGINE_MODULES` (those
-   that start vLLM engines) one unit, ``engines``, sent whole to one worker and handed out
-   first: that worker starts the session's engines one test at a time, as a one-process
-   run would, while the other workers take the other modules, each a unit of its own,
-   longest first (:data:`LONGEST_FIRST`). Two workers' engine starts never meet: on the
-   2-core box they contended for the cores and the memory instead of overlapping. The
-   engine unit is the pass's longest chain, and its tests wait (for engines, stores,
-   stopped processes) for much of it: the cores idle then, and a third worker fills them.
-   Each worker has its own session: its own plain engine pool (tests/helpers/engines.py),
-   zygote and Mooncake namespace. :func:`bind_worker` pins each worker's engines to a
-   core of its own (mod the cores).
+1. ``-m "not serial"`` on two pytest-xdist workers (``XDIST="-n 2 --dist loadfile"``, the
+   default; ``make test XDIST=`` runs it in one process). :func:`pytest_xdist_make_scheduler`
+   makes every module of :data:`ENGINE_MODULES` (those that start vLLM engines) one unit,
+   ``engines``, sent whole to one worker and handed out first: that worker starts the
+   session's engines one test at a time, as a one-process run would, while the other
+   worker takes the other modules, each a unit of its own, longest first
+   (:data:`LONGEST_FIRST`). Two workers' engine starts never meet: on the 2-core box they
+   contended for the cores and the memory instead of overlapping. Each worker has its
+   own session: its own plain engine pool (tests/helpers/engines.py), zygote and Mooncake
+   namespace. :func:`bind_worker` pins each worker's engines to a core of their own. A
+   third worker made the pass longer, not shorter (more contention than idle to fill).
 2. ``-m serial``: one process, nothing else running. A module or test is ``serial`` when it
    holds a wall-clock bound a concurrent engine start breaks (tens of milliseconds to a few
    tenths of a second), or when it loads the box so hard that another test's bound
