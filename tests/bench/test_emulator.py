@@ -1,6 +1,7 @@
-"""The engine emulator: its timing model, page cache, vLLM's KV event wire format and
-replay endpoint (read back by the router's own listener), processor sharing, store hits
-and its OpenAI/metrics surface (one emulator process, a few engines)."""
+"""The engine emulator: its timing model, page cache, KV event replay endpoint (read back
+by the router's own listener), processor sharing, store hits and its OpenAI/metrics
+surface (one emulator process, a few engines). Its event batches against vLLM's own
+bytes: tests/bench/test_emulator_wire.py (it imports vLLM; the parallel pass)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -132,20 +132,6 @@ def test_the_router_rebuilds_what_the_engine_cached_from_its_events() -> None:
 
 
 # ---------------------------------------------------------------------- wire and replay
-
-def test_event_batches_are_byte_identical_to_vllms() -> None:
-    from vllm.distributed import kv_events as kve  # make setup installs vLLM: never a skip
-    t = toks(5, 32)
-    ours = ev.encode_batch([ev.stored([11, 12], None, t, 16, "salt"), ev.removed(11),
-                            ev.AllBlocksCleared()], ts=1.5)
-    theirs = msgspec.msgpack.Encoder().encode(kve.KVEventBatch(ts=1.5, events=[
-        kve.BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=t,
-                        block_size=16, lora_id=None, medium="GPU", lora_name=None,
-                        extra_keys=[("salt",), None], group_idx=0),
-        kve.BlockRemoved(block_hashes=[11], medium="GPU", group_idx=0),
-        kve.AllBlocksCleared()], data_parallel_rank=0))
-    assert ours == theirs
-
 
 def test_a_late_listener_replays_the_publishers_buffer_then_follows_live() -> None:
     from kvcentric.testing.servers import free_port
