@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvcentric.store.mooncake.service import master_command, wait_master
 from kvcentric.testing.netns import NetNamespace
 from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
@@ -156,3 +158,24 @@ def cluster(logdir: Path, **kw: Any) -> Iterator[MooncakeCluster]:
         yield c
     finally:
         c.stop()
+
+
+def module_cluster_fixtures(logdir: str) -> tuple[Any, Any]:
+    """A test module's ``mc`` fixture (one cluster for the module, its logs under a
+    temporary ``logdir``, in the session's ``mooncake_ns``) and ``_in_netns`` (autouse:
+    each test's thread, and what it starts, runs inside that namespace). Use as
+    ``mc, _in_netns = module_cluster_fixtures("name")``: pytest finds fixtures by those
+    module-level names."""
+
+    @pytest.fixture(scope="module")
+    def mc(tmp_path_factory: pytest.TempPathFactory, mooncake_ns: NetNamespace
+           ) -> Iterator[MooncakeCluster]:
+        with cluster(tmp_path_factory.mktemp(logdir), ns=mooncake_ns) as c:
+            yield c
+
+    @pytest.fixture(autouse=True)
+    def _in_netns(mc: MooncakeCluster) -> Iterator[None]:
+        with mc.entered():
+            yield
+
+    return mc, _in_netns

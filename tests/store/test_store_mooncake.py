@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,14 @@ from kvcentric.store import (
     StoreUnavailable,
     open_store,
 )
-from kvcentric.testing.netns import NetNamespace, unavailable_reason
-from tests.helpers.mooncake_cluster import ROOT, MooncakeCluster, clean_env, cluster, end
+from kvcentric.testing.netns import unavailable_reason
+from tests.helpers.mooncake_cluster import (
+    ROOT,
+    MooncakeCluster,
+    clean_env,
+    end,
+    module_cluster_fixtures,
+)
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import WORKER, get, put
@@ -39,18 +44,7 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.serial,
 LOAD = ROOT / "tests" / "helpers" / "mooncake_load.py"
 
 
-@pytest.fixture(scope="module")
-def mc(tmp_path_factory: pytest.TempPathFactory, mooncake_ns: NetNamespace
-       ) -> Iterator[MooncakeCluster]:
-    with cluster(tmp_path_factory.mktemp("mooncake"), ns=mooncake_ns) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def _in_netns(mc: MooncakeCluster) -> Iterator[None]:
-    """Run each test's thread (and what it starts) inside the cluster's namespace."""
-    with mc.entered():
-        yield
+mc, _in_netns = module_cluster_fixtures("mooncake")
 
 
 def spawn(c: MooncakeCluster, cmd: list[str], **kw: Any) -> subprocess.Popen[str]:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvcentric.store import OK, KVStore, open_store
-from kvcentric.testing.netns import NetNamespace, unavailable_reason
-from tests.helpers.mooncake_cluster import MooncakeCluster, cluster
+from kvcentric.testing.netns import unavailable_reason
+from tests.helpers.mooncake_cluster import MooncakeCluster, module_cluster_fixtures
 from tests.store.store_contract import StoreContract
 
 pytest.importorskip("mooncake.store", reason="the Mooncake wheel is not installed")
@@ -23,18 +23,7 @@ pytestmark = [pytest.mark.mooncake,
               pytest.mark.skipif(_NO_NETNS is not None, reason=f"no netns: {_NO_NETNS}")]
 
 
-@pytest.fixture(scope="module")
-def mc(tmp_path_factory: pytest.TempPathFactory, mooncake_ns: NetNamespace
-       ) -> Iterator[MooncakeCluster]:
-    with cluster(tmp_path_factory.mktemp("mooncake-contract"), ns=mooncake_ns) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def _in_netns(mc: MooncakeCluster) -> Iterator[None]:
-    """Run each test's thread (and what it starts) inside the cluster's namespace."""
-    with mc.entered():
-        yield
+mc, _in_netns = module_cluster_fixtures("mooncake-contract")
 
 
 # ---- the contract: this client contributes the only segment, others are pure clients ----

@@ -23,9 +23,9 @@ import pytest
 
 from kvcentric.store import ERR_UNAVAILABLE, OK, StoreUnavailable, open_store
 from kvcentric.store.mooncake.store import MooncakeStore
-from kvcentric.testing.netns import NetNamespace, unavailable_reason
+from kvcentric.testing.netns import unavailable_reason
 from kvcentric.testing.signals import sigstop_group
-from tests.helpers.mooncake_cluster import MooncakeCluster, cluster
+from tests.helpers.mooncake_cluster import MooncakeCluster, module_cluster_fixtures
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
 from tests.store.store_contract import get, put
@@ -39,17 +39,7 @@ SLACK_S = 0.25  # a thread wake-up on a loaded 2-core box
 ROUNDS = 10  # fail_fast's calls per kind: their total time is what is bounded
 
 
-@pytest.fixture(scope="module")
-def mc(tmp_path_factory: pytest.TempPathFactory, mooncake_ns: NetNamespace
-       ) -> Iterator[MooncakeCluster]:
-    with cluster(tmp_path_factory.mktemp("mooncake-hung"), ns=mooncake_ns) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def _in_netns(mc: MooncakeCluster) -> Iterator[None]:
-    with mc.entered():
-        yield
+mc, _in_netns = module_cluster_fixtures("mooncake-hung")
 
 
 def config(mc: MooncakeCluster, **over: Any) -> dict[str, Any]:
