@@ -74,12 +74,13 @@ def engine_findings(engines: tuple[str, ...] = ENGINES) -> list[Finding]:
     # each engine's import, in a child process of its own, overlaps the other's and the
     # plugin check's import of vLLM here: on more than one core the doctor waits for the
     # slowest import, not for the sum
+    wanted = tuple(dict.fromkeys(engines))  # each once, in the order given
     probers = {"vllm": probe_vllm, "sglang": probe_sglang}
-    probes = [probers[e]() for e in dict.fromkeys(engines)]
-    plugin = check_plugin() if "vllm" in engines else None
+    probes = [probers[e]() for e in wanted]
+    plugin = check_plugin() if "vllm" in wanted else None
     out = [p.finding() for p in probes]
-    if all(f.status == SKIP for f in out):
-        names = [_NAMES[e] for e in dict.fromkeys(engines)]
+    if out and all(f.status == SKIP for f in out):
+        names = [_NAMES[e] for e in wanted]
         message = (f"neither {names[0]} nor {names[1]} is installed here" if len(names) == 2
                    else f"{names[0]} is not installed here")
         out.append(Finding("engines", WARN, message, "run the doctor where the engine runs"))
