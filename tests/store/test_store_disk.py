@@ -23,7 +23,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.store import OK, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
-from kvcentric.store.local.config import DiskConfig, disk_dir, socket_path
+from kvcentric.store.local.config import MAX_PUT_WAIT_S, DiskConfig, disk_dir, socket_path
 from kvcentric.store.local.disk import DATA_OFFSET
 from tests.helpers.payload import payload, size_of
 from tests.helpers.waiting import wait_until
@@ -41,9 +41,14 @@ def as_dict(cfg: StoreConfig) -> dict[str, Any]:
 
 @pytest.fixture
 def disk_cfg(store_cfg: StoreConfig, tmp_path: Path) -> Iterator[StoreConfig]:
-    """A store with 16 MiB of DRAM and a 256 MiB disk tier under ``tmp_path``."""
+    """A store with 16 MiB of DRAM and a 256 MiB disk tier under ``tmp_path``. A writer
+    held back for the demoter waits the longest bound (``MAX_PUT_WAIT_S``): these tests put
+    faster than a disk writes, and on a box whose disk is busy the default wait lapsed
+    before one demotion completed, refusing a put the test did not expect to be refused
+    (tests/store/test_store_demotion.py tests the refusal itself)."""
     cfg = store_cfg.with_(capacity_bytes=16 * MB,
-                          disk=DiskConfig(tmp_path / "disk", 256 * MB))
+                          disk=DiskConfig(tmp_path / "disk", 256 * MB,
+                                          put_wait_s=MAX_PUT_WAIT_S))
     yield cfg
     launcher.stop(cfg)
 
@@ -228,7 +233,7 @@ def test_disk_capacity_bound_evicts_leaves_from_disk(disk_cfg: StoreConfig) -> N
     # a disk (8 MiB) smaller than DRAM (16 MiB) and late write-back: the disk fills with
     # disk-only objects, whose leaves are what the bound evicts
     cfg = disk_cfg.with_(disk=DiskConfig(disk_cfg.local.disk.path, 8 * MB,  # type: ignore[union-attr]
-                                         high_watermark=0.8))
+                                         high_watermark=0.8, put_wait_s=MAX_PUT_WAIT_S))
     with open_store(cfg) as s:
         assert isinstance(s, LocalStore)
         # one chain per batch: a disk-only chain leaf is what leaves the disk (leaf-first)
