@@ -52,7 +52,13 @@ def schemathesis(url: str, tmp: Path, *args: str, key: str | None = None,
         (tmp / "schemathesis.toml").write_text(CHECKS_TOML)
         cmd += ["--config-file", str(tmp / "schemathesis.toml")]
         env["SCHEMATHESIS_HOOKS"] = "tests.helpers.schemathesis_checks"
+    # hypothesis builds the code points a codec can encode (seconds of CPU in each worker
+    # thread that first needs them) and caches them below its storage directory, by
+    # default the run's fresh cwd: one directory for every run builds them once; the
+    # examples database stays the run's own, where it was
+    env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(ROOT / "build" / "hypothesis")
     cmd += ["run", url + "/openapi.json", "--checks", "all", "--seed", "14", "--workers", "2",
+            "--generation-database", str(tmp / ".hypothesis" / "examples"),
             "--request-timeout", "60", "--max-response-time", "30", *args]
     if key:
         cmd += ["-H", f"Authorization: Bearer {key}"]
