@@ -39,7 +39,23 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
+# vLLM's API server, and what every engine start imports after its fork unless it is
+# already here: the modules use_fork patches, the EngineCore, its executors and CPU
+# worker, the model loader, the Llama family (the tests' models), the KV-connector
+# factory and this package's connector. Imported once in a zygote, each fork inherits them
+import vllm.distributed.kv_transfer.kv_connector.factory  # noqa: F401
+import vllm.model_executor.model_loader  # noqa: F401
+import vllm.model_executor.models.llama  # noqa: F401
+import vllm.model_executor.models.registry  # noqa: F401
+import vllm.v1.engine.core  # noqa: F401
+import vllm.v1.engine.utils  # noqa: F401
+import vllm.v1.executor.multiproc_executor  # noqa: F401
+import vllm.v1.executor.uniproc_executor  # noqa: F401
+import vllm.v1.worker.cpu_model_runner  # noqa: F401
+import vllm.v1.worker.cpu_worker  # noqa: F401
 from vllm.entrypoints.launchers.api_server.entry import main as serve
+
+import kvcentric.connector.vllm.connector  # noqa: F401
 
 # the modules that start vLLM's engine processes, each holding its own reference to
 # vllm.utils.system_utils.get_mp_context: the EngineCore (CoreEngineProcManager) and the

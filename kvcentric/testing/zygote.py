@@ -30,6 +30,7 @@ process did not fork (``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -315,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--entry", default=VLLM_ENTRY)
     args = ap.parse_args(argv)
     entry = _load(args.entry)  # the imports every fork shares
+    # what is alive now lives as long as the zygote: frozen, the forks' full collections
+    # (vLLM's freeze_gc_heap runs one in each engine process) skip it instead of walking
+    # every object the imports made, and touching it, which copies the pages they share
+    gc.collect()
+    gc.freeze()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve(args.socket, entry)
 
