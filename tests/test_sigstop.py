@@ -14,15 +14,17 @@ import pytest
 from kvcentric.testing.signals import group_members, sigstop, sigstop_group, thread_states
 
 # a process with several threads, each spinning on the CPU: none is parked in the kernel,
-# so each must be interrupted to stop
+# so each must be interrupted to stop. "up" is one write(2) of a whole line: two spinners
+# share a pipe in test_a_group_stops_as_a_whole, and print() unbuffered (PYTHONUNBUFFERED)
+# writes the text and its newline apart, which interleaved as "upup\n", "\n" in a run
 SPINNER = """
-import threading, sys
+import os, threading
 def spin():
     while True:
         pass
 for _ in range(3):
     threading.Thread(target=spin, daemon=True).start()
-print("up", flush=True)
+os.write(1, b"up\\n")
 spin()
 """
 
