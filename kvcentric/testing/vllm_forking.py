@@ -25,7 +25,8 @@ the API server).
 
 For test sessions and benchmarks that start many engines; production keeps vLLM's own
 start method (``python -m vllm.entrypoints.openai.api_server``). Importing this module
-imports vLLM's API server (what a zygote loads once for all its forks).
+imports vLLM's API server and the modules each engine start would otherwise import after
+its fork (what a zygote loads once for all its forks; it then freezes its heap).
 """
 
 from __future__ import annotations

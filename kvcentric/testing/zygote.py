@@ -2,7 +2,8 @@
 
 Starting a vLLM OpenAI server on the CPU is mostly imports: the API server process imports
 vLLM, then spawns an EngineCore process that imports it again. A session that starts
-dozens of engines (the test suite) pays the first import once here instead: each start is
+dozens of engines (the test suite) pays the first import once here instead (then
+freezes the heap, so the forks' garbage collections skip what it imported): each start is
 a fork of this process that runs the server's own entry point
 (``vllm.entrypoints.launchers.api_server.entry.main``, what ``python -m
 vllm.entrypoints.openai.api_server`` runs) with the engine's argv, environment, working
