@@ -58,6 +58,8 @@ def test_a_fork_is_started_as_popen_would_start_it(zygote: Zygote, tmp_path: Pat
     assert got["cwd"] == str(workdir)
     assert got["pid"] == got["pgid"] == got["sid"] == p.pid  # a session of its own
     assert got["stdin"] == ""
+    # the zygote's heap comes frozen: the fork's collections skip what the zygote imported
+    assert isinstance(got["frozen"], int) and got["frozen"] > 1000
     assert log.read_text() == "before\nto stdout\nto stderr\n"  # appended
     assert (tmp_path / "z").stat().st_mode & 0o777 == 0o700  # only its owner connects
 
