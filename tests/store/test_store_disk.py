@@ -4,6 +4,7 @@ tier moves, multi-process stress, kill -9 during demotion, and real faults."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import resource
@@ -232,8 +233,9 @@ def test_disk_full_for_real_drops_counted_and_serves(store: LocalStore) -> None:
 def test_disk_capacity_bound_evicts_leaves_from_disk(disk_cfg: StoreConfig) -> None:
     # a disk (8 MiB) smaller than DRAM (16 MiB) and late write-back: the disk fills with
     # disk-only objects, whose leaves are what the bound evicts
-    cfg = disk_cfg.with_(disk=DiskConfig(disk_cfg.local.disk.path, 8 * MB,  # type: ignore[union-attr]
-                                         high_watermark=0.8, put_wait_s=MAX_PUT_WAIT_S))
+    assert disk_cfg.local.disk is not None
+    cfg = disk_cfg.with_(disk=dataclasses.replace(disk_cfg.local.disk, capacity_bytes=8 * MB,
+                                                  high_watermark=0.8))
     with open_store(cfg) as s:
         assert isinstance(s, LocalStore)
         # one chain per batch: a disk-only chain leaf is what leaves the disk (leaf-first)
