@@ -41,6 +41,9 @@ class Request:
     arrival: float = 0.0
     on_token: Callable[[int, bool], None] | None = None  # (token id, last?)
     next_token: Callable[[int], int] = lambda i: 100 + i  # the i-th output token's id
+    # prompt tokens whose KV a P/D transfer brought (an SGLang decode server's request):
+    # loaded like a store hit, at the profile's load bandwidth
+    transferred: int = 0
     seq: SeqPages = field(init=False)
     computed: int = 0  # prompt tokens whose KV the engine has (hits included)
     local_hit: int = 0
@@ -144,6 +147,7 @@ class EngineCore:
             hit_pages = self.cache.match(r.seq)
             local = hit_pages * p.page_size
             stored = self.connector.lookup(r.prompt, r.salt) if self.connector else 0
+            stored = max(stored, r.transferred)
             if not self.cache.admit(r.seq, hit_pages, r.n):
                 break
             self.waiting.popleft()

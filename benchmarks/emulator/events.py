@@ -1,4 +1,5 @@
-"""vLLM's KV cache events, as an emulated engine publishes them: same structs, same wire.
+"""vLLM's (or SGLang's) KV cache events, as an emulated engine publishes them: same
+structs, same wire.
 
 The structs mirror ``vllm.distributed.kv_events`` (0.32) field for field: msgspec
 structs tagged by class name (``{"type": "BlockStored", ...}``), defaults omitted, the
@@ -77,6 +78,37 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# SGLang's (``sglang.srt.disaggregation.kv_events``), field for field: the same tags and
+# frames; its batch keeps ``attn_dp_rank`` even at its default, its ``BlockStored`` has
+# the request's ``cache_salt`` instead of vLLM's extra keys and group fields.
+class SglangEventBatch(msgspec.Struct, array_like=True,  # type: ignore[call-arg]
+                       gc=False):
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+class SglangBlockStored(KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class SglangBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class SglangKVEventBatch(SglangEventBatch):
+    events: list[SglangBlockStored | SglangBlockRemoved | AllBlocksCleared]
+
+
 def stored(hashes: list[int], parent: int | None, tokens: list[int], page: int,
            salt: str | None) -> BlockStored:
     """A ``BlockStored`` as vLLM's block pool builds it for newly cached pages (group 0,
@@ -94,13 +126,38 @@ def removed(h: int) -> BlockRemoved:
     return BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=0)
 
 
+def sglang_stored(h: int, parent: int | None, tokens: list[int],
+                  salt: str | None) -> SglangBlockStored:
+    """A ``BlockStored`` as SGLang's radix cache records one page (``record_store``: one
+    event per page, hashes as signed int64, the request's ``cache_salt`` on each)."""
+    return SglangBlockStored(block_hashes=[_i64(h)],
+                             parent_block_hash=None if parent is None else _i64(parent),
+                             token_ids=tokens, block_size=len(tokens), lora_id=None,
+                             medium=MEDIUM_GPU, cache_salt=salt)
+
+
+def sglang_removed(h: int) -> SglangBlockRemoved:
+    """SGLang's ``BlockRemoved`` of one evicted page."""
+    return SglangBlockRemoved(block_hashes=[_i64(h)], medium=MEDIUM_GPU)
+
+
+def _i64(h: int) -> int:
+    """An emulated page hash (unsigned) as SGLang's signed int64 hashes."""
+    h &= 2**64 - 1
+    return h - 2**64 if h >= 2**63 else h
+
+
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode_batch(events: list[Any], ts: float | None = None, dp_rank: int = 0) -> bytes:
-    """One step's events as the payload vLLM publishes."""
-    return _encoder.encode(KVEventBatch(ts=time.time() if ts is None else ts, events=events,
-                                        data_parallel_rank=dp_rank))
+def encode_batch(events: list[Any], ts: float | None = None, dp_rank: int = 0,
+                 kind: str = "vllm") -> bytes:
+    """One step's events as the payload vLLM (or, ``kind`` ``sglang``, SGLang)
+    publishes."""
+    t = time.time() if ts is None else ts
+    if kind == "sglang":
+        return _encoder.encode(SglangKVEventBatch(ts=t, events=events, attn_dp_rank=dp_rank))
+    return _encoder.encode(KVEventBatch(ts=t, events=events, data_parallel_rank=dp_rank))
 
 
 def _bind_address(endpoint: str) -> str:
@@ -118,8 +175,9 @@ class Publisher:
     event loop, :meth:`publish` once per step with that step's events, :meth:`close`."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay: str | None = None,
-                 buffer_steps: int = 10_000, topic: str = "") -> None:
+                 buffer_steps: int = 10_000, topic: str = "", kind: str = "vllm") -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay
+        self.kind = kind  # whose wire format: vllm or sglang
         self.topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
@@ -155,7 +213,7 @@ class Publisher:
         """Send one batch (nothing when ``events`` is empty, as vLLM skips empty steps)."""
         if not events:
             return
-        payload = encode_batch(events)
+        payload = encode_batch(events, kind=self.kind)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

@@ -43,10 +43,17 @@ class EmulatorSpec:
     interference: float = 1.0  # fair sharing: k in a step run at 1/(1 + x(k-1)) each
     host_interference: bool = False  # x per step from the profile's measured samples
     seed: int = 0  # seeds those draws
+    kind: str = "vllm"  # whose formats the engines speak: vllm or sglang
+    prefill_instances: int = 0  # sglang: the first P are prefill servers, the rest decode
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.pages < 1:
             raise ValueError("instances and pages must be >= 1")
+        if self.kind not in ("vllm", "sglang"):
+            raise ValueError(f"kind must be vllm or sglang, got {self.kind!r}")
+        if self.prefill_instances and (self.kind != "sglang"
+                                       or not 0 < self.prefill_instances < self.instances):
+            raise ValueError("prefill_instances needs kind sglang and fewer than instances")
         if self.compute not in ("separate", "shared") and not self.compute.isdigit():
             raise ValueError(f"compute must be separate, shared or a group size, got "
                              f"{self.compute!r}")
@@ -64,7 +71,8 @@ class EmulatorSpec:
                "--compute", self.compute, "--slowdown", str(self.slowdown),
                "--dilation", str(self.dilation), "--discipline", self.discipline,
                "--interference", str(self.interference), "--seed", str(self.seed),
-               "--fleet-file", str(fleet_file)]
+               "--fleet-file", str(fleet_file), "--kind", self.kind,
+               "--prefill-instances", str(self.prefill_instances)]
         if self.store is not None:
             out += ["--store", json.dumps(self.store)]
         if not self.kv_events:

@@ -1,10 +1,14 @@
-"""An emulated engine's ``/metrics`` page, named and shaped as vLLM's.
+"""An emulated engine's ``/metrics`` page, named and shaped as vLLM's (or SGLang's).
 
 Gauges the router reads (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info`` with ``block_size`` and
 ``num_gpu_blocks``), the counters the benchmarks scrape (prompt and generation tokens,
 prefix-cache queries and hits, external (connector) queries and hits) and vLLM's latency
 histograms (TTFT, inter-token, end-to-end, queue time) with vLLM's buckets.
+:func:`render_sglang` is an SGLang server's page as far as a router reads it: the gauges
+``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage`` and
+``sglang:max_total_num_tokens`` (``sglang.srt.observability.metrics_collector``'s names,
+labels ``model_name`` and ``engine_type`` as it sets them), and its token counters.
 """
 
 from __future__ import annotations
@@ -91,4 +95,23 @@ def render(core: EngineCore, lat: Latencies, model: str) -> str:
                     ("e2e_request_latency_seconds", lat.e2e),
                     ("request_queue_time_seconds", lat.queue)):
         lines += h.render(f"vllm:{name}", lab)
+    return "\n".join(lines) + "\n"
+
+
+def render_sglang(core: EngineCore, model: str, engine_type: str) -> str:
+    """An SGLang server's page for one engine; ``engine_type``: ``unified``, ``prefill``
+    or ``decode`` (its disaggregation mode, as SGLang labels it)."""
+    lab = f'engine_type="{engine_type}",model_name="{model}"'
+    lines = []
+
+    def sample(name: str, kind: str, value: float) -> None:
+        lines.extend([f"# HELP sglang:{name} {name}.", f"# TYPE sglang:{name} {kind}",
+                      f"sglang:{name}{{{lab}}} {float(value)}"])
+
+    sample("num_running_reqs", "gauge", len(core.running))
+    sample("num_queue_reqs", "gauge", len(core.waiting))
+    sample("token_usage", "gauge", core.cache.kv_usage)
+    sample("max_total_num_tokens", "gauge", core.cache.capacity * core.p.page_size)
+    sample("prompt_tokens_total", "counter", core.counters.prompt_tokens)
+    sample("generation_tokens_total", "counter", core.counters.generation_tokens)
     return "\n".join(lines) + "\n"

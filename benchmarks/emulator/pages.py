@@ -25,7 +25,7 @@ import numpy as np
 
 from kvcentric.hashing import block_hashes, root_hash
 
-from .events import AllBlocksCleared, removed, stored
+from .events import AllBlocksCleared, removed, sglang_removed, sglang_stored, stored
 
 
 def page_seed(salt: str | None) -> bytes:
@@ -72,6 +72,7 @@ class PageCache:
         self._anon = 0
         self.events: list[Any] = []  # this step's events, taken by the engine
         self.evicted = 0
+        self.kind = "vllm"  # whose events: vLLM's (one per run of pages) or SGLang's
 
     # ---- state ----
     @property
@@ -159,11 +160,19 @@ class PageCache:
         self._flush(seq, hashes, run_start, run)
 
     def _flush(self, seq: SeqPages, hashes: list[int], start: int, run: list[int]) -> None:
-        if run:
-            p = self.page_size
-            self.events.append(stored(run, hashes[start - 1] if start else None,
-                                      seq.tokens[start * p:(start + len(run)) * p], p,
-                                      seq.salt))
+        if not run:
+            return
+        p = self.page_size
+        parent = hashes[start - 1] if start else None
+        if self.kind == "sglang":  # one event per page, each with the request's salt
+            for i, h in enumerate(run):
+                first = (start + i) * p
+                self.events.append(sglang_stored(h, parent, seq.tokens[first:first + p],
+                                                 seq.salt))
+                parent = h
+            return
+        self.events.append(stored(run, parent, seq.tokens[start * p:(start + len(run)) * p],
+                                  p, seq.salt))
 
     def release(self, seq: SeqPages) -> None:
         """``seq`` is done: its cached pages become evictable (last page first), the rest
@@ -202,6 +211,6 @@ class PageCache:
         while n > 0 and self.capacity - self.used < n and self._free:
             h, _ = self._free.popitem(last=False)
             del self._refs[h]
-            self.events.append(removed(h))
+            self.events.append(sglang_removed(h) if self.kind == "sglang" else removed(h))
             self.evicted += 1
         self._anon += n

@@ -20,6 +20,20 @@ and slow each other by the profile's measured host interference.
 
 ``--fleet-file`` gets, once every port listens, a JSON list of the engines: ``name``,
 ``url``, ``kv_events``, ``kv_events_replay`` (as a router's instance config names them).
+
+``--kind sglang`` makes every engine an SGLang server as a router sees one: its
+``/metrics`` names (:func:`.metrics.render_sglang`), its KV events' structs
+(:func:`.events.as_sglang`), ``GET /server_info`` (the flat resolved arguments:
+``page_size``, ``disaggregation_mode``, ``disaggregation_bootstrap_port``,
+``max_total_num_tokens``, ``kv_events``). With ``--prefill-instances P`` the first P are
+prefill servers and the rest decode servers (SGLang's ``--disaggregation-mode``), joined as
+SGLang joins them: a request to either must carry ``bootstrap_room`` (a decode's also the
+``bootstrap_host`` and ``bootstrap_port`` of a prefill server of this fleet, else 400); a
+prefill server computes the prompt and answers one token, handing the KV to the room; a
+decode server waits for the room's KV (at most ``TRANSFER_TIMEOUT_S``, then 500), loads it
+at the profile's load bandwidth and decodes. The fleet file then names each engine's
+``kind`` and ``role`` (a prefill server's bootstrap port is left for the router to read
+from ``/server_info``).
 """
 
 from __future__ import annotations
@@ -51,9 +65,12 @@ from kvcentric.testing.servers import free_port
 from .connector import StoreHits
 from .engine import EngineCore, Request
 from .events import Publisher
-from .metrics import Latencies, render
+from .metrics import Latencies, render, render_sglang
 from .processors import DISCIPLINES, ExclusiveProcessor, Processor, processors
 from .profile import EngineProfile, load
+
+TRANSFER_TIMEOUT_S = 30.0  # a decode server's wait for its room's KV
+MODES = ("unified", "prefill", "decode")  # SGLang's disaggregation modes
 
 
 class EmulatedEngine:
@@ -61,8 +78,11 @@ class EmulatedEngine:
 
     def __init__(self, name: str, profile: EngineProfile, pages: int,
                  proc: Processor | ExclusiveProcessor,
-                 connector: StoreHits | None, publisher: Publisher | None) -> None:
+                 connector: StoreHits | None, publisher: Publisher | None,
+                 mode: str = "unified", bootstrap_port: int | None = None) -> None:
         self.name = name
+        self.mode = mode  # an SGLang server's disaggregation mode (MODES)
+        self.bootstrap_port = bootstrap_port  # a prefill server's
         self.core = EngineCore(profile, pages, connector)
         self.proc = proc
         self.pub = publisher
@@ -144,8 +164,12 @@ class Fleet:
     the tokenizer on a probe text; ~50x cheaper than the BPE on this 2-core machine);
     any other text goes through the tokenizer."""
 
-    def __init__(self, model: str, tokenizer: PromptTokenizer, max_model_len: int) -> None:
+    def __init__(self, model: str, tokenizer: PromptTokenizer, max_model_len: int,
+                 kind: str = "vllm") -> None:
         self.model = model
+        self.kind = kind  # the engines speak vLLM's or SGLang's formats
+        self.rooms: dict[int, asyncio.Future[list[int]]] = {}  # bootstrap room -> its KV
+        self.bootstrap: dict[int, EmulatedEngine] = {}  # bootstrap port -> prefill server
         self.tok = tokenizer
         self.max_model_len = max_model_len
         self.by_port: dict[int, EmulatedEngine] = {}
@@ -175,6 +199,26 @@ class Fleet:
             return None
         head = self.bos if body.get("add_special_tokens", True) else []
         return np.asarray([*head, *ids], dtype=np.uint32)
+
+    def room(self, room: int) -> asyncio.Future[list[int]]:
+        """The KV handed over in bootstrap room ``room`` (made by whichever side comes
+        first; the decode side removes it)."""
+        fut = self.rooms.get(room)
+        if fut is None:
+            fut = self.rooms[room] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def pd_check(self, e: EmulatedEngine, body: dict[str, Any]) -> tuple[int, str | None]:
+        """The request's bootstrap room, or why SGLang would refuse it on ``e``."""
+        room = body.get("bootstrap_room")
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
+            return 0, f"bootstrap_room is required in {e.mode} mode (a non-negative int64)"
+        if e.mode == "decode":
+            port = body.get("bootstrap_port")
+            if not isinstance(body.get("bootstrap_host"), str) or port not in self.bootstrap:
+                return 0, (f"bootstrap_host and bootstrap_port must name a prefill server "
+                           f"(got {body.get('bootstrap_host')!r}:{port!r})")
+        return room, None
 
     def next_token(self, rid: str) -> Any:
         """The ``i``-th output token of request ``rid`` (a word token)."""
@@ -232,6 +276,22 @@ def build_app(fleet: Fleet) -> Starlette:
     async def health(request: HttpRequest) -> Response:
         return Response(status_code=200)
 
+    async def server_info(request: HttpRequest) -> Response:
+        if fleet.kind != "sglang":
+            return Response(status_code=404)
+        e = engine(request)
+        ev = e.pub
+        return JSONResponse({
+            "served_model_name": fleet.model, "page_size": e.core.p.page_size,
+            "context_length": fleet.max_model_len, "disaggregation_mode":
+            "null" if e.mode == "unified" else e.mode,
+            "disaggregation_bootstrap_port": e.bootstrap_port,
+            "max_total_num_tokens": e.core.cache.capacity * e.core.p.page_size,
+            "kv_events": None if ev is None else {
+                "publisher": "zmq", "endpoint_host": "*",
+                "endpoint_port_base": int(ev.endpoint.rsplit(":", 1)[1]), "topic": "",
+                "block_size": e.core.p.page_size, "dp_size": 1}})
+
     async def models(request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": fleet.model, "object": "model", "owned_by": "emulator", "created": 0,
@@ -239,6 +299,8 @@ def build_app(fleet: Fleet) -> Starlette:
 
     async def metrics(request: HttpRequest) -> Response:
         e = engine(request)
+        if fleet.kind == "sglang":
+            return PlainTextResponse(render_sglang(e.core, fleet.model, e.mode))
         return PlainTextResponse(render(e.core, e.lat, fleet.model))
 
     async def reset(request: HttpRequest) -> Response:
@@ -279,13 +341,38 @@ def build_app(fleet: Fleet) -> Starlette:
         if len(ids) + max_tokens > fleet.max_model_len:
             return _err(400, f"This model's maximum context length is {fleet.max_model_len} "
                              f"tokens. However, you requested {len(ids) + max_tokens} tokens.")
+        prompt_ids: list[int] = ids.tolist()
+        transferred = 0
+        handoff: asyncio.Future[list[int]] | None = None
+        if e.mode != "unified":
+            room, why = fleet.pd_check(e, body)
+            if why is not None:
+                return _err(400, why)
+            if e.mode == "prefill":
+                max_tokens, handoff = 1, fleet.room(room)  # SGLang's prefill: one token
+            else:
+                try:
+                    kv = await asyncio.wait_for(asyncio.shield(fleet.room(room)),
+                                                TRANSFER_TIMEOUT_S)
+                except TimeoutError:
+                    return _err(500, f"KV transfer of bootstrap room {room} timed out")
+                finally:
+                    fleet.rooms.pop(room, None)
+                if kv != prompt_ids:
+                    return _err(500, f"bootstrap room {room} holds another prompt's KV")
+                transferred = len(prompt_ids) - 1
         rid = uuid.uuid4().hex
         if request.headers.get("x-request-id"):
             e.ids[rid] = request.headers["x-request-id"]
         queue: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
-        req = Request(rid, ids.tolist(), max(1, max_tokens), body.get("cache_salt"),
-                      arrival, lambda t, last: queue.put_nowait((t, last)),
-                      fleet.next_token(rid))
+
+        def on_token(t: int, last: bool) -> None:
+            if handoff is not None and not handoff.done():
+                handoff.set_result(prompt_ids)  # the prefill is done: its KV goes over
+            queue.put_nowait((t, last))
+
+        req = Request(rid, prompt_ids, max(1, max_tokens), body.get("cache_salt"),
+                      arrival, on_token, fleet.next_token(rid), transferred=transferred)
         await asyncio.sleep(e.core.p.api_s)
         e.submit(req)
         kind = "chat.completion" if chat else "text_completion"
@@ -354,6 +441,7 @@ def build_app(fleet: Fleet) -> Starlette:
         Route("/v1/completions/render", render_refused, methods=["POST"]),
         Route("/v1/chat/completions/render", render_refused, methods=["POST"]),
         Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+        Route("/server_info", server_info),
         Route("/reset_prefix_cache", reset, methods=["POST"]),
         Route("/emulator/stats", stats), Route("/emulator/requests", records),
         Route("/v1/completions", completion, methods=["POST"]),
@@ -387,12 +475,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", default=None, help="local store config (JSON): store hits")
     ap.add_argument("--object-bytes", type=int, default=256)
     ap.add_argument("--no-kv-events", action="store_true")
+    ap.add_argument("--kind", choices=("vllm", "sglang"), default="vllm",
+                    help="whose formats the engines speak (metrics, KV events, P/D)")
+    ap.add_argument("--prefill-instances", type=int, default=0,
+                    help="with --kind sglang: the first P engines are prefill servers, the "
+                         "rest decode servers (0: every engine unified)")
     ap.add_argument("--fleet-file", type=Path, default=None)
     ap.add_argument("--cprofile", default=None, help="write cProfile stats here at exit")
     args = ap.parse_args(argv)
+    if args.prefill_instances and (args.kind != "sglang"
+                                   or not 0 < args.prefill_instances < args.instances):
+        ap.error("--prefill-instances needs --kind sglang and fewer than --instances")
     prof = load(args.profile).dilated(args.dilation)
     tok = PromptTokenizer(args.tokenizer)
-    fleet = Fleet(args.model, tok, args.max_model_len)
+    fleet = Fleet(args.model, tok, args.max_model_len, args.kind)
     connector = None
     if args.store:
         from kvcentric.store import open_store
@@ -426,9 +522,20 @@ def main(argv: list[str] | None = None) -> int:
                 spec: dict[str, Any] = {"name": f"emu{i}", "url": f"http://127.0.0.1:{port}"}
                 if not args.no_kv_events:
                     pe, pr = free_port(), free_port()
-                    ev = Publisher(ctx, f"tcp://*:{pe}", f"tcp://*:{pr}")
+                    ev = Publisher(ctx, f"tcp://*:{pe}", f"tcp://*:{pr}", kind=args.kind)
                     spec |= {"kv_events": f"tcp://*:{pe}", "kv_events_replay": f"tcp://*:{pr}"}
-                eng = EmulatedEngine(spec["name"], prof, args.pages, proc, connector, ev)
+                mode, boot = "unified", None
+                if args.kind == "sglang":
+                    spec["kind"] = "sglang"
+                    if args.prefill_instances:
+                        mode = "prefill" if i < args.prefill_instances else "decode"
+                        spec["role"] = mode
+                        boot = free_port() if mode == "prefill" else None
+                eng = EmulatedEngine(spec["name"], prof, args.pages, proc, connector, ev,
+                                     mode, boot)
+                eng.core.cache.kind = args.kind
+                if boot is not None:
+                    fleet.bootstrap[boot] = eng
                 fleet.by_port[port] = eng
                 eng.start()
                 specs.append(spec)

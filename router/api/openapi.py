@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvcentric.router.config import RouterConfig
-from kvcentric.router.fleet.instance_spec import PATTERNS, ROLES
+from kvcentric.router.fleet.instance_spec import KINDS, PATTERNS, ROLES
 
 # One server-sent event (OpenAPI before 3.2: the stream's ``schema`` describes each event);
 # ``data`` is a JSON chunk of the completion, or ``[DONE]`` at the end.
@@ -56,11 +56,20 @@ INSTANCE = {"type": "object", "required": ["url"], "additionalProperties": False
     "url": {"type": "string", "pattern": PATTERNS["url"]},
     "role": {"type": "string", "enum": list(ROLES)},
     **{name: {"type": ["string", "null"], "pattern": PATTERNS[name]}
-       for name in ("model", "name", "kv_events", "kv_events_replay", "compute")}},
-    # a replay endpoint is asked only for what a live stream missed
-    "if": {"required": ["kv_events_replay"],
-           "properties": {"kv_events_replay": {"type": "string"}}},
-    "then": {"required": ["kv_events"], "properties": {"kv_events": {"type": "string"}}}}
+       for name in ("model", "name", "kv_events", "kv_events_replay", "compute")},
+    "kind": {"type": "string", "enum": list(KINDS)},
+    "bootstrap_port": {"type": ["integer", "null"], "minimum": 1, "maximum": 65535}},
+    "allOf": [
+        # a replay endpoint is asked only for what a live stream missed
+        {"if": {"required": ["kv_events_replay"],
+                "properties": {"kv_events_replay": {"type": "string"}}},
+         "then": {"required": ["kv_events"], "properties": {"kv_events": {"type": "string"}}}},
+        # the port a decode reaches an SGLang prefill server's KV at
+        {"if": {"required": ["bootstrap_port"],
+                "properties": {"bootstrap_port": {"type": "integer"}}},
+         "then": {"required": ["kind", "role"],
+                  "properties": {"kind": {"const": "sglang"}, "role": {"const": "prefill"}}}},
+    ]}
 REASONS = {400: "Malformed request or a value out of bounds; for a body the schema accepts, "
                 "only a prompt too long for the context (code context_length_exceeded)",
            401: "Missing or invalid API key",

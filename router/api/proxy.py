@@ -5,6 +5,13 @@ roles the prefill instance gets the request with ``max_tokens=1`` (not streamed;
 connector saves the prompt's KV to the store) and then the decode instance gets the full
 request (its connector loads that KV) and its answer is relayed.
 
+An SGLang pair (``kind: sglang``) runs SGLang's disaggregation protocol as sglang-router
+drives it: both servers get the request at once, each with the prefill server's
+``bootstrap_host`` and ``bootstrap_port`` and one random ``bootstrap_room``; the decode
+server fetches the KV from the prefill server by that room (SGLang's transfer engine, not
+the store) and its answer is relayed. A prefill that fails first fails the pair (the decode
+is abandoned: it would wait for KV that never comes) and the pair is retried elsewhere.
+
 Failures: a refused or broken connection or a 5xx from an instance before the first byte
 reached the client takes that instance out of rotation and the request is decided again
 without it: at most ``upstream.retries`` times, except that an instance the request never
@@ -18,13 +25,16 @@ mid-stream ends the stream with an SSE error event.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 from starlette.responses import Response, StreamingResponse
@@ -75,6 +85,13 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     return out
 
 
+async def _abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` unless done, and wait until it is (whatever it then raises)."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait((task,))  # its outcome is the caller's to read
+
+
 class Proxy:
     def __init__(self, conductor: Conductor, client: Upstreams | httpx.AsyncClient,
                  metrics: RouterMetrics) -> None:
@@ -83,6 +100,7 @@ class Proxy:
         self.metrics = metrics
         self.retries = conductor.cfg.upstream.retries
         self.fail_after = conductor.cfg.health.unhealthy_after
+        self._pending: set[asyncio.Future[Any]] = set()  # SGLang prefills still running
 
     async def handle(self, path: str, body: dict[str, Any], hashes: Sequence[bytes],
                      n_tokens: int, headers: dict[str, str],
@@ -110,6 +128,9 @@ class Proxy:
             sent = time.perf_counter()
             added_ms = (sent - received_at) * 1e3
             try:
+                if decision.disaggregated and decision.prefill.spec.kind == "sglang":
+                    return await self._bootstrapped(decision, rid, path, body, headers,
+                                                    t_arrival, added_ms, sent)
                 if decision.disaggregated:
                     early = await self._prefill(decision, rid, path, body, headers)
                     if early is not None:
@@ -196,6 +217,47 @@ class Proxy:
         self.conductor.prefill_finished(d, rid, actual)
         return None
 
+    async def _bootstrapped(self, d: Decision, rid: str, path: str, body: dict[str, Any],
+                            headers: dict[str, str], t_arrival: float, added_ms: float,
+                            sent: float) -> Response:
+        """An SGLang pair: prefill and decode at once, joined by a bootstrap room (see the
+        module docstring). Raises what :meth:`_post` and :meth:`_stream` raise, for the
+        instance that failed first; the other request is then abandoned."""
+        pd = {**body, "bootstrap_host": urlparse(d.prefill.spec.url).hostname,
+              "bootstrap_port": d.prefill.bootstrap_port,
+              # SGLang's rooms are non-negative int64s
+              "bootstrap_room": secrets.randbits(63)}
+        pre = asyncio.ensure_future(self._post(
+            d.prefill, path, json.dumps(prefill_body(pd, path.endswith("chat/completions"))
+                                        ).encode(), headers))
+        dec = asyncio.ensure_future(
+            self._stream(d, rid, path, pd, headers, t_arrival, added_ms, sent)
+            if pd.get("stream") else self._whole(d, rid, path, pd, headers, added_ms))
+
+        def prefilled(task: asyncio.Future[httpx.Response]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self.metrics.prefill_actual.observe(time.perf_counter() - sent)
+                self.conductor.prefill_finished(d, rid, time.perf_counter() - sent)
+
+        pre.add_done_callback(prefilled)
+        self._pending.add(pre)  # it may outlive this call (a decode streaming meanwhile)
+        pre.add_done_callback(self._pending.discard)
+        try:
+            await asyncio.wait((pre, dec), return_when=asyncio.FIRST_COMPLETED)
+            if pre.done() and not dec.done():
+                r = pre.result()  # a failed prefill fails the pair (the caller retries)
+                if r.status_code != 200:  # the request's fault: the prefill's answer says why
+                    await _abandon(dec)
+                    self.conductor.finished(d, rid)
+                    return Response(r.content, r.status_code,
+                                    media_type=r.headers.get("content-type"))
+            return await dec
+        finally:
+            # whoever raised, the caller ends the decision (``finished``) once
+            await _abandon(dec)
+            if dec.cancelled() or dec.exception() is not None or dec.result().status_code != 200:
+                pre.cancel()  # the decode failed or refused: nobody waits for this KV
+
     async def _whole(self, d: Decision, rid: str, path: str, body: dict[str, Any],
                      headers: dict[str, str], added_ms: float | None = None) -> Response:
         r = await self._post(d.decode, path, json.dumps(body).encode(), headers)
@@ -234,6 +296,9 @@ class Proxy:
         except httpx.TransportError as exc:
             await up.aclose()
             raise _transport_error(inst, exc) from exc
+        except BaseException:  # cancelled (an SGLang pair's prefill failed): let it go
+            await up.aclose()
+            raise
         t_first = time.perf_counter()
         self.metrics.observe_ttft(d.ttft_s, t_first - t_arrival)
         if not d.disaggregated:

@@ -247,9 +247,14 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     tbt_slo = slo.tbt_ms / 1000.0
     costs = [prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
                           global_tail, disk_only) for p in prefill]
-    split = [pc.ttft_s for p, pc in zip(prefill, costs) if p.spec.role != "both"]
-    best_d = _best_decoder(decode, runs, n_tokens, params, tbt_slo, disk_only,
-                           min(split)) if split else None
+    # a pair is of one kind: an SGLang prefill hands its KV only to an SGLang decode (its
+    # bootstrap protocol), a vLLM prefill to a vLLM decode (through the store)
+    best_by_kind: dict[str, DecoderPick | None] = {}
+    for kind in {p.spec.kind for p in prefill if p.spec.role != "both"}:
+        split = [pc.ttft_s for p, pc in zip(prefill, costs)
+                 if p.spec.role != "both" and p.spec.kind == kind]
+        best_by_kind[kind] = _best_decoder([d for d in decode if d.spec.kind == kind], runs,
+                                           n_tokens, params, tbt_slo, disk_only, min(split))
     pairs: list[Pairing] = []  # within the TBT SLO
     lowest = math.inf
     min_tbt = math.inf
@@ -257,7 +262,7 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         if p.spec.role == "both":
             tbt = params.profile.tbt_s(p.batch() + 1, p.stats.kv_usage)
             pair = Pairing(pc.ttft_s, tbt, p, p, pc)
-        elif best_d is not None:
+        elif (best_d := best_by_kind.get(p.spec.kind)) is not None:
             pair = Pairing(pc.ttft_s + best_d.extra_s, best_d.cost.tbt_s, p, best_d.instance,
                            pc)
         else:

@@ -17,6 +17,9 @@ from urllib.parse import urlparse
 from kvcentric.config import parse_fields
 
 ROLES = ("prefill", "decode", "both")
+# The engine behind an instance: its metrics names, its KV events' fields, its P/D protocol
+# (docs/router.md §SGLang instances)
+KINDS = ("vllm", "sglang")
 NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
 # tcp://HOST:PORT (the router binds; HOST "*": the engine binds, the router connects to the
@@ -82,6 +85,15 @@ class InstanceSpec:
     ``compute``: instances naming the same compute share one processor (several engines
     on one GPU, or vLLM CPU engines bound to the same cores); the cost model splits it
     fairly between those with prefills to do instead of counting each at full speed.
+    ``kind``: the engine, ``vllm`` or ``sglang``. It decides how the router reads the
+    engine's ``/metrics`` and KV events and how it runs a disaggregated request: a vLLM
+    prefill runs first and its connector saves the KV to the store, for the decode to
+    load; an SGLang pair gets the request at once, both with the same ``bootstrap_room``,
+    and SGLang's own transfer moves the KV (its disaggregation protocol, as sglang-router
+    drives it). Pairs are never mixed: a prefill and a decode are of one kind.
+    ``bootstrap_port``: an SGLang prefill server's ``--disaggregation-bootstrap-port``,
+    sent to the decode with each request; ``None``: the router reads it from the
+    server's ``/server_info`` (``deployment_info.disaggregation_bootstrap_port``).
     """
 
     url: str
@@ -91,6 +103,8 @@ class InstanceSpec:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     compute: str | None = None
+    kind: str = "vllm"
+    bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
         _check("url", self.url, nullable=False)
@@ -103,6 +117,16 @@ class InstanceSpec:
             _check(name, getattr(self, name))
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("kv_events_replay needs kv_events (the live stream)")
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise ValueError(f"instance kind {self.kind!r} must be one of {KINDS}")
+        port = self.bootstrap_port
+        if port is not None:
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ValueError(f"instance bootstrap_port {port!r} must be a port, 1 to "
+                                 "65535")
+            if self.kind != "sglang" or self.role != "prefill":
+                raise ValueError("bootstrap_port is an SGLang prefill server's: it needs "
+                                 "kind sglang and role prefill")
 
     @classmethod
     def from_dict(cls, raw: Any) -> InstanceSpec:

@@ -43,6 +43,9 @@ class Instance:
     last_error: str | None = None
     failure_logged_at: float = float("-inf")  # monotonic time of the last failure logged
     max_model_len: int | None = None  # the engine's context, from its /v1/models
+    # an SGLang server's /server_info, read once per (re)start: its page size and the
+    # bootstrap port a decode reaches its KV at (None: not read yet, or not SGLang)
+    server_info: ServerInfo | None = None
     stats: EngineStats = field(default_factory=EngineStats)
     metrics_at: float = float("-inf")  # monotonic time ``stats`` was last read
     decodes: int = 0
@@ -70,12 +73,24 @@ class Instance:
         less the time since (the engine works it off meanwhile)."""
         return max(0.0, self.foreign_s - max(0.0, now - self.metrics_at))
 
+    @property
+    def bootstrap_port(self) -> int | None:
+        """The port SGLang decodes reach this prefill server's KV at: configured, else
+        what its ``/server_info`` said (None: neither)."""
+        if self.spec.bootstrap_port is not None:
+            return self.spec.bootstrap_port
+        return self.server_info.bootstrap_port if self.server_info else None
+
     def read_stats(self, stats: EngineStats, now: float) -> None:
         """Take a ``/metrics`` snapshot read at ``now``. Requests waiting on the engine
         beyond this router's own (its predicted prefills not yet answered, less the one
         that may be running) were sent by other router replicas: without them several
         routers each see a fraction of an instance's queue and all send the next hot
         request to it."""
+        info = self.server_info
+        if stats.cache_tokens and info is not None and info.page_size:
+            stats.page_size = info.page_size  # SGLang's cache is in tokens on its page
+            stats.num_pages = stats.cache_tokens // info.page_size
         self.stats = stats
         self.metrics_at = now
         own_waiting = max(0, self.queued - 1)
@@ -108,6 +123,7 @@ class Instance:
     def describe(self, index: PrefixIndex, now: float) -> dict[str, object]:
         return {
             "name": self.name, "url": self.spec.url, "role": self.spec.role,
+            "kind": self.spec.kind, "bootstrap_port": self.bootstrap_port,
             "model": self.spec.model, "compute": self.spec.compute, "healthy": self.healthy,
             "slot": self.slot,
             "queue_s": round(self.queue_s(now), 4), "queued_prefills": self.queued,
@@ -234,6 +250,7 @@ class Registry:
             log.info("instance %s (%s) in rotation", inst.name, inst.spec.url)
             inst.metrics_at = float("-inf")  # a (re)started engine: read its gauges now
             inst.max_model_len = None  # and its context
+            inst.server_info = None  # and an SGLang server's settings
         inst.failures = 0
         inst.checked = True
         inst.last_error = None
@@ -261,14 +278,16 @@ async def check(inst: Instance, registry: Registry, client: Upstreams | httpx.As
     now = time.monotonic()
     if now - inst.metrics_at < hc.metrics_interval_s:
         return
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    if inst.spec.kind == "sglang" and inst.server_info is None:
+        inst.server_info = await read_server_info(inst, client, timeout_s, headers)
     try:
         r = await client.get(inst.spec.url + "/metrics", timeout=timeout_s)
         if r.status_code == 200:
-            inst.read_stats(parse_engine_metrics(r.text), now)
+            inst.read_stats(parse_engine_metrics(r.text, inst.spec.kind), now)
     except (httpx.HTTPError, ValueError) as exc:
         log.debug("metrics of %s unavailable: %s", inst.name, exc)
     if inst.max_model_len is None:
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         inst.max_model_len = await _context(inst, client, timeout_s, headers)
 
 
@@ -284,6 +303,38 @@ async def _context(inst: Instance, client: Upstreams | httpx.AsyncClient, timeou
     lens = [m.get("max_model_len") for m in data or [] if isinstance(m, dict)]
     found = [n for n in lens if isinstance(n, int) and not isinstance(n, bool) and n > 1]
     return min(found) if found else None
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the router takes from an SGLang server's ``GET /server_info`` (its resolved
+    server arguments, flat: ``page_size``, ``disaggregation_bootstrap_port``)."""
+
+    page_size: int | None = None
+    bootstrap_port: int | None = None
+
+
+async def read_server_info(inst: Instance, client: Upstreams | httpx.AsyncClient,
+                           timeout_s: float, headers: dict[str, str]) -> ServerInfo | None:
+    """``inst``'s ``/server_info``, or None (unreachable or not JSON: asked again at the
+    next metrics poll). A field of the wrong type reads as unknown."""
+    try:
+        r = await client.get(inst.spec.url + "/server_info", timeout=timeout_s,
+                             headers=headers)
+        raw = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        log.debug("server info of %s unavailable: %s", inst.name, exc)
+        return None
+    if not isinstance(raw, dict):
+        return None
+
+    def positive(key: str, top: int) -> int | None:
+        v = raw.get(key)
+        ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top
+        return v if ok else None
+
+    return ServerInfo(positive("page_size", 1 << 20),
+                      positive("disaggregation_bootstrap_port", 65535))
 
 
 def transport_reason(exc: BaseException) -> str:

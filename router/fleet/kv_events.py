@@ -1,13 +1,22 @@
-"""vLLM KV cache events (ZMQ, msgpack) turned into residency of *our* blocks.
+"""vLLM and SGLang KV cache events (ZMQ, msgpack) turned into residency of *our* blocks.
 
 vLLM publishes one ``KVEventBatch`` per scheduler step as ``(topic, seq: u64 BE, payload)``;
 the payload is msgpack ``[ts, [event, ...], dp_rank]`` and each event a map tagged by
 ``"type"``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
-``block_size``, ``extra_keys``, ``lora_name``), ``BlockRemoved`` (``block_hashes``) or
-``AllBlocksCleared``. Its block hashes are vLLM's own (sha256-based) over engine *pages*
-(128 tokens on CPU), so :class:`EventTranslator` recomputes our chained xxh3 hashes over
-stored blocks (``block_size`` tokens, a multiple of the page) from the token ids and the
-parent chain. A stored block counts as resident while all of its pages are.
+``block_size``, ``extra_keys``, ``lora_name``, ``medium``), ``BlockRemoved``
+(``block_hashes``, ``medium``) or ``AllBlocksCleared``. Its block hashes are vLLM's own
+(sha256-based) over engine *pages* (128 tokens on CPU), so :class:`EventTranslator`
+recomputes our chained xxh3 hashes over stored blocks (``block_size`` tokens, a multiple
+of the page) from the token ids and the parent chain. A stored block counts as resident
+while all of its pages are.
+
+SGLang's publisher (``sglang.srt.disaggregation.kv_events``, ``--kv-events-config``) sends
+the same frames and tags, one page per ``BlockStored``; the request's ``cache_salt`` is a
+field of its own instead of vLLM's first extra key, and its hashes are its own (salted)
+int64 page hashes. Only the engine's GPU cache is residency here (``medium`` ``GPU``, or
+none: older publishers): a page a host tier holds (vLLM's CPU offloading, SGLang's
+``CPU_PINNED`` HiCache) is not free to reuse, so its events are counted in
+``other_media`` and left out.
 
 Endpoints: vLLM binds its PUB socket for ``tcp://*:...`` and ``ipc://`` endpoints and
 connects otherwise; the router's SUB socket does the opposite, so ``tcp://127.0.0.1:PORT``
@@ -112,6 +121,7 @@ class EventTranslator:
         self.model_id = model_id
         self._pages: OrderedDict[Any, tuple[_Span, int]] = OrderedDict()
         self.skipped = 0  # events we could not translate (unknown parent, LoRA, multimodal)
+        self.other_media = 0  # events of a tier other than the GPU cache (left out)
         self.forgotten = 0  # pages dropped by the bound
         self.block_bytes = 0
         self.max_pages = max_pages
@@ -129,10 +139,18 @@ class EventTranslator:
     def stored(self, ev: dict[str, Any]) -> list[bytes]:
         """Apply one ``BlockStored``; returns our blocks it completed (root first). An
         event of the wrong shape (a hostile or corrupt frame) is skipped and counted."""
+        if not self._on_gpu(ev):
+            return []
         hashes = ev.get("block_hashes") or []
         tokens = ev.get("token_ids") or []
         page = ev.get("block_size") or 0
         extra = ev.get("extra_keys") or []
+        salt = ev.get("cache_salt")  # SGLang's; vLLM's is the first page's first extra key
+        if salt is not None:
+            if not isinstance(salt, str) or extra:
+                self.skipped += 1
+                return []
+            extra = [[salt]]
         if not (_hash_list(hashes) and isinstance(tokens, list) and isinstance(extra, list)
                 and _is_hash(ev.get("parent_block_hash"))
                 and isinstance(page, int) and not isinstance(page, bool)):
@@ -184,9 +202,19 @@ class EventTranslator:
         ref = self._pages.get(parent)
         return ref[0].state(ref[1]) if ref is not None else None
 
+    def _on_gpu(self, ev: dict[str, Any]) -> bool:
+        """False (counted) for an event of another tier than the engine's GPU cache."""
+        medium = ev.get("medium")
+        if medium is None or isinstance(medium, str) and medium.upper() == "GPU":
+            return True
+        self.other_media += 1
+        return False
+
     def removed(self, ev: dict[str, Any]) -> list[bytes]:
         """Apply one ``BlockRemoved``; returns our blocks that lost a page."""
         gone: list[bytes] = []
+        if not self._on_gpu(ev):
+            return gone
         hashes = ev.get("block_hashes") or []
         if not _hash_list(hashes):
             self.skipped += 1

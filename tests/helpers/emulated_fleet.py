@@ -23,13 +23,14 @@ FAST = EngineProfile("fast", "test", api_s=0.001, step_s=0.004, prefill_token_s=
 
 
 @contextmanager
-def fleet(logs: Path, n: int) -> Iterator[EmulatedFleet]:
-    """``n`` emulated ``bench`` engines with the :data:`FAST` profile, logging to ``logs``."""
+def fleet(logs: Path, n: int, **kw: Any) -> Iterator[EmulatedFleet]:
+    """``n`` emulated ``bench`` engines with the :data:`FAST` profile, logging to ``logs``;
+    ``kw`` goes to :class:`~benchmarks.emulator.launch.EmulatorSpec` (e.g. ``kind``)."""
     prof = logs / "fast.json"
     FAST.save(prof)
     tok = str(build_model("bench", Path.cwd() / ".models" / "bench"))
     with EmulatedFleet(EmulatorSpec(n, tok, profile=str(prof), pages=256,
-                                    max_model_len=8192), logs) as f:
+                                    max_model_len=8192, **kw), logs) as f:
         yield f
 
 
@@ -37,8 +38,9 @@ def router(f: EmulatedFleet, logs: Path, tag: str, replay: bool = False,
            **kw: Any) -> Gateway:
     """A router over ``f`` (see the module docstring); ``kw`` goes to
     :func:`~benchmarks.serving.gateways.kvcentric_router` (e.g. ``policy``, ``extra``)."""
-    keys = ("url", "name", "kv_events") + (("kv_events_replay",) if replay else ())
-    insts = [{k: s[k] for k in keys} for s in f.specs]
+    keys = ("url", "name", "kv_events", "kind", "role") + (
+        ("kv_events_replay",) if replay else ())
+    insts = [{k: s[k] for k in keys if k in s} for s in f.specs]
     return kvcentric_router(model="bench", tokenizer=str(Path.cwd() / ".models" / "bench"),
                             worker_urls=f.urls, store=None, slo_ttft_ms=10_000,
                             slo_tpot_ms=1_000, logs=logs, reject=False, instances=insts,

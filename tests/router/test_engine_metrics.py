@@ -92,3 +92,35 @@ def test_non_numeric_cache_config_keeps_the_page_size_unknown() -> None:
     text = CACHE_INFO.replace("{bs}", "None").replace("{nb}", "2048")
     got = parse_engine_metrics(text)
     assert (got.num_pages, got.page_size) == (None, None)
+
+
+def test_sglang_pages_read_with_sglangs_own_names() -> None:
+    """Kind ``sglang``: the series SGLang's collector defines (read from its source, not
+    imported: it needs a server), rendered by prometheus_client as SGLang renders them
+    (its labels, two DP ranks summed); its cache comes in tokens, pages come later."""
+    import importlib.util
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    from kvcentric.router.fleet.engine_metrics import SERIES
+
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None  # make setup installs SGLang
+    src = (Path(spec.origin).parent / "srt" / "observability" /
+           "metrics_collector.py").read_text()
+    names = SERIES["sglang"]
+    for name in (*names.summed, names.cache):
+        assert f'name="{name}"' in src, name
+    reg = CollectorRegistry()
+    labels = ("model_name", "engine_type", "dp_rank")
+    values = {names.running: 3, names.waiting: 5, names.kv_usage: 0.25, names.cache: 4096}
+    for name, v in values.items():
+        g = Gauge(name, name, labels, registry=reg)
+        for rank in ("0", "1"):
+            g.labels("m", "unified", rank).set(v)
+    got = parse_engine_metrics(generate_latest(reg).decode(), "sglang")
+    assert got == EngineStats(running=6, waiting=10, kv_usage=0.5, cache_tokens=8192)
+    # a vLLM page read as SGLang's has none of its series, and the reverse
+    assert parse_engine_metrics(page(), "sglang") == EngineStats()
+    assert parse_engine_metrics(generate_latest(reg).decode()) == EngineStats()

@@ -484,3 +484,77 @@ def test_metrics_are_polled_less_often_than_health(tiny_dir: str,
             assert seen.count(("a", "/metrics")) == 2 and seen.count(("b", "/metrics")) == 1
 
     asyncio.run(go())
+
+
+@dataclass
+class SglangPair(Upstreams):
+    """SGLang servers as the disaggregation protocol has them: ``/server_info`` names a
+    prefill server's bootstrap port; a decode answers only once the prefill of its room
+    answered (it waits for that KV: forever here, so a router that waits for a decode whose
+    prefill failed hangs the test)."""
+
+    rooms: dict[int, asyncio.Event] = field(default_factory=dict)
+    abandoned: list[int] = field(default_factory=list)  # rooms of decodes cancelled
+
+    def room(self, n: int) -> asyncio.Event:
+        return self.rooms.setdefault(n, asyncio.Event())
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/server_info":
+            port = 9000 + int(host[1:]) if host.startswith("p") else None
+            return httpx.Response(200, json={"page_size": 16,
+                                             "disaggregation_bootstrap_port": port})
+        if request.url.path in ("/health", "/metrics"):
+            return await super().handler(request)
+        body = json.loads(request.content)
+        if host.startswith("d"):
+            self.calls.append((host, request.url.path, body))
+            try:
+                await self.room(body["bootstrap_room"]).wait()
+            except asyncio.CancelledError:
+                self.abandoned.append(body["bootstrap_room"])
+                raise
+            if body.get("stream"):
+                return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                      content=self._sse(host))
+            return httpx.Response(200, json=self.completion(host, body))
+        r = await super().handler(request)
+        if r.status_code == 200:
+            self.room(body["bootstrap_room"]).set()
+        return r
+
+
+def test_an_sglang_pair_whose_prefill_fails_is_retried_with_another_room(
+        tiny_dir: str, tokenizer: PromptTokenizer) -> None:
+    ups = SglangPair(fail={"p1": 503})
+    insts = [{"url": f"http://{h}:1", "name": h, "kind": "sglang",
+              "role": "prefill" if h[0] == "p" else "decode"} for h in ("p1", "p2", "d1")]
+
+    async def fn(c: httpx.AsyncClient) -> None:
+        for stream in (False, True):
+            ups.calls.clear()
+            r = await asyncio.wait_for(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "a b c", "max_tokens": 3, "stream": stream}), 30)
+            assert r.status_code == 200, r.text
+            assert (r.headers["x-kvc-prefill"], r.headers["x-kvc-decode"]) == ("p2", "d1")
+            calls = [(h, b) for h, _, b in ups.calls]
+            # p1 failed once (then out of rotation): its decode was abandoned, not awaited
+            pairs = {b["bootstrap_room"]: [] for _, b in calls}
+            for h, b in calls:
+                pairs[b["bootstrap_room"]].append(h)
+            assert sorted(map(sorted, pairs.values())) == (
+                [["d1", "p1"], ["d1", "p2"]] if not stream else [["d1", "p2"]])
+            for h, b in calls:
+                port = {"p1": 9001, "p2": 9002}[next(x for x in pairs[b["bootstrap_room"]]
+                                                   if x[0] == "p")]
+                assert (b["bootstrap_host"], b["bootstrap_port"]) == (
+                    next(x for x in pairs[b["bootstrap_room"]] if x[0] == "p"), port)
+                assert b["max_tokens"] == (1 if h[0] == "p" else 3)
+        assert len(ups.abandoned) == 1
+        inst = {i["name"]: i for i in (await c.get("/instances")).json()["instances"]}
+        assert inst["d1"]["decodes"] == 0 and inst["p2"]["queued_prefills"] == 0
+        assert inst["p1"]["bootstrap_port"] == 9001 and inst["d1"]["bootstrap_port"] is None
+
+    run(make_cfg(tiny_dir, insts, health={"interval_s": 30, "unhealthy_after": 1}),
+        tokenizer, ups, fn)

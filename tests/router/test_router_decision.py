@@ -450,3 +450,43 @@ def test_a_tie_goes_to_the_instance_without_this_routers_requests_over_a_stale_g
                    affinity=bytes([k]) * 16)
         assert isinstance(d, Decision) and d.prefill is a
 
+
+
+def test_a_pair_is_of_one_kind() -> None:
+    """An SGLang prefill hands its KV only to an SGLang decode (its bootstrap protocol),
+    a vLLM prefill only to a vLLM decode (the store): the best decoder of the other kind
+    is never its partner, however much cheaper."""
+    def kinded(name: str, slot: int, role: str, kind: str) -> Instance:
+        return Instance(InstanceSpec(url=f"http://{name}:1", role=role, name=name,
+                                     kind=kind), slot)
+
+    vp, sp = kinded("vp", 0, "prefill", "vllm"), kinded("sp", 1, "prefill", "sglang")
+    vd, sd = kinded("vd", 2, "decode", "vllm"), kinded("sd", 3, "decode", "sglang")
+    for i in range(8):  # the vLLM decoder is busy, the SGLang one idle
+        vd.decodes += 1
+        vp.enqueue(f"q{i}", 0.5, now=0.0)  # and the vLLM prefill queued
+    d = choose([vp, sp], [vd, sd], {}, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and (d.prefill, d.decode) == (sp, sd)
+    late_ok = SloConfig(ttft_ms=2000, tbt_ms=100, reject=False)  # its queue is long
+    d = choose([vp], [vd, sd], {}, 0, N, PARAMS, late_ok, now=0.0)  # only a vLLM prefill
+    assert isinstance(d, Decision) and (d.prefill, d.decode) == (vp, vd)
+    d = choose([sp], [vd], {}, 0, N, PARAMS, SLO, now=0.0)  # no SGLang decoder: no pair
+    assert isinstance(d, Rejection)
+
+
+@pytest.mark.parametrize("raw, why", [
+    ({"kind": "trtllm"}, "instance kind 'trtllm' must be one of"),
+    ({"kind": "sglang", "role": "prefill", "bootstrap_port": 0}, "must be a port"),
+    ({"kind": "sglang", "role": "prefill", "bootstrap_port": True}, "must be an integer"),
+    ({"kind": "sglang", "role": "decode", "bootstrap_port": 8998}, "needs kind sglang and "
+                                                                    "role prefill"),
+    ({"role": "prefill", "bootstrap_port": 8998}, "needs kind sglang"),
+])
+def test_instance_kind_and_bootstrap_port_are_checked(raw: dict[str, object],
+                                                      why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        InstanceSpec.from_dict({"url": "http://p:1", **raw})
+    ok = InstanceSpec.from_dict({"url": "http://p:1", "kind": "sglang", "role": "prefill",
+                                 "bootstrap_port": 8998})
+    assert (ok.kind, ok.bootstrap_port) == ("sglang", 8998)
+    assert InstanceSpec.from_dict({"url": "http://p:1"}).kind == "vllm"

@@ -223,6 +223,29 @@ def test_translator_uses_the_cache_salt_like_the_connector() -> None:
     assert got != block_hashes(t, 256, hash_seed("tiny"))
 
 
+def test_translator_reads_sglangs_events() -> None:
+    """SGLang's events as its publisher encodes them (the emulator's, byte-identical to
+    SGLang's structs: tests/bench/test_emulator_wire.py): one page each, signed int64
+    hashes, the salt in ``cache_salt`` on every page; a host tier's copy (``CPU_PINNED``)
+    is not GPU residency, and its removal does not remove the GPU's."""
+    from benchmarks.emulator import events as emu
+
+    t = toks(8, 512)
+    pages = [emu.sglang_stored(2**64 - 1 - i, None if i == 0 else 2**64 - i, t[i * 128:
+                               (i + 1) * 128], "tenant") for i in range(4)]
+    events = decode_batch(emu.encode_batch(pages, kind="sglang"))
+    tr = EventTranslator("tiny", 256)
+    got = [h for ev in events for h in tr.stored(ev)]
+    assert got == block_hashes(t, 256, hash_seed("tiny", "tenant"))
+    host = {**events[0], "medium": "CPU_PINNED"}
+    assert tr.stored(host) == [] and tr.other_media == 1
+    assert tr.removed({"type": "BlockRemoved", "block_hashes": host["block_hashes"],
+                       "medium": "CPU_PINNED"}) == [] and tr.other_media == 2
+    assert tr.removed({"type": "BlockRemoved", "block_hashes": events[3]["block_hashes"],
+                       "medium": "GPU"}) == got[1:]
+    assert tr.skipped == 0
+
+
 def test_event_listener_over_zmq_with_vllm_framing() -> None:
     """The engine side exactly as vLLM's ZmqEventPublisher: PUB connects to a
     tcp://127.0.0.1 endpoint, frames (topic, seq u64 BE, msgpack [ts, events, rank])."""
