@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.helpers.waiting import wait_until
@@ -69,3 +70,51 @@ def test_an_interrupted_run_ends_renamed_engine_processes(tmp_path: Path) -> Non
             for pid in json.loads(server_file.read_text()):
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+LEAK = '''
+import mmap, os, signal, sys
+for name in sys.argv[1:]:  # made, mapped, never unlinked: as a killed vLLM engine leaves them
+    fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    mmap.mmap(fd, 4096)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+HOLD = '''
+import mmap, os, sys
+fd = os.open("/dev/shm/" + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+m = mmap.mmap(fd, 4096)
+os.close(fd)
+print("held", flush=True)
+sys.stdin.read()
+'''
+
+
+def test_a_run_removes_the_shared_memory_its_killed_engines_left(tmp_path: Path) -> None:
+    """vLLM's engines leave their shared-memory queues and semaphores in /dev/shm when a
+    test kills them; the run removes those its processes made, and only those: a segment
+    older than the run, or one a live process outside the run still maps, stays."""
+    tag = f"{os.getpid()}_{tmp_path.name}"[-40:].replace("-", "_")
+    leaked = [f"psm_{tag}", f"vllm_{tag}-cpushm", f"sem.mp-{tag}"]
+    older, held = Path(f"/dev/shm/psm_{tag}_older"), f"psm_{tag}_held"
+    older.write_bytes(b"\0" * 16)  # before the run: not its own
+    os.utime(older, (1, 1))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, held], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        # mapped by a process outside the run, and dated after its start like its own
+        future = time.time() + 3600
+        os.utime(f"/dev/shm/{held}", (future, future))
+        run = subprocess.run([str(ROOT / ".ci" / "cleanup-run"), sys.executable, "-c",
+                              LEAK, *leaked], capture_output=True, text=True, timeout=60)
+        # the run's command was killed, as engines are: 128 + SIGKILL
+        assert run.returncode == 128 + signal.SIGKILL, run.stdout + run.stderr
+        assert [n for n in leaked if Path("/dev/shm", n).exists()] == []
+        assert older.exists() and Path("/dev/shm", held).exists()
+    finally:
+        holder.communicate("", timeout=30)
+        for n in (*leaked, held, older.name):
+            Path("/dev/shm", n).unlink(missing_ok=True)
