@@ -17,7 +17,9 @@
    holds a wall-clock bound a concurrent engine start breaks (tens of milliseconds to a few
    tenths of a second), or when it loads the box so hard that another test's bound
    breaks beside it (the store stress tests; the Mooncake store's put and set tests, whose
-   transfers failed next to them). Each marks itself with ``pytest.mark.serial``, and its
+   transfers failed next to them). The one engine module here is tests/e2e/test_faults.py:
+   its stop rows hold a stopped store's batch to a miss's TTFT measured moments apart,
+   which the other worker's load skews. Each marks itself with ``pytest.mark.serial``, and its
    module is in :data:`SERIAL_MODULES`: the serial pass collects those modules only
    (``python -m tests.helpers.xdist_groups`` prints them for the Makefile), since
    collecting all of them imports vLLM and rewrites every test module's asserts for
@@ -79,6 +81,7 @@ SERIAL_MODULES = (
     "tests/bench/test_slo_capacity.py",
     "tests/connector/test_models.py",
     "tests/connector/test_sglang_backend.py",
+    "tests/e2e/test_faults.py",
     "tests/store/test_store_disk.py",
     "tests/store/test_store_hung.py",
     "tests/store/test_store_local.py",
