@@ -15,7 +15,10 @@ Two placements, per object size:
 
 Arms (each with its own registered source/destination buffers, taking turns going first
 so both see the same machine noise): ``ours`` (``MooncakeStore.batch_put_from``,
-which first asks which keys exist, and ``batch_get_into``), ``raw``
+which first asks which keys exist, and ``batch_get_into``, with the backend's default
+``verify_checksums``: on, an xxh3 trailer written with every put and checked on every
+get), ``ours_nosum`` (the same calls with ``verify_checksums`` off: what the checksums
+cost), ``raw``
 (``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into``), the connector's paths
 (``batch_alloc`` + ``batch_commit``, ``batch_acquire`` + ``release``), scatter/gather
 (``batch_put_from_multi`` / ``batch_get_into_multi``: each object from/into 16 page
@@ -52,7 +55,9 @@ KiB, MiB = 1 << 10, 1 << 20
 MASTER = "127.0.0.1:50051"
 LAYERS = 8
 # (arm, baseline) pairs compared round by round
-PAIRS = [("ours_put", "raw_put"), ("ours_get", "raw_get"), ("ours_commit", "raw_put"),
+PAIRS = [("ours_put", "raw_put"), ("ours_get", "raw_get"),
+         ("ours_nosum_put", "raw_put"), ("ours_nosum_get", "raw_get"),
+         ("ours_commit", "raw_put"),
          ("ours_acquire", "raw_get"), ("ours_put_pages", "raw_put"),
          ("ours_get_pages", "raw_get"), ("raw_session", "raw_put"),
          ("raw_session_layers", "raw_put")]
@@ -151,6 +156,18 @@ def ours_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
             **pages_round(store, b, tag)}
 
 
+def nosum_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
+    """``ours``' puts and gets on a store without checksums."""
+    keys = [f"{tag}/n/{i}" for i in range(b.n)]
+    t_put, codes = timed(lambda: store.batch_put_from(keys, b.sp, b.sizes))
+    t_get, got = timed(lambda: store.batch_get_into(keys, b.dp, b.sizes))
+    if codes != [OK] * b.n or got != b.sizes:
+        raise RuntimeError(f"ours without checksums: put {codes[:3]} get {got[:3]}")
+    b.check()
+    store.clear()
+    return {"put": t_put, "get": t_get}
+
+
 def pages_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
     """Scatter/gather: each object from/into ``2 * LAYERS`` page buffers, as a connector
     moving pages straight between a registered paged KV cache and the store would."""
@@ -208,17 +225,22 @@ def placement(size: int, batch: int, rounds: int, cross: bool, bar: tqdm) -> dic
     n = batch // size
     segment = 0 if cross else 3 * batch
     store = open_store({"backend": "mooncake", "mooncake": mooncake_cfg(segment)})
-    assert isinstance(store, MooncakeStore)
+    assert isinstance(store, MooncakeStore) and store.cfg.verify_checksums
+    nosum = open_store({"backend": "mooncake", "verify_checksums": False,
+                        "mooncake": mooncake_cfg(segment)})
+    assert isinstance(nosum, MooncakeStore)
     client = raw_client(segment)
     rc = raw_config(client, segment)
-    b_ours, b_raw = Batch(n, size), Batch(n, size)
+    b_ours, b_nosum, b_raw = Batch(n, size), Batch(n, size), Batch(n, size)
     b_ours.register(store.register_buffer)
+    b_nosum.register(nosum.register_buffer)
     b_raw.register(client.register_buffer)
     _ = store.ops.staging  # registered once, as an engine does at its first save
     times: dict[str, list[float | None]] = {}
     try:
         for r in range(rounds + 1):
             arms = [("ours", lambda r=r: ours_round(store, b_ours, f"o{r}")),
+                    ("ours_nosum", lambda r=r: nosum_round(nosum, b_nosum, f"n{r}")),
                     ("raw", lambda r=r: raw_round(client, rc, b_raw, f"r{r}"))]
             got: dict[str, float] = {}
             for arm, fn in (arms if r % 2 else arms[::-1]):
@@ -228,6 +250,7 @@ def placement(size: int, batch: int, rounds: int, cross: bool, bar: tqdm) -> dic
             bar.update()
     finally:
         store.close()
+        nosum.close()
         client.close()
     return {"object_bytes": size, "batch_bytes": n * size, "placement":
             "cross_process" if cross else "in_process", **gbps(times, n * size),
@@ -285,6 +308,8 @@ def start_node(ns: NetNamespace, segment: int | str, logdir: Path,
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per ratio and placement: the median over object sizes of the round-paired ratios."""
     names = {"ours_put_vs_raw_put": "put_vs_raw", "ours_get_vs_raw_get": "get_vs_raw",
+             "ours_nosum_put_vs_raw_put": "nosum_put_vs_raw",
+             "ours_nosum_get_vs_raw_get": "nosum_get_vs_raw",
              "ours_commit_vs_raw_put": "commit_vs_raw_put",
              "ours_acquire_vs_raw_get": "acquire_vs_raw_get",
              "ours_put_pages_vs_raw_put": "put_pages_vs_raw_put",
@@ -324,6 +349,7 @@ def run(quick: bool, logdir: Path) -> dict[str, Any]:
 
 
 COLUMNS = {"ours_put": "put", "raw_put": "raw put", "ours_get": "get", "raw_get": "raw get",
+           "ours_nosum_put": "put -sum", "ours_nosum_get": "get -sum",
            "ours_commit": "commit", "ours_acquire": "acquire", "ours_put_pages": "put pg",
            "ours_get_pages": "get pg", "raw_session": "sess", "raw_session_layers": "sess/L"}
 
