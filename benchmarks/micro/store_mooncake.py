@@ -127,14 +127,20 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def ours_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
+def put_get_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
+    """``batch_put_from`` then ``batch_get_into`` of the batch (checked, then cleared)."""
     keys = [f"{tag}/{i}" for i in range(b.n)]
     t_put, codes = timed(lambda: store.batch_put_from(keys, b.sp, b.sizes))
     t_get, got = timed(lambda: store.batch_get_into(keys, b.dp, b.sizes))
     if codes != [OK] * b.n or got != b.sizes:
-        raise RuntimeError(f"ours: put {codes[:3]} get {got[:3]}")
+        raise RuntimeError(f"{tag}: put {codes[:3]} get {got[:3]}")
     b.check()
     store.clear()
+    return {"put": t_put, "get": t_get}
+
+
+def ours_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
+    out = put_get_round(store, b, tag)
     ckeys = [f"{tag}/c/{i}" for i in range(b.n)]
 
     def alloc_commit() -> list[int]:
@@ -152,20 +158,7 @@ def ours_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
     if codes != [OK] * b.n or n != b.n:
         raise RuntimeError(f"ours in place: commit {codes[:3]} acquired {n}")
     store.clear()
-    return {"put": t_put, "get": t_get, "commit": t_commit, "acquire": t_acq,
-            **pages_round(store, b, tag)}
-
-
-def nosum_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
-    """``ours``' puts and gets on a store without checksums."""
-    keys = [f"{tag}/n/{i}" for i in range(b.n)]
-    t_put, codes = timed(lambda: store.batch_put_from(keys, b.sp, b.sizes))
-    t_get, got = timed(lambda: store.batch_get_into(keys, b.dp, b.sizes))
-    if codes != [OK] * b.n or got != b.sizes:
-        raise RuntimeError(f"ours without checksums: put {codes[:3]} get {got[:3]}")
-    b.check()
-    store.clear()
-    return {"put": t_put, "get": t_get}
+    return {**out, "commit": t_commit, "acquire": t_acq, **pages_round(store, b, tag)}
 
 
 def pages_round(store: MooncakeStore, b: Batch, tag: str) -> dict[str, float]:
@@ -240,7 +233,7 @@ def placement(size: int, batch: int, rounds: int, cross: bool, bar: tqdm) -> dic
     try:
         for r in range(rounds + 1):
             arms = [("ours", lambda r=r: ours_round(store, b_ours, f"o{r}")),
-                    ("ours_nosum", lambda r=r: nosum_round(nosum, b_nosum, f"n{r}")),
+                    ("ours_nosum", lambda r=r: put_get_round(nosum, b_nosum, f"n{r}")),
                     ("raw", lambda r=r: raw_round(client, rc, b_raw, f"r{r}"))]
             got: dict[str, float] = {}
             for arm, fn in (arms if r % 2 else arms[::-1]):
