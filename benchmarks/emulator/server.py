@@ -21,19 +21,19 @@ and slow each other by the profile's measured host interference.
 ``--fleet-file`` gets, once every port listens, a JSON list of the engines: ``name``,
 ``url``, ``kv_events``, ``kv_events_replay`` (as a router's instance config names them).
 
-``--kind sglang`` makes every engine an SGLang server as a router sees one: its
-``/metrics`` names (:func:`.metrics.render_sglang`), its KV events' structs
-(:func:`.events.as_sglang`), ``GET /server_info`` (the flat resolved arguments:
-``page_size``, ``disaggregation_mode``, ``disaggregation_bootstrap_port``,
-``max_total_num_tokens``, ``kv_events``). With ``--prefill-instances P`` the first P are
-prefill servers and the rest decode servers (SGLang's ``--disaggregation-mode``), joined as
-SGLang joins them: a request to either must carry ``bootstrap_room`` (a decode's also the
-``bootstrap_host`` and ``bootstrap_port`` of a prefill server of this fleet, else 400); a
-prefill server computes the prompt and answers one token, handing the KV to the room; a
-decode server waits for the room's KV (at most ``TRANSFER_TIMEOUT_S``, then 500), loads it
-at the profile's load bandwidth and decodes. The fleet file then names each engine's
-``kind`` and ``role`` (a prefill server's bootstrap port is left for the router to read
-from ``/server_info``).
+``--kind sglang`` makes every engine an SGLang server as a router sees one: its ``/metrics``
+names (:func:`.metrics.render_sglang`), its KV events' structs
+(:func:`.events.sglang_stored`, :func:`.events.sglang_removed`), ``GET /server_info`` (the
+flat resolved arguments: ``page_size``, ``disaggregation_mode``,
+``disaggregation_bootstrap_port``, ``max_total_num_tokens``, ``kv_events``). With
+``--prefill-instances P`` the first P are prefill servers and the rest decode servers
+(SGLang's ``--disaggregation-mode``), joined as SGLang joins them: a request to either must
+carry ``bootstrap_room`` (a decode's also the ``bootstrap_host`` and ``bootstrap_port`` of a
+prefill server of this fleet, else 400); a prefill server computes the prompt and answers
+one token, handing the KV to the room; a decode server waits for the room's KV (at most
+``TRANSFER_TIMEOUT_S``, then 500), loads it at the profile's load bandwidth and decodes. The
+fleet file then names each engine's ``kind`` and ``role`` (a prefill server's bootstrap port
+is left for the router to read from ``/server_info``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ from .processors import DISCIPLINES, ExclusiveProcessor, Processor, processors
 from .profile import EngineProfile, load
 
 TRANSFER_TIMEOUT_S = 30.0  # a decode server's wait for its room's KV
-MODES = ("unified", "prefill", "decode")  # SGLang's disaggregation modes
 
 
 class EmulatedEngine:
@@ -81,7 +80,7 @@ class EmulatedEngine:
                  connector: StoreHits | None, publisher: Publisher | None,
                  mode: str = "unified", bootstrap_port: int | None = None) -> None:
         self.name = name
-        self.mode = mode  # an SGLang server's disaggregation mode (MODES)
+        self.mode = mode  # SGLang's disaggregation mode: unified, prefill or decode
         self.bootstrap_port = bootstrap_port  # a prefill server's
         self.core = EngineCore(profile, pages, connector)
         self.proc = proc

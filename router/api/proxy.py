@@ -236,8 +236,9 @@ class Proxy:
 
         def prefilled(task: asyncio.Future[httpx.Response]) -> None:
             if not task.cancelled() and task.exception() is None:
-                self.metrics.prefill_actual.observe(time.perf_counter() - sent)
-                self.conductor.prefill_finished(d, rid, time.perf_counter() - sent)
+                actual = time.perf_counter() - sent
+                self.metrics.prefill_actual.observe(actual)
+                self.conductor.prefill_finished(d, rid, actual)
 
         pre.add_done_callback(prefilled)
         self._pending.add(pre)  # it may outlive this call (a decode streaming meanwhile)

@@ -93,7 +93,7 @@ class InstanceSpec:
     drives it). Pairs are never mixed: a prefill and a decode are of one kind.
     ``bootstrap_port``: an SGLang prefill server's ``--disaggregation-bootstrap-port``,
     sent to the decode with each request; ``None``: the router reads it from the
-    server's ``/server_info`` (``deployment_info.disaggregation_bootstrap_port``).
+    server's ``/server_info`` (its ``disaggregation_bootstrap_port``).
     """
 
     url: str

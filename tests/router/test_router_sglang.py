@@ -10,7 +10,6 @@ The router is the real one, in its own process.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from benchmarks.serving.gateways import Gateway
 from kvcentric.stored_layout import stored_block_size
 from tests.helpers.emulated_fleet import fleet as emulated_fleet
 from tests.helpers.emulated_fleet import router
+from tests.helpers.waiting import wait_until
 
 PREFILL = 2  # the first two engines are prefill servers, the other two decode servers
 
@@ -43,16 +43,6 @@ def instances(g: Gateway) -> dict[str, dict[str, Any]]:
     return {i["name"]: i for i in httpx.get(g.url + "/instances", timeout=10).json()["instances"]}
 
 
-def until(what: str, ok: Any, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = ok()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.05)
-
-
 def ask(g: Gateway, prompt: list[int], stream: bool = False,
         salt: str | None = None) -> httpx.Response:
     body: dict[str, Any] = {"model": "bench", "prompt": prompt, "max_tokens": 4,
@@ -70,9 +60,9 @@ def test_the_router_reads_sglang_servers_as_sglang(pd: tuple[EmulatedFleet, Gate
     /server_info the page)."""
     f, g = pd
     emu = {s["name"]: s for s in f.specs}
-    got = until("every instance read", lambda: (lambda i: i if all(
-        x["cache_blocks"] and x["kind"] == "sglang" for x in i.values()) else None)(
-            instances(g)))
+    assert wait_until(lambda: all(x["cache_blocks"] != 4096 and x["kind"] == "sglang"
+                                  for x in instances(g).values()), 30), instances(g)
+    got = instances(g)
     for name, inst in got.items():
         assert inst["role"] == emu[name]["role"]
         info = httpx.get(emu[name]["url"] + "/server_info", timeout=10).json()
@@ -106,8 +96,11 @@ def test_a_pair_runs_sglangs_bootstrap_protocol(pd: tuple[EmulatedFleet, Gateway
         assert r.text.rstrip().endswith("data: [DONE]")
     else:
         assert r.json()["usage"]["completion_tokens"] == 4
-    recs = until("both sides recorded", lambda: [x for x in f.records()
-                                                  if x["request_id"] == rid])
+    def recorded() -> list[dict[str, Any]]:
+        return [x for x in f.records() if x["request_id"] == rid]
+
+    assert wait_until(lambda: len(recorded()) == 2, 30), recorded()
+    recs = recorded()
     by = {x["engine"]: x for x in recs}
     assert set(by) == {r.headers["x-kvc-prefill"], r.headers["x-kvc-decode"]}, recs
     dec, pre = by[r.headers["x-kvc-decode"]], by[r.headers["x-kvc-prefill"]]
@@ -126,7 +119,8 @@ def test_a_shared_prefix_stays_on_the_prefill_server_holding_it(
     first = ask(g, hot + [rnd.randrange(10, 8000) for _ in range(32)])
     assert first.status_code == 200, first.text
     holder = first.headers["x-kvc-prefill"]
-    until("its events applied", lambda: instances(g)[holder]["resident_blocks"] >= 4)
+    assert wait_until(lambda: instances(g)[holder]["resident_blocks"] >= 4, 30), \
+        instances(g)[holder]
     for _ in range(5):
         r = ask(g, hot + [rnd.randrange(10, 8000) for _ in range(32)])
         assert r.status_code == 200, r.text
