@@ -9,16 +9,18 @@ stack.Stack` (the store, the writer engine ``e0`` and the reader ``e1``, request
 the engines directly), each fault on fresh random prompts (token ids; the ``tiny`` model in
 float32, whose greedy tokens are the same recomputed or loaded):
 
-1. ``e0`` computes ``stored`` and ``later`` (one batch): their KV is in the store and its
-   tokens are a plain engine's (``e0`` computed them from scratch): the reference.
+1. ``e0`` computes ``stored`` and ``later`` (one batch) and the round waits until its
+   connector counts their blocks written: their KV is in the store and its tokens are a
+   plain engine's (``e0`` computed them from scratch): the reference.
 2. **Miss**: ``e1`` gets a batch of fresh prompts of the same length, all at once, streamed:
    every TTFT is a miss's.
 3. **Stop**: ``e1`` gets ``stored``, all at once; ``stop_after_s`` later (or earlier) the
    victim is SIGSTOPped -- the local coordinator, the Mooncake master or the Mooncake storage node
    holding the objects -- and stays stopped until the batch is done (at least ``hold_s``).
    Every request's TTFT, tokens and cached tokens.
-4. SIGCONT; ``e1`` then gets the ``later`` prompts one at a time until one is served at
-   least half from the store: ``recovery_s`` after SIGCONT (``null``: never).
+4. SIGCONT; ``e1`` then gets the ``later`` prompts (``recovery_tries`` of them) one at a
+   time until one is served at least half from the store: ``recovery_s`` after SIGCONT
+   (``null``: never).
 
 One round per ``stop_after_s`` (the stop lands before the batch's lookups, among its loads,
 or after them). Per round: ``stop_at_s`` and ``first_token_s`` (from sending the batch),
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import statistics
 import threading
 import time
@@ -45,6 +48,7 @@ from typing import Any
 import httpx
 
 from benchmarks.reliability.stack import Stack
+from kvcentric.testing.servers import VllmServer
 
 STOPS = {"coordinator-stop": "coordinator", "master-stop": "master", "node-stop": "node"}
 TARGET_OVER_MISS_S = 0.5
@@ -59,7 +63,7 @@ class StopWorkload:
     # before its lookups, among its lookups and loads, or after them (saves, compute)
     stop_after_s: tuple[float, ...] = (-0.2, 0.0, 0.15)
     hold_s: float = 3.0  # under the Mooncake master's client TTL (10 s), or it drops nodes
-    recovery_tries: int = 16
+    recovery_tries: int = 16  # stored prompts asked after SIGCONT, one at a time
 
 
 @dataclass
@@ -142,6 +146,45 @@ def prompts(rnd: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rnd.randrange(4, 4000) for _ in range(length)] for _ in range(n)]
 
 
+def write(stack: Stack, ps: list[list[int]], max_tokens: int,
+          timeout_s: float = 60.0) -> list[list[int]]:
+    """Step 1: the writer ``e0`` computes ``ps`` (one batch); returns its tokens once its
+    connector counts every full block of ``ps`` written to the store (a step that ends a
+    request commits before its response, so the count is there when the batch is; the wait
+    covers the metrics' publication). Raises when a request fails or a block is missing:
+    a round whose prompts are not stored cannot show the hits coming back."""
+    e0 = stack.engines[0]
+    with in_ns(stack):
+        block, before = block_size(e0), saved_blocks(e0)
+    ref = [a.tokens for a in batch(stack, e0.url, ps, max_tokens).answers]
+    if any(t is None for t in ref):
+        raise RuntimeError("the writer failed requests before the fault")
+    want = sum(len(p) // block for p in ps)
+    deadline = time.monotonic() + timeout_s
+    with in_ns(stack):
+        while (got := saved_blocks(e0) - before) < want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the writer stored {got:.0f} of the {want} full blocks "
+                                   f"of its {len(ps)} prompts: see {e0.log_path}")
+            time.sleep(0.05)
+    return [t for t in ref if t is not None]
+
+
+def saved_blocks(engine: VllmServer) -> float:
+    """The objects ``engine``'s connector committed, ever (blocks and tails)."""
+    return engine.metrics().get("vllm:kvcentric_saved_blocks_total", 0.0)
+
+
+def block_size(engine: VllmServer) -> int:
+    """``engine``'s KV block size, from vLLM's ``cache_config_info`` gauge."""
+    for key in engine.metrics():
+        if key.startswith("vllm:cache_config_info{"):
+            found = re.search(r'block_size="(\d+)"', key)
+            if found:
+                return int(found.group(1))
+    raise RuntimeError(f"{engine.url}/metrics names no block_size")
+
+
 def run_stop(stack: Stack, fault: str, w: StopWorkload, seed: int = 0) -> dict[str, Any]:
     """One SIGSTOP row (see the module docstring) on a started ``stack``: one round per
     ``w.stop_after_s``."""
@@ -156,12 +199,10 @@ def stop_round(stack: Stack, victim: int, w: StopWorkload, stop_after_s: float,
                rnd: random.Random) -> dict[str, Any]:
     """Steps 1-4 of the module docstring once, the victim stopped ``stop_after_s`` after
     the batch is sent."""
-    stored, later, fresh = (prompts(rnd, w.requests, w.prompt_len) for _ in range(3))
-    e0, e1 = (e.url for e in stack.engines)
-    ref = [a.tokens for a in batch(stack, e0, stored + later, w.answer_len).answers]
-    if any(t is None for t in ref):
-        raise RuntimeError("the writer failed requests before the fault")
-    time.sleep(1.0)  # the writer's last commits (its commit thread) land
+    stored, fresh = (prompts(rnd, w.requests, w.prompt_len) for _ in range(2))
+    later = prompts(rnd, w.recovery_tries, w.prompt_len)
+    e1 = stack.engines[1].url
+    ref = write(stack, stored + later, w.answer_len)
     miss = batch(stack, e1, fresh, w.answer_len)
 
     stopped: dict[str, float] = {}
@@ -194,7 +235,7 @@ def stop_round(stack: Stack, victim: int, w: StopWorkload, stop_after_s: float,
     after: list[Answer] = []
     recovery = None
     with in_ns(stack):
-        for p in later[:w.recovery_tries]:
+        for p in later:
             a = ask(e1, p, w.answer_len)
             after.append(a)
             if a.tokens is not None and a.cached >= len(p) / 2:
