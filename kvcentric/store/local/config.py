@@ -266,9 +266,6 @@ class LocalSettings:
             ``None``: half the capacity (:attr:`pinned_bytes_cap`).
         disk: the disk tier (:class:`DiskConfig`), or ``None`` for DRAM only.
         events: the standard KV events (:class:`EventsConfig`), or ``None``.
-        gc_freeze: the coordinator freezes its long-lived objects out of Python's cyclic
-            garbage collector once a second, so no collection scans the whole index
-            (:mod:`kvcentric.store.local.heap`); ``false``: CPython's default policy.
     """
 
     ALIASES: ClassVar[Mapping[str, str]] = {"capacity": "capacity_bytes"}
@@ -287,7 +284,6 @@ class LocalSettings:
     max_pinned_bytes: int | None = None
     disk: DiskConfig | None = None
     events: EventsConfig | None = None
-    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:

@@ -38,7 +38,6 @@ from kvcentric.store.local.config import disk_dir, socket_path, token_path
 from kvcentric.store.local.demoter import DiskWorker
 from kvcentric.store.local.events import StoreEvents
 from kvcentric.store.local.gate import Forbidden, Gate
-from kvcentric.store.local.heap import FrozenHeap
 from kvcentric.store.local.holdback import Holdback
 from kvcentric.store.local.index import ObjectIndex
 from kvcentric.store.local.ownership import Generation, StartRefused
@@ -95,7 +94,6 @@ class Coordinator:
         self._idle_since = time.monotonic()
         self._sock_ino = -1  # the inode of the socket we listen on (see _reachable)
         self._events: StoreEvents | None = None
-        self._heap = FrozenHeap(LEASE_SWEEP_INTERVAL_S) if local.gc_freeze else None
 
     def prepare(self) -> None:
         """Claim the store and reserve its memory (the lifetime lock, a fresh arena and
@@ -198,8 +196,6 @@ class Coordinator:
         log.info("kvcentric local store %r up: %s, capacity %d B, pid %d", self.cfg.name,
                  self.gen.arena_path, self.local.capacity_bytes, os.getpid())
         last_log = last_sweep = time.monotonic()
-        if self._heap is not None:
-            self._heap.start()
         try:
             while self._running:
                 woken = False
@@ -227,8 +223,6 @@ class Coordinator:
                     self._events.flush()
                     self._events.serve_replays()
                 self._shared.beat()
-                if self._heap is not None:
-                    self._heap.turn(now)
                 if self.local.lease_ttl_s > 0 and now - last_sweep >= LEASE_SWEEP_INTERVAL_S:
                     self._expire_leases(now)
                     last_sweep = now
@@ -444,8 +438,7 @@ class Coordinator:
             shared = self._shared
             return {**idx.stats(), "pid": os.getpid(), "clients": len(self._conns),
                     "shared_index": int(bool(shared and shared.enabled)),
-                    "refused_peers": self._gate.refused_peers if self._gate else 0,
-                    **FrozenHeap.stats()}
+                    "refused_peers": self._gate.refused_peers if self._gate else 0}
         if op == "hello":
             shared = self._shared
             assert self.gen is not None
