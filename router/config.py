@@ -208,7 +208,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ReplicationConfig:
-    """Hot-prefix replication (:mod:`router.fleet.replication`), off unless ``enabled``.
+    """Hot-prefix replication (:mod:`router.fleet.replication`), on unless ``enabled`` is
+    false: without it Algorithm 1 keeps a hot prefix's requests on its first holders, whose
+    queues and running decodes then grow while other engines idle (docs/router.md
+    §Hot-prefix replication has the measurements).
 
     A prefix is hot from ``min_heat`` (its decayed request count, ``cache.heat_half_life_s``).
     An idle instance is warmed with it when its predicted TTFT for the prefix's requests,
@@ -218,7 +221,7 @@ class ReplicationConfig:
     hottest looked at, and one instance warmed with one prefix at most once per
     ``cooldown_s`` (a replica the engine evicted is not kept warm)."""
 
-    enabled: bool = False
+    enabled: bool = True
     interval_s: float = 0.5
     min_heat: float = 4.0
     min_gain: float = 0.2

@@ -253,10 +253,11 @@ OUR_ARMS = [OUR_ROUTER,
 OUR_ROUTER_NOTE = ("kvcentric-router: told the instances' processors (`compute`: one shared "
                    "with `--cores shared`, else each its own), `slo.reject: false` (no 429s: "
                    "a refused turn ends the user's conversation); its cost profile is fitted "
-                   "on instance 0 first. "
-                   "kvcentric-replicate: the same with `replication.enabled` (hot prefixes "
-                   "warmed on idle instances). kvcentric-admission: `slo.reject: true`, the "
-                   "benchmark's SLO as the router's; its clients resend a 429 after its "
+                   "on instance 0 first; `replication.enabled: false` (Algorithm 1 alone). "
+                   "kvcentric-replicate: the same with replication on, the router's default "
+                   "(hot prefixes warmed on idle instances). kvcentric-admission: "
+                   "`slo.reject: true`, the benchmark's SLO as the router's; its clients "
+                   "resend a 429 after its "
                    "Retry-After up to 4 times, TTFT counting the waits.")
 # Our router running its baseline policies (kvcentric.router.policies) instead of
 # Algorithm 1, everything else as OUR_ROUTER: on request (--arms), not in the defaults.

@@ -14,7 +14,8 @@ it computes it) and its engine cache keeps it for the requests that follow.
 
 Bounds (:class:`router.config.ReplicationConfig`): warm requests in flight, one started
 per interval, holders per prefix, one warm-up per (prefix, instance) per cooldown. Warm
-requests go only to instances with nothing waiting whose processor has nothing queued
+requests go only to instances with nothing waiting whose processor has nothing queued,
+never to an SGLang prefill server (it serves only a bootstrapped pair)
 (on a processor shared with a busy engine a warm-up would slow that engine's prefills:
 measured on the CPU comparison, where both engines share the cores), are queued in the cost
 model like any prefill (so user requests are routed around them), and are counted in
@@ -146,7 +147,10 @@ class Replicator:
         """The idle instance that would serve ``p``'s requests best if it held ``p``,
         when that beats the best holder by more than ``min_gain``; else None."""
         c = self.conductor
-        cands = c.registry.candidates(c.cfg.model, prefill=True)
+        # an SGLang prefill server takes a request only with a bootstrap room, paired with
+        # its decode: a plain prefill-only request would be refused, never warm anything
+        cands = [i for i in c.registry.candidates(c.cfg.model, prefill=True)
+                 if not (i.spec.kind == "sglang" and i.spec.role == "prefill")]
         mask = 0
         for i in cands:
             mask |= 1 << i.slot

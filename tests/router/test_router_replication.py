@@ -52,15 +52,17 @@ def test_the_shared_prefix_is_what_every_request_of_a_root_had_in_common() -> No
 
 
 def conductor(compute: dict[str, str] | None = None,
+              specs: dict[str, dict[str, Any]] | None = None,
               **replication: Any) -> tuple[Conductor, list[float]]:
     clock = [100.0]
     cfg = RouterConfig.from_dict({
         "model": "m", "tokenizer": "x", "keys": {"block_size": BS},
-        "replication": {"enabled": True, "min_heat": 3, **replication}})
+        "replication": {"min_heat": 3, **replication}})  # on by default
     c = Conductor(cfg, PROFILE, 1024, StoreView(None, "m"), clock=lambda: clock[0])
     for n in "abc":
         c.registry.add(InstanceSpec(url=f"http://{n}:1", name=n,
-                                    compute=(compute or {}).get(n)))
+                                    compute=(compute or {}).get(n),
+                                    **(specs or {}).get(n, {})))
     return c, clock
 
 
@@ -108,7 +110,8 @@ def test_an_idle_instance_is_warmed_when_the_holder_is_busy() -> None:
     assert a3 is not None
     a3.enqueue("busy", 2.0, clock3[0])
     assert [w.target.name for w in rep3.candidates(clock3[0])] == ["b"]
-    for bound in ({"max_replicas": 1}, {"min_heat": 50}):  # one holder is enough; not hot
+    bounds: tuple[dict[str, Any], ...] = ({"max_replicas": 1}, {"min_heat": 50})
+    for bound in bounds:  # one holder is enough; not hot
         c2, clock2 = conductor(**bound)
         rep2 = Replicator(c2, RouterMetrics(c2))
         hot(c2, rep2, "a")
@@ -171,3 +174,23 @@ def test_replication_config_is_checked() -> None:
                 {"interval_s": 0}, {"bogus": 1}):
         with pytest.raises(ValueError, match="(?i)replication"):
             RouterConfig.from_dict({"model": "m", "tokenizer": "x", "replication": bad})
+
+
+def test_replication_is_on_by_default_and_never_warms_an_sglang_prefill_server() -> None:
+    assert RouterConfig.from_dict({"model": "m", "tokenizer": "x"}).replication.enabled
+    c, clock = conductor(specs={"b": {"kind": "sglang", "role": "prefill"},
+                                "c": {"kind": "sglang", "role": "prefill"}})
+    rep = Replicator(c, RouterMetrics(c))
+    hot(c, rep, "a")
+    a = c.registry.get("a")
+    assert a is not None
+    a.enqueue("busy", 2.0, clock[0])
+    assert rep.candidates(clock[0]) == []  # b and c are idle but take no plain prefill
+    c2, clock2 = conductor(specs={"b": {"kind": "sglang", "role": "both"}})
+    rep2 = Replicator(c2, RouterMetrics(c2))
+    hot(c2, rep2, "a")
+    a2 = c2.registry.get("a")
+    assert a2 is not None
+    a2.enqueue("busy", 2.0, clock2[0])
+    assert {w.target.name for w in rep2.candidates(clock2[0])} <= {"b", "c"}
+    assert rep2.candidates(clock2[0])  # an SGLang server of both roles is warmed
