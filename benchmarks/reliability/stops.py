@@ -51,7 +51,6 @@ from typing import Any
 import httpx
 
 from benchmarks.reliability.stack import Stack
-from kvcentric.testing.servers import VllmServer
 
 STOPS = {"coordinator-stop": "coordinator", "master-stop": "master", "node-stop": "node"}
 TARGET_OVER_MISS_S = 0.5
@@ -161,8 +160,8 @@ def write(stack: Stack, ps: list[list[int]], max_tokens: int,
     request fails, or when the counts never add up."""
     e0 = stack.engines[0]
     with in_ns(stack):
-        block = block_size(e0)
-        saved0, skipped0 = save_counts(e0)
+        m = e0.metrics()
+    block, (saved0, skipped0) = block_size(m, e0.url), save_counts(m)
     ref = [a.tokens for a in batch(stack, e0.url, ps, max_tokens).answers]
     if any(t is None for t in ref):
         raise RuntimeError("the writer failed requests before the fault")
@@ -170,12 +169,12 @@ def write(stack: Stack, ps: list[list[int]], max_tokens: int,
     deadline = time.monotonic() + timeout_s
     with in_ns(stack):
         while True:
-            saved, skipped = save_counts(e0)
+            saved, skipped = save_counts(e0.metrics())
             saved, skipped = saved - saved0, skipped - skipped0
+            if skipped:  # counts only grow: some block of this batch will never be stored
+                return None
             if saved >= want:
                 return [t for t in ref if t is not None]
-            if skipped and saved + skipped >= want:
-                return None
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the writer stored {saved:.0f} and skipped {skipped:.0f} "
                                    f"of the {want} full blocks of its {len(ps)} prompts: "
@@ -183,22 +182,24 @@ def write(stack: Stack, ps: list[list[int]], max_tokens: int,
             time.sleep(0.05)
 
 
-def save_counts(engine: VllmServer) -> tuple[float, float]:
-    """The objects ``engine``'s connector committed (blocks and tails) and the blocks it
-    did not save (already stored, no space, or its store unavailable), ever."""
-    m = engine.metrics()
+def save_counts(m: dict[str, float]) -> tuple[float, float]:
+    """From an engine's ``/metrics``
+    (:meth:`kvcentric.testing.servers.VllmServer.metrics`): the objects its connector
+    committed (blocks and tails) and the blocks it did not save (already stored, no space,
+    or its store unavailable), ever."""
     return (m.get("vllm:kvcentric_saved_blocks_total", 0.0),
             m.get("vllm:kvcentric_skipped_blocks_total", 0.0))
 
 
-def block_size(engine: VllmServer) -> int:
-    """``engine``'s KV block size, from vLLM's ``cache_config_info`` gauge."""
-    for key in engine.metrics():
+def block_size(m: dict[str, float], url: str) -> int:
+    """The KV block size in an engine's ``/metrics`` (vLLM's ``cache_config_info``
+    gauge); ``url`` names the engine in the error."""
+    for key in m:
         if key.startswith("vllm:cache_config_info{"):
             found = re.search(r'block_size="(\d+)"', key)
             if found:
                 return int(found.group(1))
-    raise RuntimeError(f"{engine.url}/metrics names no block_size")
+    raise RuntimeError(f"{url}/metrics names no block_size")
 
 
 def run_stop(stack: Stack, fault: str, w: StopWorkload, seed: int = 0) -> dict[str, Any]:

@@ -257,8 +257,8 @@ OUR_ROUTER_NOTE = ("kvcentric-router: told the instances' processors (`compute`:
                    "kvcentric-replicate: the same with replication on, the router's default "
                    "(hot prefixes warmed on idle instances). kvcentric-admission: "
                    "`slo.reject: true`, the benchmark's SLO as the router's; its clients "
-                   "resend a 429 after its "
-                   "Retry-After up to 4 times, TTFT counting the waits.")
+                   "resend a 429 after its Retry-After up to 4 times, TTFT counting the "
+                   "waits.")
 # Our router running its baseline policies (kvcentric.router.policies) instead of
 # Algorithm 1, everything else as OUR_ROUTER: on request (--arms), not in the defaults.
 POLICY_ARMS = [Arm(f"kvcentric-{p}", gateway="kvcentric",

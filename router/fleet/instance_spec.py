@@ -124,7 +124,7 @@ class InstanceSpec:
             if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
                 raise ValueError(f"instance bootstrap_port {port!r} must be a port, 1 to "
                                  "65535")
-            if self.kind != "sglang" or self.role != "prefill":
+            if not self.sglang_prefill:
                 raise ValueError("bootstrap_port is an SGLang prefill server's: it needs "
                                  "kind sglang and role prefill")
 
@@ -137,6 +137,12 @@ class InstanceSpec:
     @property
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")
+
+    @property
+    def sglang_prefill(self) -> bool:
+        """An SGLang prefill server: it serves a request only as half of a bootstrapped
+        pair (with a ``bootstrap_room``, its decode server fetching the KV)."""
+        return self.kind == "sglang" and self.role == "prefill"
 
     @property
     def can_decode(self) -> bool:

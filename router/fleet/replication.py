@@ -150,7 +150,7 @@ class Replicator:
         # an SGLang prefill server takes a request only with a bootstrap room, paired with
         # its decode: a plain prefill-only request would be refused, never warm anything
         cands = [i for i in c.registry.candidates(c.cfg.model, prefill=True)
-                 if not (i.spec.kind == "sglang" and i.spec.role == "prefill")]
+                 if not i.spec.sglang_prefill]
         mask = 0
         for i in cands:
             mask |= 1 << i.slot
