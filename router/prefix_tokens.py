@@ -47,6 +47,16 @@ class _Chunk:
     ids: np.ndarray  # the chunk's token ids, ``[n]`` uint32
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """What :meth:`PrefixTokens.lookup` found for a text: the chunks whose ids are reused
+    and the character offset where tokenising starts (``len(text) - start`` characters
+    are left to tokenise)."""
+
+    chunks: tuple[_Chunk, ...]
+    start: int
+
+
 class PrefixTokens:
     """A radix chain of (text chunk → token ids), one root per ``add_special_tokens``.
 
@@ -76,24 +86,31 @@ class PrefixTokens:
         self.reused_tokens = 0
         self.tokenized_tokens = 0
 
-    def encode(self, text: str, add_special_tokens: bool) -> np.ndarray:
-        """Token ids of ``text`` (``[n]`` uint32), reusing a known prefix's ids."""
+    def lookup(self, text: str, add_special_tokens: bool) -> Reuse:
+        """Which known prefix of ``text`` :meth:`encode` would reuse (LRU order updated)."""
+        with self._lock:
+            path = self._walk(int(add_special_tokens), text)
+        reuse = tuple(path[:-1])  # the last matched chunk is the look-ahead of the one before
+        return Reuse(reuse, reuse[-1].end if reuse else 0)
+
+    def encode(self, text: str, add_special_tokens: bool,
+               reuse: Reuse | None = None) -> np.ndarray:
+        """Token ids of ``text`` (``[n]`` uint32), reusing a known prefix's ids
+        (``reuse``: what :meth:`lookup` found for this text, else looked up here)."""
         if not self.enabled:
             return np.asarray(self._encode(text, add_special_tokens)[0], dtype=np.uint32)
         root = int(add_special_tokens)
-        with self._lock:
-            path = self._walk(root, text)
-        reuse = path[:-1]  # the last matched chunk is the look-ahead of the one before
-        start = reuse[-1].end if reuse else 0
-        ids, words, offsets = self._encode(text[start:], add_special_tokens and not reuse)
+        if reuse is None:
+            reuse = self.lookup(text, add_special_tokens)
+        chunks, start = reuse.chunks, reuse.start
+        ids, words, offsets = self._encode(text[start:], add_special_tokens and not chunks)
         tail = np.asarray(ids, dtype=np.uint32)
-        head = [c.ids for c in reuse]
-        out = np.concatenate([*head, tail]) if head else tail
+        out = np.concatenate([*(c.ids for c in chunks), tail]) if chunks else tail
         with self._lock:
             self.reused_tokens += len(out) - len(tail)
             self.tokenized_tokens += len(tail)
             if self.enabled:
-                self._add(reuse[-1].node if reuse else root, text, start, tail, words,
+                self._add(chunks[-1].node if chunks else root, text, start, tail, words,
                           offsets)
         return out
 

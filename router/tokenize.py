@@ -22,15 +22,37 @@ import json
 import logging
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvcentric.router import chat_template
-from kvcentric.router.prefix_tokens import Encoded, PrefixTokens
+from kvcentric.router.prefix_tokens import Encoded, PrefixTokens, Reuse
 
 log = logging.getLogger(__name__)
+
+# a prompt with at most this many characters left to tokenise (past a known prefix) is
+# tokenised on the event loop: a worker thread's hand-off costs more router CPU than
+# tokenising that much, and the loop stalls well under a millisecond for it
+INLINE_CHARS = 3072
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One prompt's tokenisation, as :meth:`PromptTokenizer.plan` decided it."""
+
+    text: str
+    add_special_tokens: bool
+    reuse: Reuse | None   # the prompt token cache's known prefix (None: no cache)
+    verify: bool          # a whole tokenisation checks the cached result
+
+    @property
+    def inline(self) -> bool:
+        """Cheap enough for the event loop: few characters to tokenise, no check."""
+        left = len(self.text) - (self.reuse.start if self.reuse is not None else 0)
+        return not self.verify and left <= INLINE_CHARS
 
 
 # tokenizer classes that are transformers' generic fast tokenizer itself: loading it
@@ -89,22 +111,36 @@ class PromptTokenizer:
         """Token ids this tokenizer knows (a prompt of ids must stay below it)."""
         return len(self.tok)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
-        """Token ids of ``text``. Called on a worker thread (the router's event loop keeps
-        serving meanwhile): the Rust tokenizer's batch call releases the GIL, its single
-        call and transformers' wrapper hold it (~5 ms for 8k tokens, a stall of the loop)."""
+    def plan(self, text: str, add_special_tokens: bool = True) -> Plan:
+        """How :meth:`run` will tokenise ``text``: from which known prefix, whether a whole
+        tokenisation checks the result, and so whether it is cheap enough to run on the
+        caller's thread (:attr:`Plan.inline`)."""
         p = self.prefix
-        if p is not None and p.enabled:
-            ids = p.encode(text, add_special_tokens)
-            if p.should_verify():
-                whole = self._whole(text, add_special_tokens)
-                if not np.array_equal(whole, ids):
-                    log.warning("prompt token cache disagreed with a whole tokenisation "
-                                "(%d vs %d tokens): turned off", len(ids), len(whole))
-                    p.disable()
-                    return whole
-            return ids
-        return self._whole(text, add_special_tokens)
+        if p is None or not p.enabled:
+            return Plan(text, add_special_tokens, None, False)
+        return Plan(text, add_special_tokens, p.lookup(text, add_special_tokens),
+                    p.should_verify())
+
+    def run(self, plan: Plan) -> np.ndarray:
+        """Token ids of ``plan.text``. Off the event loop unless ``plan.inline``: the Rust
+        tokenizer's batch call releases the GIL, its single call and transformers' wrapper
+        hold it (~5 ms for 8k tokens, a stall of the loop)."""
+        p, text, special = self.prefix, plan.text, plan.add_special_tokens
+        if p is None or plan.reuse is None or not p.enabled:
+            return self._whole(text, special)
+        ids = p.encode(text, special, plan.reuse)
+        if plan.verify:
+            whole = self._whole(text, special)
+            if not np.array_equal(whole, ids):
+                log.warning("prompt token cache disagreed with a whole tokenisation "
+                            "(%d vs %d tokens): turned off", len(ids), len(whole))
+                p.disable()
+                return whole
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """Token ids of ``text``: :meth:`run` of :meth:`plan` (``[n]`` uint32)."""
+        return self.run(self.plan(text, add_special_tokens))
 
     def _whole(self, text: str, add_special_tokens: bool) -> np.ndarray:
         if self._rust is not None:

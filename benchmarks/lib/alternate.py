@@ -9,9 +9,9 @@ benchmark module with its arguments in each, alternately: round ``i`` runs the b
 first when ``i`` is even and this tree first when it is odd, so a drift of the machine over
 the run (another job, a warming page cache) lands on both sides alike. Each run writes its
 own JSON (``--out`` into a scratch dir; the module must take ``--out``) and this reads the
-numeric fields of its ``summary``. Each side runs with its own tree first on
-``PYTHONPATH`` and as its working directory, and the first run of each side checks that it
-imported ``kvcentric`` from its own tree.
+numeric fields of its ``summary`` (nested ones as ``outer.inner``). Each side runs with its
+own tree first on ``PYTHONPATH`` and as its working directory, and the first run of each
+side checks that it imported ``kvcentric`` from its own tree.
 
 Writes ``results/alternate_<name>.json``: per summary field, each side's values, median and
 range, the ratio of the medians (this tree over the base) and ``overlap`` (the two ranges
@@ -69,9 +69,19 @@ def run_once(tree: Path, module: str, args: list[str], out: Path,
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} in {tree} exited {proc.returncode}:\n"
                            f"{proc.stderr[-3000:]}")
-    summary = json.loads(out.read_text()).get("summary") or {}
-    return {k: float(v) for k, v in summary.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return numeric(json.loads(out.read_text()).get("summary") or {})
+
+
+def numeric(summary: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numbers of ``summary``, a nested object's as ``outer.inner`` (e.g. a value per
+    prompt size); booleans and everything else left out."""
+    out: dict[str, float] = {}
+    for k, v in summary.items():
+        if isinstance(v, dict):
+            out.update(numeric(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[prefix + k] = float(v)
+    return out
 
 
 def compare(base: list[dict[str, float]], head: list[dict[str, float]]) -> dict[str, Any]:

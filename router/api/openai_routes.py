@@ -17,16 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from kvcentric.router.api import api_models, limits
 from kvcentric.router.api.auth import Caller
 from kvcentric.router.api.errors import Refused
+from kvcentric.router.api.relay import RelayResponse
+from kvcentric.router.tokenize import Plan
 
 if TYPE_CHECKING:
     from kvcentric.router.api.app import RouterState
@@ -54,19 +56,10 @@ async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
 
 def _released(resp: Response, release: Callable[[], None]) -> Response:
     """``resp`` with ``release()`` called once its body has been sent (or now)."""
-    if not isinstance(resp, StreamingResponse):
+    if isinstance(resp, RelayResponse):
+        resp.on_close(release)
+    else:
         release()
-        return resp
-    inner = resp.body_iterator
-
-    async def body() -> AsyncIterator[Any]:
-        try:
-            async for chunk in inner:
-                yield chunk
-        finally:
-            release()
-
-    resp.body_iterator = body()
     return resp
 
 
@@ -109,13 +102,19 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         body = api_models.validate(state.chat_model if chat else state.completion_model, body,
                                    bounds, context)
         api_models.normalize(body, bounds)
-        tokens = await asyncio.to_thread(_prompt_tokens, body, chat, context)
+        tokens = _prompt(body, chat, context)
+        if isinstance(tokens, Plan):
+            # a worker thread only for much to tokenise: the Rust tokenizer releases the
+            # GIL and the loop serves others meanwhile; a hand-off costs more than a little
+            run = state.tokenizer.run
+            tokens = run(tokens) if tokens.inline else await asyncio.to_thread(run, tokens)
+            bounds.check_tokens(len(tokens), context)
         bounds.fit_budget(body, len(tokens), context)
         return body, tokens
 
-    def _prompt_tokens(body: dict[str, Any], chat: bool, context: int) -> np.ndarray:
-        """The prompt's tokens (a worker thread: rendering and tokenising hold the GIL for
-        milliseconds), its characters checked before tokenising and its tokens after."""
+    def _prompt(body: dict[str, Any], chat: bool, context: int) -> np.ndarray | Plan:
+        """The prompt's token ids when the request gave them, else how to tokenise its
+        text (a chat's rendered with the template), its characters checked first."""
         tok = state.tokenizer
         if chat:
             try:
@@ -130,9 +129,7 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
                 return np.asarray(prompt, dtype=np.uint32)
             text, special = prompt, bool(body.get("add_special_tokens", True))
         bounds.check_chars(len(text), context)
-        tokens = tok.encode(text, special)
-        bounds.check_tokens(len(tokens), context)
-        return tokens
+        return tok.plan(text, special)
 
     async def _forward(request: Request, chat: bool, caller: Caller, body: dict[str, Any],
                        tokens: np.ndarray, received: float) -> Response:

@@ -37,10 +37,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvcentric.hashing import TailRef
 from kvcentric.router.api.errors import error_response
+from kvcentric.router.api.relay import RelayResponse
 from kvcentric.router.api.upstream import Upstreams
 from kvcentric.router.conductor import Conductor
 from kvcentric.router.cost.decision import Decision, Rejection
@@ -304,9 +305,9 @@ class Proxy:
         self.metrics.observe_ttft(d.ttft_s, t_first - t_arrival)
         if not d.disaggregated:
             self.conductor.prefill_finished(d, rid, t_first - (t_arrival if sent is None else sent))
-        return StreamingResponse(self._relay(d, rid, up, first, chunks),
-                                 status_code=200, headers=self._headers(d, {}, added_ms),
-                                 media_type=up.headers.get("content-type", "text/event-stream"))
+        return RelayResponse(self._relay(d, rid, up, first, chunks),
+                             status_code=200, headers=self._headers(d, {}, added_ms),
+                             media_type=up.headers.get("content-type", "text/event-stream"))
 
     async def _relay(self, d: Decision, rid: str, up: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -33,3 +33,12 @@ def test_a_side_imports_kvcentric_from_its_own_worktree(tmp_path: Path) -> None:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
                        check=True)
+
+
+def test_nested_summary_numbers_are_compared_by_their_path() -> None:
+    """A value per prompt size (``{"added_p50_ms": {"2900": 4.1}}``) is a field of its own;
+    booleans and strings are not numbers to compare."""
+    got = alternate.numeric({"added_p50_ms": {"2900": 4.1, "10": 2}, "meets": True,
+                             "name": "x", "ratio": 0.9, "deep": {"a": {"b": 1}}})
+    assert got == {"added_p50_ms.2900": 4.1, "added_p50_ms.10": 2.0, "ratio": 0.9,
+                   "deep.a.b": 1.0}

@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.responses import StreamingResponse
 
 from benchmarks.lib.stub_engine import build_app
 from kvcentric.router.api.proxy import Proxy
+from kvcentric.router.api.relay import RelayResponse
 from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost.cost_model import Profile
@@ -47,7 +47,7 @@ def test_correction_counts_the_engines_time_not_the_routers(
             proxy = Proxy(c, client, metrics)
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "stream": True}
             resp = await proxy.handle("/v1/completions", body, [], 8, {})
-            assert isinstance(resp, StreamingResponse) and resp.status_code == 200
+            assert isinstance(resp, RelayResponse) and resp.status_code == 200
             async for _ in resp.body_iterator:
                 pass
 

@@ -124,13 +124,13 @@ def test_an_allow_list_replaces_the_template_variables(thinking_dir: str) -> Non
 def test_oversize_prompts_are_refused_before_tokenising(
         tiny_dir: str, tokenizer: PromptTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     encoded: list[int] = []
-    real = tokenize.PromptTokenizer.encode
+    real = tokenize.PromptTokenizer.run
 
-    def spy(self: PromptTokenizer, text: str, add_special_tokens: bool = True) -> Any:
-        encoded.append(len(text))
-        return real(self, text, add_special_tokens)
+    def spy(self: PromptTokenizer, plan: tokenize.Plan) -> Any:
+        encoded.append(len(plan.text))
+        return real(self, plan)
 
-    monkeypatch.setattr(tokenize.PromptTokenizer, "encode", spy)
+    monkeypatch.setattr(tokenize.PromptTokenizer, "run", spy)
     ups = Upstreams()
     limits = {"max_model_len": 64, "max_body_bytes": "1mb"}  # 63 tokens, 441 characters
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcentric.router import tokenize
 from kvcentric.router.config import CacheConfig
 from kvcentric.router.prefix_tokens import PrefixTokens
 from kvcentric.router.tokenize import PromptTokenizer
@@ -172,3 +173,30 @@ def test_config_turns_it_off_and_refuses_negative_sizes() -> None:
     assert PromptTokenizer(bench(), cache_chars=0).prefix is None
     with pytest.raises(ValueError, match="prompt_text_chars"):
         CacheConfig(prompt_text_chars=-1)
+
+
+def test_the_event_loop_tokenises_only_a_little_past_a_known_prefix() -> None:
+    """:attr:`Plan.inline`: a long prompt seen before (its new tail short) and a short
+    prompt are tokenised on the loop; a long new one, and any one a whole tokenisation
+    checks, go to a worker thread. Either way the ids are the tokenizer's own."""
+    tok = PromptTokenizer(bench(), cache_chars=1 << 22)
+    assert tok.prefix is not None
+    rnd = random.Random(6)
+    doc = mixed_text(rnd, 6000)
+    assert len(doc) > 4 * tokenize.INLINE_CHARS
+    tok.prefix._verify_first = 0
+    tok.prefix._verify_every = 1 << 30
+    first = tok.plan(doc + " first question")
+    assert not first.inline and first.reuse is not None and first.reuse.start == 0
+    assert_exact(tok, [doc + " first question"])
+    again = tok.plan(doc + " another question")
+    assert again.inline and again.reuse is not None
+    assert len(again.text) - again.reuse.start <= tokenize.INLINE_CHARS
+    short = tok.plan("a short prompt")
+    assert short.inline
+    for plan in (again, short):
+        want = np.asarray(tok.tok(plan.text)["input_ids"], dtype=np.uint32)
+        assert np.array_equal(tok.run(plan), want)
+    tok.prefix._verify_every = 1  # the next result is checked: never on the loop
+    assert not tok.plan(doc + " a third question").inline
+    assert not PromptTokenizer(bench(), cache_chars=0).plan(doc).inline
