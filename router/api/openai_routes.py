@@ -152,13 +152,17 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail,
                                         received)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await openai(request, chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await openai(request, chat=True)
+
+    # plain Starlette routes: FastAPI's would solve dependencies and open two exit stacks
+    # per request for handlers that take the request alone (the OpenAPI document is
+    # :mod:`kvcentric.router.api.openapi`'s, not generated from the routes)
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -20,4 +20,7 @@ def test_small_run_reports_both_paths(tmp_path: Path) -> None:
         assert r["direct_p50_ms"] > 0 and r["router_p50_ms"] > 0
         assert r["router_over_direct"] == r["router_p50_ms"] / r["direct_p50_ms"]
         assert r["router_cpu_ms_per_request"] > 0  # the router process did the work
+        passes = r["router_cpu_ms_per_request_passes"]
+        assert len(passes) == router_overhead.CPU_PASSES and all(x > 0 for x in passes)
+        assert min(passes) <= r["router_cpu_ms_per_request"] <= max(passes)
     assert set(doc["summary"]["added_p50_ms"]) == {"40", "200"}

@@ -93,7 +93,8 @@ def test_a_client_that_hangs_up_mid_stream_closes_the_engines_stream(
             assert r.headers["content-type"].startswith("text/event-stream")
             host = r.headers["x-kvc-decode"]
             got = b""
-            for chunk in r.iter_raw():
+            chunks = r.iter_raw()  # held: dropping the iterator would close the connection
+            for chunk in chunks:
                 got += chunk
                 if got.count(b"\n\n") >= 3:
                     break
@@ -102,7 +103,8 @@ def test_a_client_that_hangs_up_mid_stream_closes_the_engines_stream(
                                   b"\n\n"), got[:200]
             assert not engines.closed.is_set()
             assert state.inflight.counts  # the slot is held while the answer streams
-        # leaving the block closed the connection mid-stream
+        # leaving the block closes the connection mid-stream
+        del chunks
     assert engines.closed.wait(WAIT_S), "the router kept reading an engine nobody listens to"
     assert _settled(state).wait(WAIT_S), (state.inflight.counts,
                                           [i.decodes for i in state.conductor.registry])
