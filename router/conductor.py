@@ -58,7 +58,8 @@ class Conductor:
         # until the engines' page size is known, costs assume 256-token blocks; no prefix
         # is hashed, so no decision counts on a hit it cannot verify
         self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
-                                 self.disk_bandwidth, cfg.cost.tie_tolerance)
+                                 self.disk_bandwidth, cfg.cost.tie_tolerance,
+                                 cfg.cost.balance_abs, cfg.cost.balance_rel)
         self.clock = clock
         self.policy = make_policy(cfg.policy)
         self.peers: PeerSync | None = None  # set by the app when replicas sync
@@ -75,8 +76,10 @@ class Conductor:
             log.warning("stored block size changes %d -> %d: prefix knowledge reset",
                         self.block_size, block_size)
         self.block_size = block_size
+        cost = self.cfg.cost
         self.params = CostParams(self.profile, block_size, self.kv_bytes_per_token * block_size,
-                                 self.bandwidth, self.disk_bandwidth, self.cfg.cost.tie_tolerance)
+                                 self.bandwidth, self.disk_bandwidth, cost.tie_tolerance,
+                                 cost.balance_abs, cost.balance_rel)
         for inst in self.registry:
             self.index.clear(inst.slot)
             if inst.translator is not None:

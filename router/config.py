@@ -28,6 +28,7 @@ Example (``configs/router.yaml``)::
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -49,6 +50,11 @@ __all__ = ["AuthConfig", "LimitsConfig", "RouterConfig", "load_config"]
 ENV_UPSTREAM_KEY = "KVCENTRIC_ROUTER_UPSTREAM_API_KEY"
 # predicted TTFTs within this fraction of the lowest are ties (the cost model's noise)
 TIE_TOLERANCE = 0.05
+# Algorithm 1 is greedy: a hot prefix's holder always predicts the lowest TTFT, so without
+# a bound its running batch grows while engines without the prefix idle, and the holder's
+# decodes slow every prefill it takes (no-store hot-prefix fleet runs, results/)
+BALANCE_ABS = 4
+BALANCE_REL = 1.5
 
 def _section(cls: type, section: str, raw: Any) -> Any:
     return cls(**parse_fields(cls, raw, section))
@@ -123,6 +129,10 @@ class CostConfig:
     a GPU through MPS); see :mod:`kvcentric.router.cost.processor`. ``tie_tolerance``:
     predicted TTFTs within this fraction of the lowest are ties, which go to the least
     loaded candidate (:func:`kvcentric.router.cost.decision.choose`); 0 takes the lowest.
+    ``balance_abs`` and ``balance_rel``: an instance running more than ``balance_abs``
+    sequences beyond the least loaded candidate, and more than ``balance_rel`` times as
+    many, is not a candidate (``balance_abs: null`` turns this off); see
+    :func:`kvcentric.router.cost.decision.choose`.
     """
 
     profile: str | None = None
@@ -133,9 +143,16 @@ class CostConfig:
     correct_with_actual: bool = True
     shared_compute: str = "serial"
     tie_tolerance: float = TIE_TOLERANCE
+    balance_abs: int | None = BALANCE_ABS
+    balance_rel: float = BALANCE_REL
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
+        ab, rel = self.balance_abs, self.balance_rel
+        if ab is not None and (isinstance(ab, bool) or not isinstance(ab, int) or ab < 0):
+            raise ValueError(f"cost.balance_abs must be an integer >= 0 or null, got {ab!r}")
+        if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not 1 <= rel < math.inf:
+            raise ValueError(f"cost.balance_rel must be a number >= 1, got {rel!r}")
         tol = self.tie_tolerance
         if (not isinstance(tol, (int, float)) or isinstance(tol, bool)
                 or not 0 <= tol < 1):

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvcentric.router.config import TIE_TOLERANCE, SloConfig
+from kvcentric.router.config import BALANCE_REL, TIE_TOLERANCE, SloConfig
 from kvcentric.router.cost.cost_model import Profile, tiered_load_s
 from kvcentric.router.fleet.instances import Instance
 
@@ -60,7 +60,8 @@ class CostParams:
     """``bandwidth_bps``: the store's (DRAM tier's) read bandwidth; ``disk_bandwidth_bps``:
     its disk tier's (``None``: the same, i.e. no slower tier is modelled). Bytes/s.
     ``tie_tolerance``: predicted TTFTs within this fraction of the lowest are ties, broken
-    by load (:func:`choose`)."""
+    by load (:func:`choose`). ``balance_abs``, ``balance_rel``: the bound on a candidate's
+    running sequences over the least loaded's (:func:`overloaded`); ``None``: no bound."""
 
     profile: Profile
     block_size: int
@@ -68,6 +69,8 @@ class CostParams:
     bandwidth_bps: float
     disk_bandwidth_bps: float | None = None
     tie_tolerance: float = TIE_TOLERANCE
+    balance_abs: int | None = None
+    balance_rel: float = BALANCE_REL
 
     def load_time_s(self, objects: int, on_disk: int = 0) -> float:
         """Time to load ``objects`` store objects (none when ``<= 0``), ``on_disk`` of
@@ -142,6 +145,15 @@ class Rejection:
     ttft_s: float
     tbt_s: float
     message: str
+
+
+def overloaded(running: int, least: int, params: CostParams) -> bool:
+    """Whether an instance running ``running`` sequences is out of the candidates while
+    one runs only ``least``: more than ``balance_abs`` beyond it and more than
+    ``balance_rel`` times it (both, so a few sequences of difference on small batches, or
+    a few percent on large ones, change nothing)."""
+    ab = params.balance_abs
+    return ab is not None and running - least > ab and running > params.balance_rel * least
 
 
 def hit_tokens(local: int, global_run: int, global_tail: bool, n_tokens: int,
@@ -271,6 +283,10 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         if pair.tbt_s <= tbt_slo:
             pairs.append(pair)
             lowest = min(lowest, pair.ttft_s)
+    if params.balance_abs is not None and len(pairs) > 1:
+        least = min(pair.prefill.batch() for pair in pairs)
+        pairs = [pair for pair in pairs if not overloaded(pair.prefill.batch(), least, params)]
+        lowest = min(pair.ttft_s for pair in pairs)
     slo_s = slo.ttft_ms / 1000.0
     # ties: within the tolerance of the lowest, and never past an SLO the lowest meets
     limit = min(lowest * (1.0 + params.tie_tolerance), max(lowest, slo_s))

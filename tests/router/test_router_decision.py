@@ -490,3 +490,61 @@ def test_instance_kind_and_bootstrap_port_are_checked(raw: dict[str, object],
                                  "bootstrap_port": 8998})
     assert (ok.kind, ok.bootstrap_port) == ("sglang", 8998)
     assert InstanceSpec.from_dict({"url": "http://p:1"}).kind == "vllm"
+
+
+# ---- the load bound: a hot prefix's holder stops taking everything ----
+
+BALANCED = CostParams(PROFILE, BS, 4096 * BS, 1e9, balance_abs=4, balance_rel=1.5)
+ROOMY = SloConfig(ttft_ms=2000, tbt_ms=1000)  # large batches stay within the TBT SLO
+
+
+def running(i: Instance, n: int) -> Instance:
+    i.decodes = n  # this router's requests in flight there
+    return i
+
+
+@pytest.mark.parametrize("holder, other, moved", [
+    (10, 0, True),    # far beyond the idle one, in both senses: not a candidate
+    (4, 0, False),    # only balance_abs more: still the holder's
+    (60, 50, False),  # 10 more, but not 1.5x: large batches differ by a few percent
+    (80, 50, True),   # 30 more and 1.6x
+])
+def test_a_holder_running_far_more_than_the_least_loaded_is_not_a_candidate(
+        holder: int, other: int, moved: bool) -> None:
+    a, b = running(inst("a", 0), other), running(inst("b", 1), holder)
+    d = choose([a, b], [a, b], {0: 0, 1: 30}, 0, N, BALANCED, ROOMY, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is (a if moved else b)
+    # without the bound (the default of CostParams) the holder always wins: greedy TTFT
+    d = choose([a, b], [a, b], {0: 0, 1: 30}, 0, N, PARAMS, ROOMY, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b
+
+
+def test_the_bound_keeps_the_least_loaded_and_prefers_holders_among_the_rest() -> None:
+    """Of three, the overloaded holder is out; the other holder (loaded, within the bound)
+    still beats the idle instance that would recompute the prefix."""
+    a, b, c = running(inst("a", 0), 0), running(inst("b", 1), 12), running(inst("c", 2), 3)
+    d = choose([a, b, c], [a, b, c], {0: 0, 1: 30, 2: 30}, 0, N, BALANCED, ROOMY, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is c
+    # every instance equally loaded: nothing is out, however high the load
+    for i in (a, b, c):
+        running(i, 40)
+    d = choose([a, b, c], [a, b, c], {0: 0, 1: 30, 2: 30}, 0, N, BALANCED, ROOMY, now=0.0)
+    assert isinstance(d, Decision) and d.prefill in (b, c)
+
+
+@pytest.mark.parametrize("cost, msg", [
+    ({"balance_abs": -1}, "balance_abs"), ({"balance_abs": 2.5}, "balance_abs"),
+    ({"balance_abs": True}, "balance_abs"), ({"balance_rel": 0.5}, "balance_rel"),
+    ({"balance_rel": "x"}, "balance_rel"),
+])
+def test_bad_balance_settings_are_refused(cost: dict[str, object], msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        RouterConfig.from_dict({"model": "m", "tokenizer": "t", "cost": cost})
+
+
+def test_the_router_config_bounds_by_default_and_null_turns_it_off() -> None:
+    on = RouterConfig.from_dict({"model": "m", "tokenizer": "t"}).cost
+    assert on.balance_abs is not None and on.balance_rel >= 1
+    off = RouterConfig.from_dict({"model": "m", "tokenizer": "t",
+                                  "cost": {"balance_abs": None}}).cost
+    assert off.balance_abs is None
