@@ -226,9 +226,10 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ReplicationConfig:
     """Hot-prefix replication (:mod:`router.fleet.replication`), on unless ``enabled`` is
-    false: without it Algorithm 1 keeps a hot prefix's requests on its first holders, whose
-    queues and running decodes then grow while other engines idle (docs/router.md
-    §Hot-prefix replication has the measurements).
+    false: without it a hot prefix gets a new holder only when every holder runs past
+    Algorithm 1's load bound (:class:`CostConfig`), and that request pays the recompute;
+    warm-ups add holders ahead of demand (docs/router.md §Hot-prefix replication has the
+    measurements).
 
     A prefix is hot from ``min_heat`` (its decayed request count, ``cache.heat_half_life_s``).
     An idle instance is warmed with it when its predicted TTFT for the prefix's requests,
