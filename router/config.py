@@ -56,6 +56,7 @@ TIE_TOLERANCE = 0.05
 BALANCE_ABS = 4
 BALANCE_REL = 1.5
 
+
 def _section(cls: type, section: str, raw: Any) -> Any:
     return cls(**parse_fields(cls, raw, section))
 

@@ -35,10 +35,14 @@ class RelayResponse(Response):
         self.background = None
         self.init_headers(headers)
         self._on_close: list[Callable[[], None]] = []
+        self._closed = False
 
     def on_close(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once the relay has ended (or at once if it already has)."""
-        self._on_close.append(fn)
+        if self._closed:
+            fn()
+        else:
+            self._on_close.append(fn)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.current_task()
@@ -78,6 +82,7 @@ class RelayResponse(Response):
                 if aclose is not None:
                     await aclose()
             finally:
+                self._closed = True
                 callbacks, self._on_close = self._on_close, []
                 for fn in callbacks:
                     fn()

@@ -33,6 +33,11 @@ computing it on a different instance. Once some tied instance holds it, load dec
 again: ranking every tie sent each hot prefix's requests to the same few engines, whose
 running decodes then waited on the newcomers' prefill chunks (TPOT far worse than
 round-robin's in the emulated hot-prefix runs, benchmarks/results/).
+Algorithm 1 is greedy, so a load bound (``CostParams.balance_abs``/``balance_rel``,
+:func:`overloaded`) comes first: a candidate running far more sequences than the least
+loaded one, in both absolute and relative terms, is left out, else a hot prefix's holders
+(always the lowest prediction next to recomputing the prefix elsewhere) took every request
+while their decodes slowed each prefill they took and engines without the prefix idled.
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from benchmarks.serving.dashboard_screenshot import chromium_path, dump_dom
 from kvcentric.router.api.app import build_app
@@ -23,8 +22,8 @@ from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost.cost_model import Profile
 from kvcentric.router.ops.dashboard import PAGE
 from kvcentric.router.tokenize import PromptTokenizer
-from kvcentric.testing.servers import free_port
 from tests.helpers.dashboard import check, read_page, scrape
+from tests.helpers.served import served
 
 PROFILE = Profile(a=0.0, b=1e-5, c=0.001, tbt_base_s=0.01, tbt_per_seq_s=0.0)
 ENGINE_METRICS = ('vllm:num_requests_running{engine="0"} 3.0\n'
@@ -88,22 +87,8 @@ def router(tiny_dir: str, tokenizer: PromptTokenizer) -> Iterator[tuple[str, Eng
     engines = Engines()
     app = build_app(_cfg(tiny_dir), transport=httpx.MockTransport(engines.handler),
                     tokenizer=tokenizer, profile=PROFILE)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            threading.Event().wait(0.05)
-        assert server.started, "the router did not start"
+    with served(app) as url:
         yield url, engines
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @needs_chromium

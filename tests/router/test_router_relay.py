@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import uvicorn
 
 from kvcentric.router.api.app import RouterState, build_app
+from kvcentric.router.api.relay import RelayResponse
 from kvcentric.router.tokenize import PromptTokenizer
-from kvcentric.testing.servers import free_port
+from tests.helpers.served import served
 from tests.router.test_router_app import PROFILE, TWO, Upstreams, make_cfg
 
 WAIT_S = 30.0  # a bound on events that come in milliseconds; never a sleep
@@ -43,27 +43,14 @@ class Endless(Upstreams):
 
 
 @pytest.fixture
-def served(tiny_dir: str, tokenizer: PromptTokenizer) -> Iterator[tuple[str, Endless,
+def router(tiny_dir: str, tokenizer: PromptTokenizer) -> Iterator[tuple[str, Endless,
                                                                           RouterState]]:
     """The router over endless fake engines, served by uvicorn on a free port."""
     engines = Endless()
     app = build_app(make_cfg(tiny_dir, TWO), transport=httpx.MockTransport(engines.handler),
                     tokenizer=tokenizer, profile=PROFILE)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        for _ in range(600):
-            if server.started:
-                break
-            threading.Event().wait(0.05)
-        assert server.started, "the router did not start"
-        yield f"http://127.0.0.1:{port}", engines, app.state.router
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with served(app) as url:
+        yield url, engines, app.state.router
 
 
 def _settled(state: RouterState) -> threading.Event:
@@ -84,8 +71,8 @@ def _settled(state: RouterState) -> threading.Event:
 
 
 def test_a_client_that_hangs_up_mid_stream_closes_the_engines_stream(
-        served: tuple[str, Endless, RouterState]) -> None:
-    url, engines, state = served
+        router: tuple[str, Endless, RouterState]) -> None:
+    url, engines, state = router
     body = {"model": "tiny", "prompt": "hello world", "max_tokens": 1000, "stream": True}
     with httpx.Client(base_url=url, timeout=WAIT_S) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
@@ -116,9 +103,9 @@ def test_a_client_that_hangs_up_mid_stream_closes_the_engines_stream(
 
 
 def test_a_client_that_hangs_up_at_once_still_frees_the_engine(
-        served: tuple[str, Endless, RouterState]) -> None:
+        router: tuple[str, Endless, RouterState]) -> None:
     """The client sends the request and closes its socket before reading anything."""
-    url, engines, state = served
+    url, engines, state = router
     port = int(url.rsplit(":", 1)[1])
     payload = b'{"model": "tiny", "prompt": "hello world", "max_tokens": 1000, "stream": true}'
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as s:
@@ -130,3 +117,38 @@ def test_a_client_that_hangs_up_at_once_still_frees_the_engine(
     assert engines.closed.wait(WAIT_S), "the router kept reading an engine nobody listens to"
     assert _settled(state).wait(WAIT_S), (state.inflight.counts,
                                           [i.decodes for i in state.conductor.registry])
+
+
+def test_close_callbacks_run_once_and_a_late_one_at_once() -> None:
+    """A whole relay: every chunk sent in order, the end of the body, the iterator closed,
+    the callbacks run once; one added after the end runs when added."""
+    calls: list[str] = []
+    sent: list[dict[str, object]] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            yield b"a"
+            yield b"b"
+        finally:
+            calls.append("closed")
+
+    async def go() -> None:
+        done = asyncio.Event()
+
+        async def receive() -> dict[str, object]:
+            await done.wait()  # the client stays until the response is complete
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+            if message.get("more_body") is False:
+                done.set()
+
+        resp = RelayResponse(chunks(), media_type="text/event-stream")
+        resp.on_close(lambda: calls.append("released"))
+        await resp({"type": "http"}, receive, send)  # type: ignore[arg-type]
+        resp.on_close(lambda: calls.append("late"))
+
+    asyncio.run(go())
+    assert [m.get("body") for m in sent] == [None, b"a", b"b", b""]
+    assert calls == ["closed", "released", "late"]
