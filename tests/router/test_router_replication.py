@@ -176,22 +176,23 @@ def test_replication_config_is_checked() -> None:
             RouterConfig.from_dict({"model": "m", "tokenizer": "x", "replication": bad})
 
 
-def test_replication_is_on_by_default_and_never_warms_an_sglang_prefill_server() -> None:
-    assert RouterConfig.from_dict({"model": "m", "tokenizer": "x"}).replication.enabled
-    c, clock = conductor(specs={"b": {"kind": "sglang", "role": "prefill"},
-                                "c": {"kind": "sglang", "role": "prefill"}})
+def _warm_targets(specs: dict[str, dict[str, Any]]) -> list[str]:
+    """The instances replication would warm with a hot prefix held by a busy ``a``, b and
+    c being of ``specs``."""
+    c, clock = conductor(specs=specs)
     rep = Replicator(c, RouterMetrics(c))
     hot(c, rep, "a")
     a = c.registry.get("a")
     assert a is not None
     a.enqueue("busy", 2.0, clock[0])
-    assert rep.candidates(clock[0]) == []  # b and c are idle but take no plain prefill
-    c2, clock2 = conductor(specs={"b": {"kind": "sglang", "role": "both"},
-                                  "c": {"kind": "sglang", "role": "prefill"}})
-    rep2 = Replicator(c2, RouterMetrics(c2))
-    hot(c2, rep2, "a")
-    a2 = c2.registry.get("a")
-    assert a2 is not None
-    a2.enqueue("busy", 2.0, clock2[0])
+    return [w.target.name for w in rep.candidates(clock[0])]
+
+
+def test_replication_is_on_by_default_and_never_warms_an_sglang_prefill_server() -> None:
+    assert RouterConfig.from_dict({"model": "m", "tokenizer": "x"}).replication.enabled
+    # b and c are idle but take no plain prefill
+    assert _warm_targets({"b": {"kind": "sglang", "role": "prefill"},
+                          "c": {"kind": "sglang", "role": "prefill"}}) == []
     # an SGLang server of both roles is warmed
-    assert [w.target.name for w in rep2.candidates(clock2[0])] == ["b"]
+    assert _warm_targets({"b": {"kind": "sglang", "role": "both"},
+                          "c": {"kind": "sglang", "role": "prefill"}}) == ["b"]
