@@ -19,11 +19,11 @@ import sys
 from collections.abc import Callable
 
 # top-level module -> extra. transformers leaves jinja2 (chat templates) optional, so the
-# router extra names it itself; starlette and pydantic come with fastapi.
+# router extra names it itself; starlette and pydantic come with fastapi, yarl with aiohttp.
 EXTRA_OF = {
     "fastapi": "router", "starlette": "router", "pydantic": "router", "uvicorn": "router",
     "httpx": "router", "transformers": "router", "tokenizers": "router", "jinja2": "router",
-    "zmq": "router",
+    "zmq": "router", "aiohttp": "router", "yarl": "router",
     "mooncake": "mooncake",
     "triton": "kernels",
 }

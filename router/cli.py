@@ -52,8 +52,6 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = replace(cfg, listen=listen)
     level = (args.log_level or cfg.log_level).lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s")
-    if level != "debug":  # httpx logs every request at INFO: 4 lines a second of health polls
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(cfg)
     uvicorn.run(app, host=listen.host, port=listen.port, log_level=level,
                 access_log=level == "debug")

@@ -1,81 +1,108 @@
 """HTTP clients to the engines: one connection pool per engine.
 
-One ``httpx.AsyncClient`` for a whole fleet keeps every engine's connections in one pool,
-and httpcore walks that pool on every request and every response (``is_idle``,
-``has_expired``, which polls each idle socket): its cost grows with the fleet. Profiled
-with 64 emulated engines at 22 requests/s, that walk and its socket polls took as much of
-the router's event loop as tokenising, and requests queued in the router for seconds.
-:class:`Upstreams` gives each engine (scheme, host and port) a client of its own, made on
+One pool for a whole fleet made httpcore walk every engine's idle connections on every
+request and response (``is_idle``, ``has_expired``, which polls each idle socket): its
+cost grew with the fleet. :class:`Upstreams` gives each engine (scheme, host and port) a
+transport of its own (:class:`~kvcentric.router.api.transport.AiohttpTransport`), made on
 first use, so a request touches only its engine's few connections.
 
 It offers the calls the router makes (``get``, ``post``, ``build_request``, ``send``,
-``aclose``) with ``httpx.AsyncClient``'s signatures. Runs on the router's event loop.
+``aclose``) with ``httpx.AsyncClient``'s signatures and types, and calls the transport
+directly: the client layer's per-request work (cookies, auth, redirects, event hooks)
+is nothing the router uses, and it cost as much CPU per streamed request as the HTTP
+parsing. Redirects are not followed and the environment's proxies are not used. Runs on
+the router's event loop.
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
 from typing import Any
 
 import httpx
 
-KEEPALIVE_PER_ENGINE = 64
+from kvcentric.router.api.transport import AiohttpTransport
+
 CONNECTIONS_PER_ENGINE = 512
+
+log = logging.getLogger(__name__)
 
 
 class Upstreams:
-    """Per-engine ``httpx.AsyncClient``s sharing one timeout, one transport (tests inject
-    a mock one) and limits per engine."""
+    """Per-engine transports sharing one default timeout and one TLS context, at most
+    ``connections`` connections each; ``transport``, when given (tests inject an
+    ``httpx.MockTransport``), serves every engine instead."""
 
     def __init__(self, timeout: httpx.Timeout,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 limits: httpx.Limits | None = None) -> None:
+                 connections: int = CONNECTIONS_PER_ENGINE) -> None:
         self.timeout = timeout
         self.transport = transport
-        self.limits = limits or httpx.Limits(max_connections=CONNECTIONS_PER_ENGINE,
-                                             max_keepalive_connections=KEEPALIVE_PER_ENGINE)
-        self._clients: dict[tuple[bytes, bytes, int | None], httpx.AsyncClient] = {}
+        self.connections = connections
+        self._transports: dict[tuple[bytes, bytes, int | None], AiohttpTransport] = {}
         # one TLS context for all: building one loads the CA bundle (~25 ms of CPU and
         # about a MiB each, per engine at 64 engines otherwise)
         self._tls: ssl.SSLContext | None = None
 
-    def client(self, url: httpx.URL | str) -> httpx.AsyncClient:
-        """The client of the engine ``url`` points at."""
-        u = url if isinstance(url, httpx.URL) else httpx.URL(url)
-        key = (u.raw_scheme, u.raw_host, u.port)
-        c = self._clients.get(key)
-        if c is None:
-            if self._tls is None:
+    def _key(self, u: httpx.URL) -> tuple[bytes, bytes, int | None]:
+        return u.raw_scheme, u.raw_host, u.port
+
+    def transport_for(self, url: httpx.URL) -> httpx.AsyncBaseTransport:
+        """The transport of the engine ``url`` points at."""
+        if self.transport is not None:
+            return self.transport
+        key = self._key(url)
+        t = self._transports.get(key)
+        if t is None:
+            if url.scheme == "https" and self._tls is None:
                 self._tls = httpx.create_ssl_context()
-            c = httpx.AsyncClient(transport=self.transport, limits=self.limits,
-                                  timeout=self.timeout, verify=self._tls)
-            self._clients[key] = c
-        return c
+            t = AiohttpTransport(self.connections, self._tls if url.scheme == "https" else None)
+            self._transports[key] = t
+        return t
 
     def __len__(self) -> int:
-        return len(self._clients)
+        return len(self._transports)
 
     async def forget(self, url: str) -> None:
-        """Close and drop the client of a removed engine."""
-        u = httpx.URL(url)
-        c = self._clients.pop((u.raw_scheme, u.raw_host, u.port), None)
-        if c is not None:
-            await c.aclose()
+        """Close and drop the connections of a removed engine."""
+        t = self._transports.pop(self._key(httpx.URL(url)), None)
+        if t is not None:
+            await t.aclose()
+
+    def build_request(self, method: str, url: str, *, content: bytes | None = None,
+                      json: Any = None, headers: dict[str, str] | None = None,
+                      timeout: float | None = None) -> httpx.Request:
+        """A request to ``url``; ``timeout`` (seconds, every phase) overrides the
+        default for this request."""
+        t = self.timeout if timeout is None else httpx.Timeout(timeout)
+        return httpx.Request(method, url, content=content, json=json, headers=headers,
+                             extensions={"timeout": t.as_dict()})
+
+    async def send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
+        """``request``'s response: its head only with ``stream`` (the caller reads the
+        body and closes it), else read whole and closed. Raises ``httpx.TransportError``s."""
+        resp = await self.transport_for(request.url).handle_async_request(request)
+        resp.request = request
+        if log.isEnabledFor(logging.DEBUG):  # health polls: several a second per engine
+            log.debug("upstream %s %s: HTTP %d", request.method, request.url, resp.status_code)
+        if not stream:
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
+        return resp
 
     async def get(self, url: str, **kw: Any) -> httpx.Response:
-        return await self.client(url).get(url, **kw)
+        return await self.send(self.build_request("GET", url, **kw))
 
     async def post(self, url: str, **kw: Any) -> httpx.Response:
-        return await self.client(url).post(url, **kw)
-
-    def build_request(self, method: str, url: str, **kw: Any) -> httpx.Request:
-        return self.client(url).build_request(method, url, **kw)
-
-    async def send(self, request: httpx.Request, **kw: Any) -> httpx.Response:
-        return await self.client(request.url).send(request, **kw)
+        return await self.send(self.build_request("POST", url, **kw))
 
     async def aclose(self) -> None:
-        clients = list(self._clients.values())
-        self._clients.clear()
-        for c in clients:
-            await c.aclose()
+        transports = list(self._transports.values())
+        self._transports.clear()
+        for t in transports:
+            await t.aclose()
+        if self.transport is not None:
+            await self.transport.aclose()
