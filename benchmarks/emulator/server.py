@@ -487,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prefill-instances needs --kind sglang and fewer than --instances")
     prof = load(args.profile).dilated(args.dilation)
     tok = PromptTokenizer(args.tokenizer)
-    fleet = Fleet(args.model, tok, args.max_model_len, args.kind)
+    # vLLM does not start when one sequence of max_model_len cannot fit in its KV cache;
+    # here the context is cut to what the cache holds, so a prompt no engine could ever
+    # admit is refused (400) instead of waiting at the head of the queue for ever
+    fleet = Fleet(args.model, tok, min(args.max_model_len, args.pages * prof.page_size),
+                  args.kind)
     connector = None
     if args.store:
         from kvcentric.store import open_store

@@ -465,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(benchmarks.serving.slo_fleet)")
     em = ap.add_argument_group("emulator (--engine emulator)")
     em.add_argument("--profile", default="h100_llama8b")
-    em.add_argument("--pages", type=int, default=4096, help="engine KV cache pages")
+    em.add_argument("--pages", type=int, default=16384,
+                    help="engine KV cache pages (16384 of 16 tokens: 32 GiB at 128 KiB a token)")
     em.add_argument("--dilation", type=float, default=None,
                     help="wall seconds per emulated second (default instances / 16, >= 1)")
     em.add_argument("--max-output", type=int, default=64)

@@ -80,12 +80,14 @@ class FleetEngine:
             raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
         self.profile = load_profile(args.profile)
         self.d = args.dilation or max(1.0, args.instances / 16)
+        # the emulator's context: what one engine's cache holds, at most (see its server)
+        self.max_len = min(args.max_model_len, args.pages * self.profile.page_size)
         model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
         self.src = TokenSource(model)
         emu_cpus, self.rest = split_cpus()
         self.emu = EmulatorSpec(instances=args.instances, tokenizer=model,
                                 profile=args.profile, pages=args.pages,
-                                max_model_len=args.max_model_len, cpus=emu_cpus,
+                                max_model_len=self.max_len, cpus=emu_cpus,
                                 dilation=self.d)
         self.logs = LOGS / f"slo_capacity-{time.strftime('%Y%m%d-%H%M%S')}"
         endpoint = "chat" if args.workload == "agentic" else "completions"
@@ -119,7 +121,7 @@ class FleetEngine:
                 raise ValueError(f"{path}: needs two requests at different times")
             return WorkloadSpec(workload="trace", seed=seed, trace=str(path),
                                 max_requests=a.requests, scale_tokens=a.scale_tokens,
-                                max_input_len=a.max_model_len - a.max_output - 16,
+                                max_input_len=self.max_len - a.max_output - 16,
                                 time_scale=(len(recs) - 1) / (wall * span_s))
         s = a.scale_tokens
         if a.workload == "hotprefix":

@@ -449,6 +449,19 @@ def test_http_streams_counts_hits_and_reports_as_vllm(emulator: EmulatedFleet) -
     assert stream(url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_the_context_is_what_one_engines_cache_holds(emulator: EmulatedFleet) -> None:
+    """32 pages of 128 tokens under a 32k context: vLLM would not start; the emulator
+    serves a 4096-token context, and a longer request gets vLLM's 400 at once instead of
+    waiting for pages that can never be free (it blocked every request behind it)."""
+    url = emulator.urls[0]
+    models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    assert [m["max_model_len"] for m in models] == [32 * 128]
+    r = httpx.post(url + "/v1/completions", json={"model": "bench", "prompt": toks(41, 4094),
+                                                  "max_tokens": 3}, timeout=30)
+    assert r.status_code == 400 and "maximum context length is 4096" in r.text
+    assert len(stream(url, toks(42, 4000))["texts"]) == 3  # and the queue moves on
+
+
 def test_calibration_reports_when_the_other_engine_slowed_a_request() -> None:
     """calibrate.interference: a request waiting for its first token while the other
     engine had one in flight counts as overlapped; its own engine's work does not."""
