@@ -6,6 +6,7 @@
 - :mod:`.api_models`, :mod:`.openapi`: request bodies as typed models, the OpenAPI document;
 - :mod:`.auth`, :mod:`.access_config`, :mod:`.limits`, :mod:`.errors`: keys and tenants,
   their config, request bounds and rate limits, error bodies;
-- :mod:`.proxy`, :mod:`.upstream`, :mod:`.relay`: forwarding to the chosen engines, one
-  connection pool each, a streamed answer relayed as it comes (a client that leaves ends it).
+- :mod:`.proxy`, :mod:`.upstream`, :mod:`.transport`, :mod:`.relay`: forwarding to the
+  chosen engines, one connection pool each over aiohttp's client, a streamed answer
+  relayed as it comes (a client that leaves ends it).
 """
