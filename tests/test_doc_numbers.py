@@ -45,7 +45,10 @@ CONSTANTS: dict[tuple[str, str], str] = {
     ("README.md", "4 MiB"): "router: the default body limit",
     ("README.md", "256 MiB"): "Mooncake's default offload bucket",
     ("docs/router.md", "64 MiB"): "ZMQ's largest KV-event message",
-    ("docs/router.md", "5 s"): "router: metrics poll interval, replay time limit",
+    ("docs/router.md", "5 s"): "router: metrics poll interval, replay time limit, uvicorn's "
+                               "keep-alive",
+    ("docs/router.md", "4 s"): "router: how long an idle engine connection is kept",
+    ("docs/router.md", "60 s"): "router: memory.trim_interval_s default",
     ("docs/router.md", "0.25 s"): "store view: wait_s and the absent-answer TTL",
     ("docs/router.md", "2 s"): "store view: store_ttl_s; the dashboard's poll interval",
     ("docs/store.md", "64 MiB"): "the coordinator's largest frame and unsent-reply bound",
