@@ -15,6 +15,7 @@ belongs to the loop it was made on) and closed by :meth:`AiohttpTransport.aclose
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,8 +81,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     connections (idle ones kept :data:`KEEPALIVE_S`). Timeouts come from each request's
     ``timeout`` extension, as httpx's transports read them: ``connect`` bounds the TCP
     (and TLS) connect, ``pool`` the wait for a pooled connection plus the connect,
-    ``read`` each read of the response (headers, then every chunk); ``write`` has no
-    counterpart here (a request body is small and sent whole). Bodies are relayed as
+    ``read`` each read of the response (headers, then every chunk), and ``write`` plus
+    ``read`` the whole wait from sending the request to its response's head. Bodies are relayed as
     sent (no ``Accept-Encoding`` is added, nothing is decompressed); no cookies are kept
     and no proxy from the environment is used."""
 
@@ -118,11 +119,16 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         body = request.content if isinstance(request.stream, httpx.ByteStream) \
             else await request.aread()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+        timeouts = request.extensions.get("timeout") or {}
+        write, read = timeouts.get("write"), timeouts.get("read")
         try:
-            resp = await session.request(
-                request.method, URL(str(request.url), encoded=True), data=body or None,
-                headers=headers, timeout=self._timeout(request.extensions.get("timeout")),
-                allow_redirects=False)
+            # aiohttp bounds no write: an engine that stopped reading (SIGSTOP) with a
+            # body larger than the socket buffers would hold the request for ever
+            async with asyncio.timeout(None if write is None or read is None
+                                       else write + read):
+                resp = await session.request(
+                    request.method, URL(str(request.url), encoded=True), data=body or None,
+                    headers=headers, timeout=self._timeout(timeouts), allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise mapped(exc, request) from exc
         return httpx.Response(resp.status, headers=list(resp.raw_headers),

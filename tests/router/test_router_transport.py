@@ -233,6 +233,19 @@ def test_an_engine_that_never_answers_is_a_read_timeout() -> None:
     run(mid_stream, test_stream, quick)
 
 
+def test_an_engine_that_stops_reading_a_large_body_is_a_timeout() -> None:
+    """A stopped engine (SIGSTOP) still accepts connections; once the socket buffers are
+    full, sending the rest of a large prompt waits: that wait is bounded as well."""
+    async def deaf(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await s.go_on.wait()  # reads nothing: its buffers fill
+
+    async def test(url: str, s: Server, ups: Upstreams) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            await ups.post(url + "/v1/completions", content=b"x" * (64 << 20))
+
+    run(deaf, test, httpx.Timeout(0.3, connect=WAIT_S))
+
+
 def test_a_message_cut_short_is_a_protocol_error() -> None:
     async def hangs_up(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
         await s.read_request(r)  # and closes without a word
