@@ -64,6 +64,15 @@ class FleetSetup:
     def role(self, i: int) -> str:
         return self.roles[i] if i < len(self.roles) else "both"
 
+    def our_sections(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Config sections for our router over its defaults: the engines' context, then
+        :attr:`router_extra`, then ``extra``. The context is the emulator's, not the
+        tokenizer's ``config.json`` (the bench model names 32k; the H100 profile's
+        Llama-3.1-8B serves 128k): else the router alone refuses prompts that the
+        engines serve behind the peers' routers."""
+        return {"limits": {"max_model_len": self.emulator.max_model_len},
+                **self.router_extra, **(extra or {})}
+
     @property
     def dilation(self) -> float:
         """Wall seconds per emulated second: SLOs given to the client and the routers
@@ -149,7 +158,7 @@ class FleetRun:
                   "slo_ttft_ms": s.slo_ttft_ms * s.dilation,
                   "slo_tpot_ms": s.slo_tpot_ms * s.dilation,
                   "profile": self.router_profile(), "dtype": "bfloat16",
-                  "instances": self.instances, "extra": {**s.router_extra, **(extra or {})},
+                  "instances": self.instances, "extra": s.our_sections(extra),
                   "tag": tag,
                   **arm.gateway_opts}
         gw = gateway_for(arm.gateway, self.fleet.urls, self.logs,

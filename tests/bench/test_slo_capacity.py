@@ -258,3 +258,18 @@ def test_an_arm_that_never_holds_does_not_stop_the_sweep_going_up() -> None:
     assert max(rates) > 20.0  # and went past the strong arm's capacity
     assert sw.arm("hopeless")["capacity_found"] == "below"
     assert sw.arm("strong")["capacity_found"] == "interpolated"
+
+
+def test_our_router_is_given_the_engines_context_not_the_tokenizers() -> None:
+    """The bench model's config.json names 32768 tokens; engines emulating Llama-3.1-8B
+    serve 131072. Without the engines' context our router alone refused the trace's
+    long prompts (400s counted as misses) that the peers' routers passed through."""
+    from benchmarks.emulator.launch import EmulatorSpec
+    from benchmarks.serving.fleet_runs import FleetSetup
+
+    setup = FleetSetup(EmulatorSpec(2, "tok", max_model_len=131072), 1000.0, 100.0,
+                       router_extra={"replication": {"enabled": True}})
+    assert setup.our_sections() == {"limits": {"max_model_len": 131072},
+                                    "replication": {"enabled": True}}
+    assert setup.our_sections({"limits": {"max_model_len": 8}})["limits"] == {
+        "max_model_len": 8}
