@@ -330,4 +330,9 @@ def test_readme_quickstart_from_a_fresh_clone(checkout: Path, tiny_dir: str,
     assert "[FAIL]" not in out.stdout and "0 problem(s)" in out.stdout, out.stdout[-4000:]
     for check in ("router-tokenizer", "router-model-config", "router-instance"):
         assert f"[ok  ] {check}" in out.stdout, out.stdout[-4000:]
-    _assert_helps(tmp_path / "kvcentric" / ".venv" / "bin", tmp_path)
+    bin_dir = tmp_path / "kvcentric" / ".venv" / "bin"
+    _assert_helps(bin_dir, tmp_path)
+    # uvicorn serves the router with its C parser and event loop only when they are
+    # installed, and the router reaches its engines through aiohttp: [router] brings all
+    fast = _run(["python", "-c", "import aiohttp, httptools, uvloop"], bin_dir, tmp_path)
+    assert fast.returncode == 0, fast.stderr[-2000:]
