@@ -24,6 +24,7 @@ from kvcentric.router.api.upstream import Upstreams
 
 WAIT_S = 30.0
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
+Test = Callable[[str, "Server", Upstreams], Awaitable[None]]
 
 
 @dataclass
@@ -83,7 +84,7 @@ async def answering(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server)
         await w.drain()
 
 
-def run(handler: Handler, test: Callable[[str, Server, Upstreams], Awaitable[None]],
+def run(handler: Handler, test: Test,
         timeout: httpx.Timeout | None = None) -> Server:
     """``test(base_url, server, upstreams)`` on one loop with the server listening."""
     async def go() -> Server:
@@ -99,6 +100,26 @@ def run(handler: Handler, test: Callable[[str, Server, Upstreams], Awaitable[Non
             await srv.wait_closed()
         return s
     return asyncio.run(go())
+
+
+def posting_raises(kind: type[httpx.TransportError]) -> Test:
+    """A test: a POST to the server raises ``kind``."""
+    async def test(url: str, s: Server, ups: Upstreams) -> None:
+        with pytest.raises(kind):
+            await ups.post(url + "/v1/completions", content=b"{}")
+    return test
+
+
+def streaming_raises(kind: type[httpx.TransportError]) -> Test:
+    """A test: a streamed POST gets its head, then reading the body raises ``kind``."""
+    async def test(url: str, s: Server, ups: Upstreams) -> None:
+        resp = await ups.send(ups.build_request("POST", url + "/x", content=b"{}"),
+                              stream=True)
+        with pytest.raises(kind):
+            async for _ in resp.aiter_raw():
+                pass
+        await resp.aclose()
+    return test
 
 
 def test_a_stream_arrives_chunk_by_chunk_and_bytes_untouched() -> None:
@@ -216,21 +237,9 @@ def test_an_engine_that_never_answers_is_a_read_timeout() -> None:
         await w.drain()
         await s.go_on.wait()
 
-    async def test(url: str, s: Server, ups: Upstreams) -> None:
-        with pytest.raises(httpx.ReadTimeout):
-            await ups.post(url + "/v1/completions", content=b"{}")
-
-    async def test_stream(url: str, s: Server, ups: Upstreams) -> None:
-        resp = await ups.send(ups.build_request("POST", url + "/x", content=b"{}"),
-                              stream=True)
-        with pytest.raises(httpx.ReadTimeout):
-            async for _ in resp.aiter_raw():
-                pass
-        await resp.aclose()
-
     quick = httpx.Timeout(0.3, connect=WAIT_S)
-    run(silent, test, quick)
-    run(mid_stream, test_stream, quick)
+    run(silent, posting_raises(httpx.ReadTimeout), quick)
+    run(mid_stream, streaming_raises(httpx.ReadTimeout), quick)
 
 
 def test_an_engine_that_stops_reading_a_large_body_is_a_timeout() -> None:
@@ -255,20 +264,8 @@ def test_a_message_cut_short_is_a_protocol_error() -> None:
         w.write(STREAM_HEAD + chunk(b"data: {}\n\n") + b"40\r\npartial")
         await w.drain()
 
-    async def test(url: str, s: Server, ups: Upstreams) -> None:
-        with pytest.raises(httpx.RemoteProtocolError):
-            await ups.post(url + "/v1/completions", content=b"{}")
-
-    async def test_stream(url: str, s: Server, ups: Upstreams) -> None:
-        resp = await ups.send(ups.build_request("POST", url + "/x", content=b"{}"),
-                              stream=True)
-        with pytest.raises(httpx.RemoteProtocolError):
-            async for _ in resp.aiter_raw():
-                pass
-        await resp.aclose()
-
-    run(hangs_up, test)
-    run(cut, test_stream)
+    run(hangs_up, posting_raises(httpx.RemoteProtocolError))
+    run(cut, streaming_raises(httpx.RemoteProtocolError))
 
 
 def test_each_engine_has_its_own_pool_and_a_removed_one_is_closed() -> None:
