@@ -144,7 +144,12 @@ def test_storage_node_killed_mid_streamed_lease_fails_the_range(mc: MooncakeClus
                 s.fetch_range(lease, size // 2, size // 2)
         finally:
             s.release(lease)
-        assert s.stats()["staging_used_bytes"] == 0
+        # a ranged get to the dead node that overran its bound (a loaded machine) was
+        # abandoned: its staging is held until Mooncake's call returns, then given back
+        if s.stats()["abandoned_calls"]:
+            assert wait_until(lambda: s.stats()["staging_used_bytes"] == 0, 60)
+        else:
+            assert s.stats()["staging_used_bytes"] == 0
         # later tests need a pool without the dead segment: the master drops it after the
         # node's client TTL
         deadline = time.monotonic() + 40
