@@ -54,6 +54,7 @@ class Request:
     t_first: float | None = None
     t_done: float | None = None
     t_last: float | None = None  # when its last token was emitted
+    gaps: list[float] = field(default_factory=list)  # its inter-token gaps, engine side
     aborted: bool = False
 
     def __post_init__(self) -> None:

@@ -59,6 +59,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from benchmarks.lib.capacity import paper_tbt
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.testing.servers import free_port
 
@@ -122,6 +123,7 @@ class EmulatedEngine:
             for r in step.decodes:
                 if not r.aborted and r.t_last is not None:
                     self.lat.itl.observe(now - r.t_last)
+                    r.gaps.append(now - r.t_last)
                     r.t_last = now
             for r in done:
                 self.lat.e2e.observe(now - r.arrival)
@@ -151,7 +153,8 @@ class EmulatedEngine:
                  "prompt_tokens": r.n, "max_tokens": r.max_tokens, "arrival": r.arrival,
                  "admitted": r.t_admit, "first_token": r.t_first, "done": r.t_done,
                  "local_hit": r.local_hit, "external_hit": r.external_hit,
-                 "load_s": r.load_s} for r in self.core.finished]
+                 "load_s": r.load_s, "tbt_s": paper_tbt(r.gaps)}
+                for r in self.core.finished]
 
 
 class Fleet:

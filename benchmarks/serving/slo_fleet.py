@@ -31,6 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.emulator.launch import EmulatorSpec
 from benchmarks.emulator.profile import load as load_profile
 from benchmarks.lib import capacity as cap
@@ -164,6 +166,7 @@ class FleetEngine:
         kept = cap.counted(outs, self.args.warmup)
         row = cap.rate_point(kept, self.slo, rate, len(kept) / rate)
         engine = res["engine_requests"]
+        row |= self.tbt_sources(kept, engine)
         prompt = sum(r["prompt_tokens"] for r in engine) or 1
         local = sum(r["local_hit"] for r in engine)
         external = sum(r["external_hit"] for r in engine)
@@ -179,6 +182,31 @@ class FleetEngine:
               f"{row['effective_fraction']:.2f}, TTFT mean {row['ttft_mean_s'] or 0:.2f} s",
               flush=True)
         return row, kept
+
+    def tbt_sources(self, kept: list[cap.Served], engine: list[dict[str, Any]]
+                    ) -> dict[str, Any]:
+        """Where TBT misses arise: the share of counted requests over the TBT SLO as the
+        client saw their tokens (``tbt_miss_share``) and as their engine emitted them
+        (``engine_tbt_miss_share``: the engine's steps, i.e. placement; the difference is
+        the router's relay and the client), and how unevenly the engines were loaded
+        (``engine_requests_max_over_mean``). Engine records are counted without the same
+        warm-up share, by arrival."""
+        d, slo = self.d, self.slo.tbt_s
+        served = [o for o in kept if o.ttft_s is not None]
+        recs = sorted(engine, key=lambda r: r["arrival"])
+        recs = recs[round(self.args.warmup * len(recs)):]
+        tbt = [r["tbt_s"] / d for r in recs]
+        per: dict[str, int] = {}
+        for r in recs:
+            per[r["engine"]] = per.get(r["engine"], 0) + 1
+        counts = [*per.values(), *[0] * max(0, self.args.instances - len(per))]
+        mean = statistics.fmean(counts) if counts else 0.0
+        return {"tbt_miss_share": (sum(o.tbt_s > slo for o in served) / len(served)
+                                   if served else None),
+                "engine_tbt_miss_share": (sum(t > slo for t in tbt) / len(tbt)
+                                          if tbt else None),
+                "engine_tbt_p90_s": float(np.percentile(tbt, 90)) if tbt else None,
+                "engine_requests_max_over_mean": max(counts) / mean if mean else None}
 
     def info(self) -> dict[str, Any]:
         a = self.args

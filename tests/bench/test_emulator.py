@@ -432,6 +432,8 @@ def test_http_streams_counts_hits_and_reports_as_vllm(emulator: EmulatedFleet) -
     assert 'num_gpu_blocks="32"' in page and "vllm:num_requests_running" in page
     recs = httpx.get(url + "/emulator/requests").json()
     assert recs[-1]["request_id"] == "req-1" and recs[-1]["local_hit"] == 256
+    # its longest gap between tokens, as the engine emitted them: one decode step
+    assert 0 < recs[-1]["tbt_s"] < 5
     since = time.monotonic()
     # the loop's watcher wakes every 10 ms: wait for its first sample since then
     assert wait_until(lambda: emulator.stats(since=since)[0]["loop_lag_max_s"] is not None,

@@ -228,6 +228,10 @@ def test_the_emulated_fleet_sweeps_real_requests_in_emulated_time(tmp_path: Path
     assert light["effective_fraction"] == 1.0 > flood["effective_fraction"]
     assert flood["ttft_mean_s"] > light["ttft_mean_s"]
     assert 0 < light["tbt_p90_s"] < 1.0
+    # where TBT misses come from: the engines' own token gaps, beside the client's
+    assert 0 < light["engine_tbt_p90_s"] < 1.0
+    assert 0 <= light["engine_tbt_miss_share"] <= 1 and 0 <= light["tbt_miss_share"] <= 1
+    assert light["engine_requests_max_over_mean"] >= 1.0
     # the engines' own account: a group's prefix is computed once, then hit
     assert light["engine_hit_share"] > 0 and light["store_hit_share"] >= 0
     assert light["miss_share"] == pytest.approx(
