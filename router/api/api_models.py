@@ -23,9 +23,12 @@ with JSON scalar values. Fields that steer the engine beyond one request
 embeddings, structured-output grammars, tools) are not accepted.
 
 Text (a prompt, each message) is bounded by characters: at most ``limits.max_prompt_chars``
-and a twelfth of the body limit (a character takes up to 12 bytes of JSON, an escaped
-surrogate pair), so that a body breaking the bound still fits and gets a 400 naming the
-field (not a 413); a chat has at most ``max_body_bytes // 512`` messages (at
+and the body limit (a character takes at least one byte of JSON). A text of many escaped
+characters can break the body limit first and get its 413 instead of a 400 naming the
+field; bounding text by a twelfth of the body (the most bytes one character can take) would
+refuse the long prompts a long-context model serves, of more than 349525 characters under
+the default 4 MiB body (the Mooncake conversation trace has prompts of 437k characters and
+87k tokens, for a 128k context). A chat has at most ``max_body_bytes // 512`` messages (at
 least 16, at most ``MAX_MESSAGES``). How many tokens a text makes depends on the tokenizer,
 so the prompt's size is checked after rendering and tokenising
 (:class:`kvcentric.router.api.limits.Bounds`): that 400 carries the code
@@ -75,7 +78,7 @@ TOP_LOGPROBS_NEED_LOGPROBS: Any = {
 
 def text_chars(b: Bounds) -> int:
     """The longest text field (a prompt, a message) the schema accepts."""
-    return max(1, min(b.max_prompt_chars, b.max_body_bytes // 12))
+    return max(1, min(b.max_prompt_chars, b.max_body_bytes))
 
 
 def max_messages(b: Bounds) -> int:

@@ -173,6 +173,25 @@ def test_limits_answer_413_and_400(tiny_dir: str, tokenizer: PromptTokenizer) ->
     assert len(ups.calls) == 1
 
 
+def test_a_prompt_is_bounded_by_the_body_not_a_twelfth_of_it(
+        tiny_dir: str, tokenizer: PromptTokenizer) -> None:
+    """A long-context model's prompts run to several characters per token: a bound of
+    one twelfth of the body refused the conversation trace's longest prompts (437k
+    characters, 87k tokens) under the default 4 MiB body and a 128k context."""
+    ups = Upstreams()
+    limits = {"max_body_bytes": 4096, "max_prompt_tokens": 2000}
+
+    async def fn(c: httpx.AsyncClient) -> None:
+        prompt = "hello " * 500  # 3000 characters, far above 4096 // 12, 500 tokens
+        r = await c.post("/v1/completions", json=dict(BODY, prompt=prompt))
+        assert r.status_code == 200, r.text
+        r = await c.post("/v1/completions", json=dict(BODY, prompt="hello " * 700))
+        assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+
+    run(make_cfg(tiny_dir, TWO, limits=limits), tokenizer, ups, fn)
+    assert len(ups.calls) == 1
+
+
 def test_concurrency_per_key_is_429_with_retry_after(tiny_dir: str,
                                                      tokenizer: PromptTokenizer) -> None:
     ups = Upstreams(delay_s=0.3)
