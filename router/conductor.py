@@ -59,7 +59,8 @@ class Conductor:
         # is hashed, so no decision counts on a hit it cannot verify
         self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
                                  self.disk_bandwidth, cfg.cost.tie_tolerance,
-                                 cfg.cost.balance_abs, cfg.cost.balance_rel)
+                                 cfg.cost.balance_abs, cfg.cost.balance_rel,
+                                 cfg.cost.stall_weight)
         self.clock = clock
         self.policy = make_policy(cfg.policy)
         self.peers: PeerSync | None = None  # set by the app when replicas sync
@@ -79,7 +80,7 @@ class Conductor:
         cost = self.cfg.cost
         self.params = CostParams(self.profile, block_size, self.kv_bytes_per_token * block_size,
                                  self.bandwidth, self.disk_bandwidth, cost.tie_tolerance,
-                                 cost.balance_abs, cost.balance_rel)
+                                 cost.balance_abs, cost.balance_rel, cost.stall_weight)
         for inst in self.registry:
             self.index.clear(inst.slot)
             if inst.translator is not None:

@@ -55,6 +55,9 @@ TIE_TOLERANCE = 0.05
 # decodes slow every prefill it takes (no-store hot-prefix fleet runs, results/)
 BALANCE_ABS = 4
 BALANCE_REL = 1.5
+# a colocated prefill's compute, charged once per sequence decoding beside it: each of its
+# chunked steps is a gap in their streams (see kvcentric.router.cost.decision)
+STALL_WEIGHT = 1.0
 
 
 def _section(cls: type, section: str, raw: Any) -> Any:
@@ -133,7 +136,9 @@ class CostConfig:
     ``balance_abs`` and ``balance_rel``: an instance running more than ``balance_abs``
     sequences beyond the least loaded candidate, and more than ``balance_rel`` times as
     many, is not a candidate (``balance_abs: null`` turns this off); see
-    :func:`kvcentric.router.cost.decision.choose`.
+    :func:`kvcentric.router.cost.decision.choose`. ``stall_weight``: seconds of TTFT one
+    second of a colocated prefill's compute costs each sequence decoding on that instance
+    (the choice minimises TTFT plus that stall; 0: TTFT alone).
     """
 
     profile: str | None = None
@@ -146,9 +151,13 @@ class CostConfig:
     tie_tolerance: float = TIE_TOLERANCE
     balance_abs: int | None = BALANCE_ABS
     balance_rel: float = BALANCE_REL
+    stall_weight: float = STALL_WEIGHT
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
+        w = self.stall_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
+            raise ValueError(f"cost.stall_weight must be a number >= 0, got {w!r}")
         ab, rel = self.balance_abs, self.balance_rel
         if ab is not None and (isinstance(ab, bool) or not isinstance(ab, int) or ab < 0):
             raise ValueError(f"cost.balance_abs must be an integer >= 0 or null, got {ab!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvcentric.router.cost.decision import (
     Rejection,
     choose,
     decode_cost,
+    decoding_beside,
     prefill_cost,
 )
 from kvcentric.router.fleet.instance_spec import InstanceSpec
@@ -383,17 +385,17 @@ def test_a_tie_never_breaks_an_slo_the_lowest_meets() -> None:
 
 
 def test_replicas_with_different_load_views_agree_where_a_new_prefix_goes() -> None:
-    """Two routers see the same idle fleet but different batches (each counts its own
-    decodes): by batch they would pick different instances for a prefix resident nowhere
-    and both compute it; the affinity's rendezvous rank makes them agree, and different
-    prefixes still spread over the fleet."""
+    """Two routers see the same idle fleet but different batches (each reads the engines'
+    gauges at its own moments): by batch they would pick different instances for a prefix
+    resident nowhere and both compute it; the affinity's rendezvous rank makes them agree,
+    and different prefixes still spread over the fleet."""
     names = [f"e{i}" for i in range(8)]
     view_a = [inst(n, i) for i, n in enumerate(names)]
     view_b = [inst(n, i) for i, n in enumerate(names)]
     for i, x in enumerate(view_a):
-        x.decodes = i  # router A sent most to the last ones
+        x.stats.running = i  # router A read the last ones busiest
     for i, x in enumerate(view_b):
-        x.decodes = 7 - i  # router B the other way round
+        x.stats.running = 7 - i  # router B the other way round
     picks = []
     for k in range(200):
         aff = k.to_bytes(4, "little") * 4
@@ -426,7 +428,9 @@ def test_affinity_never_overrides_a_hit_or_a_queue_beyond_the_tolerance() -> Non
 def test_affinity_ranks_only_ties_where_no_instance_holds_the_prefix() -> None:
     """A hot prefix held by two engines: whichever the rank prefers, the one not decoding
     takes the next request (its prefill chunks would stall the other's decodes); the rank
-    still places a prefix that neither holds."""
+    still places a prefix that neither holds, among instances whose batches differ by the
+    gauge only. A prefix neither holds, beside decodes this router sent: the stall of
+    those decodes outweighs the rank (see the next test)."""
     a, b = inst("a", 0), inst("b", 1)
     a.decodes = 6
     for k in range(32):
@@ -435,7 +439,47 @@ def test_affinity_ranks_only_ties_where_no_instance_holds_the_prefix() -> None:
         assert isinstance(d, Decision) and d.prefill is b
     picks = {choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=0.0,  # type: ignore[union-attr]
                     affinity=bytes([k]) * 16).prefill.name for k in range(32)}
+    assert picks == {"b"}
+    a.decodes, a.stats.running = 0, 6  # busy by the gauge alone
+    picks = {choose([a, b], [a, b], {}, 0, N, PARAMS, SLO, now=0.0,  # type: ignore[union-attr]
+                    affinity=bytes([k]) * 16).prefill.name for k in range(32)}
     assert picks == {"a", "b"}  # by rank, not by load
+
+
+def test_a_colocated_prefill_goes_where_it_stalls_the_fewest_decodes() -> None:
+    """A prefill on a ``both`` instance shares the engine's steps with the sequences
+    decoding there: the choice weighs its compute once per such sequence. A long uncached
+    prefill leaves an instance holding part of its prefix for an idle one when that
+    instance decodes; a prompt mostly cached there (little compute) still goes there;
+    ``stall_weight: 0`` is Algorithm 1 on TTFT alone."""
+    a, b = inst("a", 0), inst("b", 1)
+    for _ in range(3):  # three of this router's requests decoding on a
+        a.decodes += 1
+    runs = {0: 8}  # a holds 8 of the prompt's 32 blocks: ~0.2 s less compute there
+    d = choose([a, b], [a, b], runs, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b
+    costs = {c.name: c for c in d.candidates}
+    assert costs["a"].ttft_s < costs["b"].ttft_s  # the lower TTFT lost to the stall
+    blind = replace(PARAMS, stall_weight=0.0)
+    d = choose([a, b], [a, b], runs, 0, N, blind, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a
+    d = choose([a, b], [a, b], {0: 31}, 0, N, PARAMS, SLO, now=0.0)  # one block to compute
+    assert isinstance(d, Decision) and d.prefill is a
+    # a request still queued for its prefill is not decoding: nothing to stall yet
+    a.enqueue("q", 0.5, 0.0)
+    a.enqueue("r", 0.5, 0.0)
+    a.enqueue("s", 0.5, 0.0)
+    assert a.decoding() == 0
+    a.prefill_done("q", 0.5)
+    assert a.decoding() == 1
+    # decodes on a shared processor are stalled by a prefill on any of its instances
+    reg = Registry(PrefixIndex(), 1024, "fair")
+    c, e = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute="gpu0"))
+            for n in ("c", "e"))
+    c.decodes = 2
+    assert decoding_beside([c, e]) == {id(c): 2, id(e): 2}
+    with pytest.raises(ValueError, match="stall_weight"):
+        RouterConfig.from_dict({"model": "m", "tokenizer": "x", "cost": {"stall_weight": -1}})
 
 
 def test_a_tie_goes_to_the_instance_without_this_routers_requests_over_a_stale_gauge() -> None:
