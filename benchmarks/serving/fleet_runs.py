@@ -150,17 +150,18 @@ class FleetRun:
     def gateway(self, arm: Arm, tag: str = "",
                 extra: dict[str, Any] | None = None) -> Gateway | None:
         """``arm``'s router over the fleet; ``extra``: config sections for ours, over
-        the setup's ``router_extra``."""
+        the setup's ``router_extra`` and the arm's own (``gateway_opts["extra"]``)."""
         s = self.setup
         kw: dict[str, Any] = {}
         if arm.gateway == "kvcentric":
+            opts = dict(arm.gateway_opts)
+            sections = {**opts.pop("extra", {}), **(extra or {})}  # the arm's, then the call's
             kw = {"model": s.emulator.model, "store": self.store,
                   "slo_ttft_ms": s.slo_ttft_ms * s.dilation,
                   "slo_tpot_ms": s.slo_tpot_ms * s.dilation,
                   "profile": self.router_profile(), "dtype": "bfloat16",
-                  "instances": self.instances, "extra": s.our_sections(extra),
-                  "tag": tag,
-                  **arm.gateway_opts}
+                  "instances": self.instances, "extra": s.our_sections(sections),
+                  "tag": tag, **opts}
         gw = gateway_for(arm.gateway, self.fleet.urls, self.logs,
                          tokenizer=s.emulator.tokenizer, **kw)
         if gw is not None:

@@ -37,7 +37,7 @@ from benchmarks.emulator.launch import EmulatorSpec
 from benchmarks.emulator.profile import load as load_profile
 from benchmarks.lib import capacity as cap
 from benchmarks.lib.paths import LOGS
-from benchmarks.serving.compare import OUR_ARMS, PEER_CACHE_AWARE, POLICY_ARMS
+from benchmarks.serving.compare import OUR_ARMS, OUR_ROUTER, PEER_CACHE_AWARE, POLICY_ARMS
 from benchmarks.serving.fleet import Arm
 from benchmarks.serving.fleet_runs import FleetRun, FleetSetup, split_cpus, summary_row
 from kvcentric.bench_serving.tokens import TokenSource
@@ -45,7 +45,13 @@ from kvcentric.bench_serving.trace import read_trace
 from kvcentric.bench_serving.workloads import Turn, Workload, WorkloadSpec, build
 from kvcentric.testing.models import build_model
 
-ARMS = {a.name: a for a in [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS, *POLICY_ARMS]}
+# ours with the decision on TTFT alone: no charge for the decodes a colocated prefill
+# stalls (kvcentric.router.cost.decision), to measure what that charge does
+ABLATIONS = [Arm("kvcentric-ttft_only", gateway="kvcentric",
+                 gateway_opts={**OUR_ROUTER.gateway_opts,
+                               "extra": {"cost": {"stall_weight": 0.0}}})]
+ARMS = {a.name: a for a in [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS, *POLICY_ARMS,
+                            *ABLATIONS]}
 DEFAULT_ARMS = ("round-robin", "vllm-router-cache_aware", "smg-cache_aware",
                 "kvcentric-router", "kvcentric-admission")
 OURS = tuple(a.name for a in OUR_ARMS)
