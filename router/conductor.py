@@ -109,6 +109,25 @@ class Conductor:
             return None
         return prompt_tail(tokens, self.block_size, self._seed(salt), hashes)
 
+    async def holds(self, tokens: np.ndarray, salt: str | None = None) -> bool:
+        """Whether every full block of ``tokens`` (a prompt's leading tokens) is cached on
+        some candidate instance or in the store: a prompt scan
+        (:mod:`kvcentric.router.prompt_scan`) goes on while it is. False while the block
+        size is unknown (no hash could be matched)."""
+        if self.block_size is None:
+            return False
+        hashes = self.hashes(tokens, salt)
+        if not hashes:
+            return True
+        model = self.cfg.model
+        mask = 0
+        for i in (*self.registry.candidates(model, prefill=True),
+                  *self.registry.candidates(model, prefill=False)):
+            mask |= 1 << i.slot
+        if max(self.index.match(hashes, mask).values(), default=0) >= len(hashes):
+            return True
+        return self.store.enabled and await self.store.leading_run(hashes) >= len(hashes)
+
     def decide_local(self, hashes: Sequence[bytes], n_tokens: int, global_run: int,
                      exclude: Collection[str] = (), global_tail: bool = False,
                      disk_only: Sequence[int] = ()) -> Decision | Rejection:

@@ -218,19 +218,25 @@ class CacheConfig:
     """Prefix knowledge: per-instance LRU size (blocks, unless the engine reports its own),
     TTLs of the global store view, the decay time of prefix heat, and how many characters
     of prompt text the router keeps tokenised (``prompt_text_chars``; 0: tokenise every
-    prompt whole; :mod:`kvcentric.router.prefix_tokens`)."""
+    prompt whole; :mod:`kvcentric.router.prefix_tokens`). ``scan_prompts``: tokenise a
+    text prompt only up to its first block held nowhere (:mod:`kvcentric.router.prompt_scan`;
+    needs the prompt text cache); false: every prompt whole."""
 
     blocks_per_instance: int = 4096
     store_ttl_s: float = 2.0
     store_negative_ttl_s: float = 0.25
     heat_half_life_s: float = 60.0
     prompt_text_chars: int = 16 * 2**20
+    scan_prompts: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "blocks_per_instance", "store_ttl_s", "store_negative_ttl_s",
                   "heat_half_life_s")
         if self.prompt_text_chars < 0:
             raise ValueError("cache.prompt_text_chars must be >= 0")
+        if not isinstance(self.scan_prompts, bool):
+            raise ValueError(f"cache.scan_prompts must be true or false, got "
+                             f"{self.scan_prompts!r}")
 
 
 @dataclass(frozen=True)

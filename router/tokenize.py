@@ -142,6 +142,51 @@ class PromptTokenizer:
         """Token ids of ``text``: :meth:`run` of :meth:`plan` (``[n]`` uint32)."""
         return self.run(self.plan(text, add_special_tokens))
 
+    @property
+    def scans(self) -> bool:
+        """Whether a prompt can be tokenised piece by piece (:meth:`known_prefix`): the
+        prompt token cache is on, so pieces join exactly where a whole tokenisation
+        would put the same ids."""
+        return self.prefix is not None and self.prefix.enabled and self._rust is not None
+
+    def token_bound(self, text: str, add_special_tokens: bool) -> int:
+        """At most how many tokens ``text`` makes, without tokenising it: its normalised
+        UTF-8 bytes (every token of a byte-level, byte-fallback, WordPiece or Unigram
+        model covers at least one), one for a prefix space, and the special tokens."""
+        norm = self._rust.normalizer if self._rust is not None else None
+        n = len((norm.normalize_str(text) if norm is not None else text).encode("utf-8"))
+        return n + 1 + (self.tok.num_special_tokens_to_add() if add_special_tokens else 0)
+
+    def known_prefix(self, text: str, add_special_tokens: bool, chars: int
+                     ) -> tuple[np.ndarray, int]:
+        """Token ids of a leading part of ``text`` that a whole tokenisation would begin
+        with, and how many characters they cover, after tokenising at most ``text[:chars]``
+        (only past what the prompt token cache already holds); requires :attr:`scans`.
+        The ids end before the last pre-token boundary the cache can vouch for: the
+        characters after the cut could still merge with those before it."""
+        p = self.prefix
+        assert p is not None
+        if chars < len(text):
+            p.encode(text[:chars], add_special_tokens)  # adds the piece's anchors
+        reuse = p.lookup(text, add_special_tokens)
+        if not reuse.chunks:
+            return np.zeros(0, dtype=np.uint32), 0
+        return np.concatenate([c.ids for c in reuse.chunks]), reuse.start
+
+    def check_prefix(self, text: str, add_special_tokens: bool, ids: np.ndarray
+                     ) -> np.ndarray | None:
+        """Whole-tokenise ``text`` and check that it begins with ``ids`` (a sampled check
+        of :meth:`known_prefix`): None when it does, else the whole ids, with the prompt
+        token cache turned off for good."""
+        whole = self._whole(text, add_special_tokens)
+        if np.array_equal(whole[:len(ids)], ids):
+            return None
+        log.warning("prompt token cache disagreed with a whole tokenisation in its first "
+                    "%d tokens: turned off", len(ids))
+        assert self.prefix is not None
+        self.prefix.disable()
+        return whole
+
     def _whole(self, text: str, add_special_tokens: bool) -> np.ndarray:
         if self._rust is not None:
             enc = self._rust.encode_batch([text], add_special_tokens=add_special_tokens)

@@ -28,6 +28,7 @@ from kvcentric.router.api import api_models, limits
 from kvcentric.router.api.auth import Caller
 from kvcentric.router.api.errors import Refused
 from kvcentric.router.api.relay import RelayResponse
+from kvcentric.router.prompt_scan import scan, worth_scanning
 from kvcentric.router.tokenize import Plan
 
 if TYPE_CHECKING:
@@ -91,8 +92,11 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         state.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         return resp
 
-    async def _admit(request: Request, chat: bool) -> tuple[dict[str, Any], np.ndarray]:
-        """The parsed body and prompt tokens, or :class:`Refused` (400/404/413)."""
+    async def _admit(request: Request, chat: bool) -> tuple[dict[str, Any], np.ndarray | Plan]:
+        """The parsed body and the prompt's tokens, or :class:`Refused` (400/404/413). A
+        text prompt that is surely within the context (and leaves room for its
+        ``min_tokens``) comes back as its :class:`Plan`, tokenised later only as far as
+        routing needs (:mod:`kvcentric.router.prompt_scan`)."""
         body = await json_body(request, cfg.limits.max_body_bytes)
         model = body.get("model", cfg.model)
         if model != cfg.model:
@@ -104,6 +108,10 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         api_models.normalize(body, bounds)
         tokens = _prompt(body, chat, context)
         if isinstance(tokens, Plan):
+            bound = _scan_bound(tokens, body, context)
+            if bound is not None:
+                bounds.fit_budget(body, bound, context)  # changes no min_tokens: it fits
+                return body, tokens
             # a worker thread only for much to tokenise: the Rust tokenizer releases the
             # GIL and the loop serves others meanwhile; a hand-off costs more than a little
             run = state.tokenizer.run
@@ -111,6 +119,20 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
             bounds.check_tokens(len(tokens), context)
         bounds.fit_budget(body, len(tokens), context)
         return body, tokens
+
+    def _scan_bound(plan: Plan, body: dict[str, Any], context: int) -> int | None:
+        """The prompt's bound on tokens when its scan may stop short of its end: within
+        the context and leaving room for ``min_tokens`` whatever the exact count; None
+        when only the exact count can tell (it is then tokenised whole first)."""
+        tok = state.tokenizer
+        if not (cfg.cache.scan_prompts and tok.scans and worth_scanning(plan)):
+            return None
+        bound = tok.token_bound(plan.text, plan.add_special_tokens)
+        if bound > bounds.prompt_tokens(context):
+            return None
+        if (body.get("min_tokens") or 0) > context - bound:
+            return None
+        return bound
 
     def _prompt(body: dict[str, Any], chat: bool, context: int) -> np.ndarray | Plan:
         """The prompt's token ids when the request gave them, else how to tokenise its
@@ -132,14 +154,21 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         return tok.plan(text, special)
 
     async def _forward(request: Request, chat: bool, caller: Caller, body: dict[str, Any],
-                       tokens: np.ndarray, received: float) -> Response:
+                       prompt: np.ndarray | Plan, received: float) -> Response:
         salt = state.auth.salt(caller, body.get("cache_salt"))
         if salt is not None:
             body["cache_salt"] = salt  # the engines hash it into every block of the prompt
-        hashes = state.conductor.hashes(tokens, salt)
-        tail = state.conductor.tail(tokens, hashes, salt)
+        conductor = state.conductor
+        if isinstance(prompt, Plan):
+            scanned = await scan(state.tokenizer, prompt,
+                                 lambda ids: conductor.holds(ids, salt))
+            tokens, n_tokens, whole = scanned.tokens, scanned.n_tokens, scanned.complete
+        else:
+            tokens, n_tokens, whole = prompt, len(prompt), True
+        hashes = conductor.hashes(tokens, salt)
+        tail = conductor.tail(tokens, hashes, salt) if whole else None
         if state.replicator is not None:
-            state.replicator.observe(hashes, tokens, salt)
+            state.replicator.observe(hashes, tokens, salt, cut=not whole)
         # a router key is the router's business: never forwarded to the engines, which get
         # upstream.api_key when they check keys of their own
         forwarded = ("content-type", "accept", "x-request-id") if state.auth.enabled else \
@@ -149,7 +178,7 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
             headers["authorization"] = f"Bearer {cfg.upstream.api_key}"
         assert state.proxy is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        return await state.proxy.handle(path, body, hashes, len(tokens), headers, tail,
+        return await state.proxy.handle(path, body, hashes, n_tokens, headers, tail,
                                         received)
 
     async def completions(request: Request) -> Response:

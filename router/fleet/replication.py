@@ -47,12 +47,15 @@ log = logging.getLogger("router.fleet.replication")
 
 @dataclass
 class SharedPrefix:
-    """The blocks every request seen with one root shared (root first)."""
+    """The blocks every request seen with one root shared (root first). ``cut``: the
+    blocks after these are not known to differ: a request's prompt scan stopped there
+    (:mod:`kvcentric.router.prompt_scan`: the next block was held nowhere yet)."""
 
     hashes: list[bytes]
     tokens: np.ndarray  # the tokens of those blocks
     salt: str | None
     requests: int = 1
+    cut: bool = False
 
 
 class HotPrefixes:
@@ -70,10 +73,13 @@ class HotPrefixes:
         return self._by_root.get(root)
 
     def observe(self, hashes: Sequence[bytes], tokens: np.ndarray, salt: str | None,
-                block_size: int) -> None:
+                block_size: int, cut: bool = False) -> None:
         """Count a request with these full-block ``hashes`` (of ``tokens``, salted with
-        ``salt``): its root's shared prefix becomes the leading run it has in common with
-        what was shared so far."""
+        ``salt``; ``cut``: its prompt goes on past them, unhashed): its root's shared
+        prefix becomes the leading run it has in common with what was shared so far. A
+        shared prefix that ended where a scan stopped grows with a request that holds all
+        of it and more (the first requests of a prefix stop at its first block, held
+        nowhere yet); a request cut within it leaves it whole."""
         if not hashes:
             return
         root = hashes[0]
@@ -81,7 +87,7 @@ class HotPrefixes:
         if p is None:
             self._by_root[root] = SharedPrefix(list(hashes),
                                                np.array(tokens[:len(hashes) * block_size]),
-                                               salt)
+                                               salt, cut=cut)
             if len(self._by_root) > self.capacity:
                 self._by_root.popitem(last=False)
             return
@@ -91,9 +97,14 @@ class HotPrefixes:
             if a != b:
                 break
             n += 1
-        if n < len(p.hashes):
+        if n == len(p.hashes) and p.cut and len(hashes) > n:
+            p.hashes = list(hashes)
+            p.tokens = np.array(tokens[:len(hashes) * block_size])
+            p.cut = cut
+        elif n < len(p.hashes) and not (cut and n == len(hashes)):
             p.hashes = p.hashes[:n]
             p.tokens = p.tokens[:n * block_size]
+            p.cut = False
         p.requests += 1
 
 
@@ -120,10 +131,12 @@ class Replicator:
         self._warmed: dict[tuple[bytes, str], float] = {}  # (root, instance) -> when
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def observe(self, hashes: Sequence[bytes], tokens: np.ndarray, salt: str | None) -> None:
-        """A user request was routed (called for every one while replication is on)."""
+    def observe(self, hashes: Sequence[bytes], tokens: np.ndarray, salt: str | None,
+                cut: bool = False) -> None:
+        """A user request was routed (called for every one while replication is on);
+        ``cut``: its prompt scan stopped after ``tokens``."""
         if self.cfg.enabled and self.conductor.block_size is not None:
-            self.prefixes.observe(hashes, tokens, salt, self.conductor.block_size)
+            self.prefixes.observe(hashes, tokens, salt, self.conductor.block_size, cut)
 
     # ---- deciding (no I/O) ----
     def candidates(self, now: float) -> list[Warmup]:

@@ -1,0 +1,86 @@
+"""Tokenise a text prompt only as far as routing needs: to the first block held nowhere.
+
+Why: the router tokenises a prompt to hash its blocks and find where they are cached, and
+tokenising is most of its CPU on long prompts (the conversation trace's prompts average
+63k characters). Past the first block that no engine and not the store holds, nothing of
+the prompt can be loaded anywhere: its hashes would change no decision, and the engine
+tokenises the request itself. So the prompt is tokenised in pieces of ``piece_chars``
+characters (each through the prompt token cache, which joins pieces where a whole
+tokenisation puts the same ids: :meth:`PromptTokenizer.known_prefix
+<kvcentric.router.tokenize.PromptTokenizer.known_prefix>`), and after each piece the caller
+says whether every full block so far is held somewhere; the first that is not ends the
+scan. A prompt held to its end is tokenised whole, exactly as without the scan.
+
+What a stopped scan gives instead of the exact count: the tokens so far plus the
+characters left at the tokens-per-character of what was tokenised (the cost model's
+prefill time of the uncached rest, the same estimate for every instance). The router's
+own refusal of a prompt too long for the context needs the exact count, so a prompt that
+could be too long (its :meth:`token_bound
+<kvcentric.router.tokenize.PromptTokenizer.token_bound>` over the limit) is tokenised
+whole before it is admitted (``openai_routes``). The blocks a router marks resident on
+the instance it chose are those it hashed; the engine's KV events bring the rest.
+
+Runs on the router's event loop; tokenising runs on worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcentric.router.tokenize import Plan, PromptTokenizer
+
+# characters tokenised per piece: a few thousand tokens, so a scan that stops at once
+# costs little, and a long cached prefix takes a few steps (each one store lookup)
+PIECE_CHARS = 16384
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """``tokens``: the prompt's first ``len(tokens)`` token ids (all of them when
+    ``complete``, ``[n]`` uint32); ``n_tokens``: its length, exact when ``complete``, else
+    estimated."""
+
+    tokens: np.ndarray
+    n_tokens: int
+    complete: bool
+
+
+def left_from(plan: Plan) -> int:
+    """Where ``plan``'s text starts to need tokenising (past its known prefix)."""
+    return plan.reuse.start if plan.reuse is not None else 0
+
+
+def worth_scanning(plan: Plan, piece_chars: int = PIECE_CHARS) -> bool:
+    """Whether more than a piece of ``plan``'s text is left to tokenise: else it is
+    tokenised whole, at the cost of one piece, and no lookup is spent on it."""
+    return len(plan.text) - left_from(plan) > piece_chars
+
+
+async def scan(tok: PromptTokenizer, plan: Plan,
+               held: Callable[[np.ndarray], Awaitable[bool]],
+               piece_chars: int = PIECE_CHARS) -> Scanned:
+    """Tokenise ``plan``'s text piece by piece while ``held(tokens)`` says every full block
+    of the tokens so far is cached somewhere; whole (as :meth:`PromptTokenizer.run`) when
+    the tokenizer cannot join pieces (:attr:`PromptTokenizer.scans`) or the text is held
+    to its end. ``plan.verify``: a stopped scan's tokens are checked against a whole
+    tokenisation (which replaces them on a mismatch)."""
+    text, special = plan.text, plan.add_special_tokens
+    cut = left_from(plan) + piece_chars  # what the prompt token cache knows costs nothing
+    while tok.scans and cut < len(text):
+        ids, chars = await asyncio.to_thread(tok.known_prefix, text, special, cut)
+        if not await held(ids):
+            if plan.verify:
+                whole = await asyncio.to_thread(tok.check_prefix, text, special, ids)
+                if whole is not None:
+                    return Scanned(whole, len(whole), True)
+            rest = len(text) - chars
+            per_char = len(ids) / chars if chars else 0.25
+            return Scanned(ids, len(ids) + max(1, round(rest * per_char)), False)
+        cut += piece_chars
+    run = tok.run
+    ids = run(plan) if plan.inline else await asyncio.to_thread(run, plan)
+    return Scanned(ids, len(ids), True)

@@ -1,0 +1,231 @@
+"""A text prompt is tokenised only up to its first block held nowhere, and what is
+tokenised is exactly what a whole tokenisation gives (``router/prompt_scan.py``).
+
+Real tokenizers as in test_router_prefix_tokens.py (the bench model's byte-level BPE and
+trained Llama-3-style and SentencePiece-style ones); the router-level behaviour (a long
+prompt through the app, the context check that still needs the exact count) is in
+test_router_app.py's style at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import unicodedata
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from kvcentric.router.fleet.replication import HotPrefixes
+from kvcentric.router.prompt_scan import scan
+from kvcentric.router.tokenize import PromptTokenizer
+from tests.router.test_router_prefix_tokens import bench, mixed_text, trained
+
+PIECE = 4096
+
+
+def quiet(tok: PromptTokenizer) -> PromptTokenizer:
+    """No sampled whole-tokenisation checks: the scan's own ids must match."""
+    assert tok.prefix is not None
+    tok.prefix._verify_first = 0
+    tok.prefix._verify_every = 1 << 30
+    return tok
+
+
+def held_up_to(n: int) -> tuple[list[int], object]:
+    """A ``held`` that says yes while fewer than ``n`` tokens are asked about; it records
+    how many it was asked about."""
+    asked: list[int] = []
+
+    async def held(ids: np.ndarray) -> bool:
+        asked.append(len(ids))
+        return len(ids) < n
+
+    return asked, held
+
+
+@pytest.mark.parametrize("kind", ["bench", "llama3", "metaspace"])
+def test_a_scan_stops_at_the_first_block_held_nowhere_with_exact_ids(tmp_path: Path,
+                                                                       kind: str) -> None:
+    path = bench() if kind == "bench" else trained(tmp_path, kind)
+    tok = quiet(PromptTokenizer(path, cache_chars=1 << 22))
+    text = mixed_text(random.Random(7), 12000)  # ~50k characters
+    for special in (True, False):
+        whole = np.asarray(tok.tok(text, add_special_tokens=special)["input_ids"],
+                           dtype=np.uint32)
+        asked, held = held_up_to(len(whole) // 3)
+        before = tok.prefix.tokenized_tokens  # type: ignore[union-attr]
+        got = asyncio.run(scan(tok, tok.plan(text, special), held, PIECE))  # type: ignore[arg-type]
+        assert not got.complete and 0 < len(got.tokens) < len(whole)
+        assert np.array_equal(got.tokens, whole[:len(got.tokens)])  # exact where it stops
+        assert len(got.tokens) >= len(whole) // 3 and asked[-1] == len(got.tokens)
+        # the rest is estimated from the characters left: a rough count, not a wild one
+        assert 0.7 < got.n_tokens / len(whole) < 1.3, (got.n_tokens, len(whole))
+        # and it was never tokenised: about one piece past the stop point at most
+        spent = tok.prefix.tokenized_tokens - before  # type: ignore[union-attr]
+        assert spent < len(whole) * 0.75, (spent, len(whole))
+
+
+def test_a_prompt_held_to_its_end_is_tokenised_whole() -> None:
+    tok = quiet(PromptTokenizer(bench(), cache_chars=1 << 22))
+    text = mixed_text(random.Random(8), 6000)
+    whole = np.asarray(tok.tok(text)["input_ids"], dtype=np.uint32)
+    asked, held = held_up_to(1 << 30)
+    got = asyncio.run(scan(tok, tok.plan(text, True), held, PIECE))  # type: ignore[arg-type]
+    assert got.complete and got.n_tokens == len(whole)
+    assert np.array_equal(got.tokens, whole)
+    assert len(asked) >= 3  # it did go piece by piece
+    # text the prompt token cache knows is not scanned: it costs nothing to tokenise
+    asked, held = held_up_to(0)
+    got = asyncio.run(scan(tok, tok.plan(text + " more", True), held, PIECE))  # type: ignore[arg-type]
+    assert got.complete and asked == []
+    # new text held nowhere: the first piece ends it
+    other = mixed_text(random.Random(18), 6000)
+    got = asyncio.run(scan(tok, tok.plan(other, True), held, PIECE))  # type: ignore[arg-type]
+    assert not got.complete and asked == [len(got.tokens)]
+
+
+def test_without_the_prompt_text_cache_every_prompt_is_tokenised_whole() -> None:
+    tok = PromptTokenizer(bench())  # cache_chars 0: pieces cannot be joined exactly
+    assert not tok.scans
+    text = mixed_text(random.Random(9), 6000)
+    asked, held = held_up_to(0)
+    got = asyncio.run(scan(tok, tok.plan(text, True), held, PIECE))  # type: ignore[arg-type]
+    assert got.complete and asked == []
+    assert np.array_equal(got.tokens, np.asarray(tok.tok(text)["input_ids"], dtype=np.uint32))
+
+
+def test_a_sampled_check_replaces_a_wrong_prefix_and_turns_the_cache_off() -> None:
+    tok = PromptTokenizer(bench(), cache_chars=1 << 22)
+    text = mixed_text(random.Random(10), 6000)
+    whole = np.asarray(tok.tok(text)["input_ids"], dtype=np.uint32)
+    assert tok.check_prefix(text, True, whole[:100]) is None  # right: nothing to replace
+    wrong = whole[:100].copy()
+    wrong[50] += 1
+    got = tok.check_prefix(text, True, wrong)
+    assert got is not None and np.array_equal(got, whole)
+    assert not tok.scans  # off for good: later prompts are tokenised whole
+    # the scan's own check (the first results are checked): a stopped scan is exact
+    tok = PromptTokenizer(bench(), cache_chars=1 << 22)
+    asked, held = held_up_to(len(whole) // 2)
+    got2 = asyncio.run(scan(tok, tok.plan(text, True), held, PIECE))  # type: ignore[arg-type]
+    assert np.array_equal(got2.tokens, whole[:len(got2.tokens)]) and tok.scans
+
+
+@pytest.mark.parametrize("kind", ["bench", "llama3", "metaspace"])
+def test_the_token_bound_is_never_below_the_count(tmp_path: Path, kind: str) -> None:
+    """What lets the router skip tokenising a prompt it can still refuse: the bound holds
+    for emoji, CJK, decomposed accents and characters NFKC expands (one character, up to
+    18 after normalising)."""
+    path = bench() if kind == "bench" else trained(tmp_path, kind)
+    tok = PromptTokenizer(path, cache_chars=1 << 22)
+    rnd = random.Random(11)
+    odd = ["\ufdfa", "\ufb01", "\u3392", "e\u0301", "😀", "中", " ", "\n", "a", "<s>"]
+    texts = [mixed_text(rnd, 500), "".join(rnd.choice(odd) for _ in range(2000)),
+             "\ufdfa" * 300, " " * 1000, "x"]
+    assert len(unicodedata.normalize("NFKC", "\ufdfa")) == 18
+    for text in texts:
+        for special in (True, False):
+            n = len(tok.tok(text, add_special_tokens=special)["input_ids"])
+            assert tok.token_bound(text, special) >= n, (text[:20], special)
+
+
+def test_a_shared_prefix_cut_by_a_scan_grows_with_a_request_that_holds_more() -> None:
+    """The first requests of a new prefix stop at its first block (held nowhere yet): the
+    shared prefix they leave must not cap what replication later warms."""
+    bs = 4
+    h = [bytes([i]) * 8 for i in range(10)]
+    toks = np.arange(40, dtype=np.uint32)
+    hp = HotPrefixes()
+    hp.observe(h[:2], toks[:8], None, bs, cut=True)
+    hp.observe(h[:8], toks[:32], None, bs, cut=True)  # held further now: it grows
+    p = hp.get(h[0])
+    assert p is not None and p.hashes == h[:8] and len(p.tokens) == 32 and p.cut
+    hp.observe(h[:3], toks[:12], None, bs, cut=True)  # stopped inside it: knows no less
+    assert p.hashes == h[:8]
+    hp.observe(h[:6], toks[:24], None, bs)  # a whole prompt that ends there: shared is 6
+    assert p.hashes == h[:6] and not p.cut
+    hp.observe(h[:9], toks[:36], None, bs, cut=True)  # no longer cut: it cannot grow
+    assert p.hashes == h[:6] and p.requests == 5
+
+
+# ---- through the router app (fake engines: tests/router/test_router_app.py) ----
+def scanning(tiny_dir: str) -> PromptTokenizer:
+    tok = quiet(PromptTokenizer(tiny_dir, cache_chars=1 << 22))
+    assert tok.scans
+    return tok
+
+
+def test_a_long_prompt_is_routed_on_its_held_blocks_and_forwarded_untouched(
+        tiny_dir: str) -> None:
+    from tests.router.test_router_app import TWO, Upstreams, make_cfg, run
+
+    tok = scanning(tiny_dir)
+    doc = mixed_text(random.Random(12), 16000)  # ~65k characters held nowhere yet
+    first, second = doc + " question one", doc + " answer one question two"
+    whole = len(tok.tok(first)["input_ids"])
+    ups = Upstreams()
+    limits = {"max_model_len": 1 << 20}
+
+    async def fn(c: httpx.AsyncClient) -> list[str]:
+        hosts = []
+        for prompt in (first, second):
+            before = tok.prefix.tokenized_tokens  # type: ignore[union-attr]
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                      "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            hosts.append(r.headers["x-kvc-prefill"])
+            spent = tok.prefix.tokenized_tokens - before  # type: ignore[union-attr]
+            assert spent < whole / 2, (spent, whole)  # one piece or so, never the whole
+        return hosts
+
+    hosts = run(make_cfg(tiny_dir, TWO, limits=limits), tok, ups, fn)
+    assert [b["prompt"] for _, _, b in ups.calls] == [first, second]  # untouched
+    # the second turn holds the first's hashed blocks where the first went: it follows
+    assert hosts[0] == hosts[1]
+
+    # scan_prompts: false tokenises every prompt whole
+    tok = scanning(tiny_dir)
+
+    async def whole_fn(c: httpx.AsyncClient) -> None:
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": first,
+                                                  "max_tokens": 2})
+        assert r.status_code == 200
+        assert tok.prefix.tokenized_tokens >= whole - 1  # type: ignore[union-attr]
+
+    run(make_cfg(tiny_dir, TWO, limits=limits, cache={"scan_prompts": False}), tok,
+        Upstreams(), whole_fn)
+
+
+def test_a_prompt_that_may_be_too_long_is_counted_exactly_before_it_is_admitted(
+        tiny_dir: str) -> None:
+    """The refusal of a prompt over the context needs its exact count: a prompt whose
+    bound is over the limit is tokenised whole, refused when it is over and served when
+    the bound was loose."""
+    from tests.router.test_router_app import TWO, Upstreams, make_cfg, run
+
+    tok = scanning(tiny_dir)
+    rnd = random.Random(13)
+    over = mixed_text(rnd, 9000)  # ~37k characters
+    n = len(tok.tok(over)["input_ids"])
+    assert tok.token_bound(over, True) > n + 1000  # a loose bound for this text
+    ups = Upstreams()
+
+    async def fn(c: httpx.AsyncClient) -> None:
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": over,
+                                                  "max_tokens": 2})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert f"contains {n} input tokens" in r.json()["error"]["message"]
+
+    run(make_cfg(tiny_dir, TWO, limits={"max_model_len": n}), tok, ups, fn)
+    assert ups.calls == []
+
+    async def fits(c: httpx.AsyncClient) -> None:
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": over,
+                                                  "max_tokens": 2, "min_tokens": 1})
+        assert r.status_code == 200, r.text
+
+    run(make_cfg(tiny_dir, TWO, limits={"max_model_len": n + 2}), tok, Upstreams(), fits)
