@@ -55,7 +55,7 @@ TIE_TOLERANCE = 0.05
 # decodes slow every prefill it takes (no-store hot-prefix fleet runs, results/)
 BALANCE_ABS = 4
 BALANCE_REL = 1.5
-# a colocated prefill's compute, charged once per sequence decoding beside it: each of its
+# a colocated prefill's compute, charged once per request decoding beside it: each of its
 # chunked steps is a gap in their streams (see kvcentric.router.cost.decision)
 STALL_WEIGHT = 1.0
 
@@ -137,8 +137,9 @@ class CostConfig:
     sequences beyond the least loaded candidate, and more than ``balance_rel`` times as
     many, is not a candidate (``balance_abs: null`` turns this off); see
     :func:`kvcentric.router.cost.decision.choose`. ``stall_weight``: seconds of TTFT one
-    second of a colocated prefill's compute costs each sequence decoding on that instance
-    (the choice minimises TTFT plus that stall; 0: TTFT alone).
+    second of a colocated prefill's compute costs each of this router's requests on that
+    instance, which all decode through it (the choice minimises TTFT plus that stall; 0:
+    TTFT alone).
     """
 
     profile: str | None = None

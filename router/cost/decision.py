@@ -40,15 +40,15 @@ loaded one, in both absolute and relative terms, is left out, else a hot prefix'
 while their decodes slowed each prefill they took and engines without the prefix idled.
 On a colocated (``both``) instance a prefill shares the engine's steps with the sequences
 decoding there: each of its chunked steps is a long gap in their token streams, so a
-prefill placed beside running decodes costs them about its compute time each (the TBT
-that the paper's SLO counts). The choice therefore minimises a pair's *score*, its TTFT
-plus ``stall_weight`` times (sequences decoding on ``p``) times (the prefill's compute on
-``p``): the request's own wait plus the wait it inflicts, so a long uncached prefill goes
-where no decode waits on it, and one mostly cached (short compute) still goes where its
-prefix is. Only pairs that meet the TTFT SLO compete on the score when any does; when
-none does the lowest TTFT is taken as before. Without it (``stall_weight`` 0: TTFT alone)
-the emulated conversation trace had more than twice least-loaded's TBT misses at the same
-TTFT (benchmarks/results/).
+prefill placed beside them costs each about its compute time (the TBT that the paper's
+SLO counts). The choice therefore minimises a pair's *score*: its TTFT plus
+``stall_weight`` times this router's requests on ``p`` (all of them decode while it runs:
+those still prefilling are ahead of it in the queue) times the prefill's compute on
+``p``; the request's own wait plus the wait it inflicts. A long uncached prefill goes
+where no decode waits on it, and one mostly cached (little compute) still goes to its
+prefix. Only pairs that meet the TTFT SLO compete on the score when any does; when none
+does the lowest TTFT is taken. ``stall_weight`` 0 is the TTFT alone; the emulated
+capacity sweeps compare the two (``kvcentric-ttft_only``, benchmarks/results/).
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -241,13 +241,18 @@ def stall_s(decoding: int, prefill_s: float, params: CostParams) -> float:
 
 
 def decoding_beside(instances: Sequence[Instance]) -> dict[int, int]:
-    """Per instance (by ``id``), the sequences decoding on its processor: its own, or on a
-    shared processor every listed instance's there (a prefill on any of them takes
-    compute from all of their decodes)."""
+    """Per instance (by ``id``), the sequences that will be decoding on its processor
+    while a prefill sent there now runs: this router's requests in flight there
+    (``decodes``), those still prefilling included (they are ahead in its queue, so they
+    decode through the new prefill's steps; counting only those past their first token
+    left a long prefill free to land behind a short one, whose whole decode it then
+    stalled). On a shared processor, every listed instance's there. This router's own
+    count, exact where the engine's running gauge is up to a poll old; other replicas'
+    requests are not in it."""
     per_proc: dict[int, int] = {}
     for i in {id(i): i for i in instances}.values():
-        per_proc[id(i.proc)] = per_proc.get(id(i.proc), 0) + i.decoding()
-    return {id(i): per_proc[id(i.proc)] if i.proc.shared else i.decoding() for i in instances}
+        per_proc[id(i.proc)] = per_proc.get(id(i.proc), 0) + i.decodes
+    return {id(i): per_proc[id(i.proc)] if i.proc.shared else i.decodes for i in instances}
 
 
 def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: int,

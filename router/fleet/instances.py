@@ -116,12 +116,6 @@ class Instance:
     def observe(self, predicted_s: float, actual_s: float) -> None:
         self.proc.observe(predicted_s, actual_s)
 
-    def decoding(self) -> int:
-        """This router's requests decoding here (sent, first token come, not finished).
-        Exact, where the engine's running gauge is up to a poll old (an instance that has
-        just finished still shows its sequences); other replicas' decodes are not in it."""
-        return max(0, self.decodes - self.queued)
-
     def batch(self) -> int:
         """Sequences decoding on the engine, counting the router's own in flight."""
         return max(self.decodes, int(self.stats.running))

@@ -465,19 +465,19 @@ def test_a_colocated_prefill_goes_where_it_stalls_the_fewest_decodes() -> None:
     assert isinstance(d, Decision) and d.prefill is a
     d = choose([a, b], [a, b], {0: 31}, 0, N, PARAMS, SLO, now=0.0)  # one block to compute
     assert isinstance(d, Decision) and d.prefill is a
-    # a request still queued for its prefill is not decoding: nothing to stall yet
-    a.enqueue("q", 0.5, 0.0)
-    a.enqueue("r", 0.5, 0.0)
-    a.enqueue("s", 0.5, 0.0)
-    assert a.decoding() == 0
-    a.prefill_done("q", 0.5)
-    assert a.decoding() == 1
+    # a short request still prefilling counts too: ahead in the queue, it decodes
+    # through the whole of a long prefill sent after it
+    c = inst("c", 2)
+    c.decodes = 1
+    c.enqueue("q", 0.01, 0.0)
+    d = choose([b, c], [b, c], {2: 8}, 0, N, PARAMS, SLO, now=0.0)  # c holds a part
+    assert isinstance(d, Decision) and d.prefill is b
     # decodes on a shared processor are stalled by a prefill on any of its instances
     reg = Registry(PrefixIndex(), 1024, "fair")
-    c, e = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute="gpu0"))
-            for n in ("c", "e"))
-    c.decodes = 2
-    assert decoding_beside([c, e]) == {id(c): 2, id(e): 2}
+    f, g = (reg.add(InstanceSpec(url=f"http://{n}:1", name=n, compute="gpu0"))
+            for n in ("f", "g"))
+    f.decodes = 2
+    assert decoding_beside([f, g]) == {id(f): 2, id(g): 2}
     with pytest.raises(ValueError, match="stall_weight"):
         RouterConfig.from_dict({"model": "m", "tokenizer": "x", "cost": {"stall_weight": -1}})
 
