@@ -14,10 +14,13 @@ scan. A prompt held to its end is tokenised whole, exactly as without the scan.
 What a stopped scan gives instead of the exact count: the tokens so far plus the
 characters left at the tokens-per-character of what was tokenised (the cost model's
 prefill time of the uncached rest, the same estimate for every instance). The router's
-own refusal of a prompt too long for the context needs the exact count, so a prompt that
-could be too long (its :meth:`token_bound
-<kvcentric.router.tokenize.PromptTokenizer.token_bound>` over the limit) is tokenised
-whole before it is admitted (``openai_routes``). The blocks a router marks resident on
+own refusal of a prompt too long for the context needs the exact count. A prompt whose
+:meth:`token_bound <kvcentric.router.tokenize.PromptTokenizer.token_bound>` (one token
+per byte at most) is within the limit needs none; any other is scanned with
+``exact_above`` at half the limit, so only an estimate under half the limit spares it the
+whole tokenisation and the exact check (``openai_routes``). A prompt whose text
+tokenises at more than twice the rate of its first piece can then reach the engine over
+the context, and the engine refuses it with its own 400. The blocks a router marks resident on
 the instance it chose are those it hashed; the engine's KV events bring the rest.
 
 Runs on the router's event loop; tokenising runs on worker threads.
@@ -62,24 +65,28 @@ def worth_scanning(plan: Plan, piece_chars: int = PIECE_CHARS) -> bool:
 
 async def scan(tok: PromptTokenizer, plan: Plan,
                held: Callable[[np.ndarray], Awaitable[bool]],
-               piece_chars: int = PIECE_CHARS) -> Scanned:
+               piece_chars: int = PIECE_CHARS, exact_above: int | None = None) -> Scanned:
     """Tokenise ``plan``'s text piece by piece while ``held(tokens)`` says every full block
     of the tokens so far is cached somewhere; whole (as :meth:`PromptTokenizer.run`) when
-    the tokenizer cannot join pieces (:attr:`PromptTokenizer.scans`) or the text is held
-    to its end. ``plan.verify``: a stopped scan's tokens are checked against a whole
-    tokenisation (which replaces them on a mismatch)."""
+    the tokenizer cannot join pieces (:attr:`PromptTokenizer.scans`), the text is held
+    to its end, or the estimate of a stopped scan is over ``exact_above`` tokens (the
+    caller then needs the exact count). ``plan.verify``: a stopped scan's tokens are
+    checked against a whole tokenisation (which replaces them on a mismatch)."""
     text, special = plan.text, plan.add_special_tokens
     cut = left_from(plan) + piece_chars  # what the prompt token cache knows costs nothing
     while tok.scans and cut < len(text):
         ids, chars = await asyncio.to_thread(tok.known_prefix, text, special, cut)
         if not await held(ids):
+            rest = len(text) - chars
+            per_char = len(ids) / chars if chars else 0.25
+            n = len(ids) + max(1, round(rest * per_char))
+            if exact_above is not None and n > exact_above:
+                break
             if plan.verify:
                 whole = await asyncio.to_thread(tok.check_prefix, text, special, ids)
                 if whole is not None:
                     return Scanned(whole, len(whole), True)
-            rest = len(text) - chars
-            per_char = len(ids) / chars if chars else 0.25
-            return Scanned(ids, len(ids) + max(1, round(rest * per_char)), False)
+            return Scanned(ids, n, False)
         cut += piece_chars
     run = tok.run
     ids = run(plan) if plan.inline else await asyncio.to_thread(run, plan)

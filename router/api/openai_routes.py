@@ -18,6 +18,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -64,6 +65,17 @@ def _released(resp: Response, release: Callable[[], None]) -> Response:
     return resp
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A text prompt to scan once the request's salt is known: ``exact_above``, the
+    estimate above which the scan tokenises it whole and the count is checked against
+    ``context`` (None: its bound is within the context already)."""
+
+    plan: Plan
+    exact_above: int | None
+    context: int
+
+
 def openai_routes(app: FastAPI, state: RouterState) -> None:
     cfg, bounds = state.cfg, state.bounds
 
@@ -92,10 +104,10 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         state.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         return resp
 
-    async def _admit(request: Request, chat: bool) -> tuple[dict[str, Any], np.ndarray | Plan]:
+    async def _admit(request: Request, chat: bool
+                     ) -> tuple[dict[str, Any], np.ndarray | Deferred]:
         """The parsed body and the prompt's tokens, or :class:`Refused` (400/404/413). A
-        text prompt that is surely within the context (and leaves room for its
-        ``min_tokens``) comes back as its :class:`Plan`, tokenised later only as far as
+        long text prompt comes back :class:`Deferred`, tokenised later only as far as
         routing needs (:mod:`kvcentric.router.prompt_scan`)."""
         body = await json_body(request, cfg.limits.max_body_bytes)
         model = body.get("model", cfg.model)
@@ -108,10 +120,9 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         api_models.normalize(body, bounds)
         tokens = _prompt(body, chat, context)
         if isinstance(tokens, Plan):
-            bound = _scan_bound(tokens, body, context)
-            if bound is not None:
-                bounds.fit_budget(body, bound, context)  # changes no min_tokens: it fits
-                return body, tokens
+            deferred = _deferred(tokens, body, context)
+            if deferred is not None:
+                return body, deferred
             # a worker thread only for much to tokenise: the Rust tokenizer releases the
             # GIL and the loop serves others meanwhile; a hand-off costs more than a little
             run = state.tokenizer.run
@@ -120,19 +131,25 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         bounds.fit_budget(body, len(tokens), context)
         return body, tokens
 
-    def _scan_bound(plan: Plan, body: dict[str, Any], context: int) -> int | None:
-        """The prompt's bound on tokens when its scan may stop short of its end: within
-        the context and leaving room for ``min_tokens`` whatever the exact count; None
-        when only the exact count can tell (it is then tokenised whole first)."""
+    def _deferred(plan: Plan, body: dict[str, Any], context: int) -> Deferred | None:
+        """How a text prompt is tokenised when its scan may stop short of its end
+        (:mod:`kvcentric.router.prompt_scan`), or None: tokenised whole now (no scan, or a
+        ``min_tokens`` that only the exact count can check). Within the context whatever
+        the count (its bound): no check; else the scan's estimate must stay under half
+        the limit, or the count is exact and checked after the scan."""
         tok = state.tokenizer
         if not (cfg.cache.scan_prompts and tok.scans and worth_scanning(plan)):
             return None
+        limit = bounds.prompt_tokens(context)
         bound = tok.token_bound(plan.text, plan.add_special_tokens)
-        if bound > bounds.prompt_tokens(context):
+        if bound <= limit:
+            if (body.get("min_tokens") or 0) > context - bound:
+                return None
+            bounds.fit_budget(body, bound, context)  # changes no min_tokens: it fits
+            return Deferred(plan, None, context)
+        if body.get("min_tokens"):
             return None
-        if (body.get("min_tokens") or 0) > context - bound:
-            return None
-        return bound
+        return Deferred(plan, limit // 2, context)
 
     def _prompt(body: dict[str, Any], chat: bool, context: int) -> np.ndarray | Plan:
         """The prompt's token ids when the request gave them, else how to tokenise its
@@ -154,15 +171,19 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         return tok.plan(text, special)
 
     async def _forward(request: Request, chat: bool, caller: Caller, body: dict[str, Any],
-                       prompt: np.ndarray | Plan, received: float) -> Response:
+                       prompt: np.ndarray | Deferred, received: float) -> Response:
         salt = state.auth.salt(caller, body.get("cache_salt"))
         if salt is not None:
             body["cache_salt"] = salt  # the engines hash it into every block of the prompt
         conductor = state.conductor
-        if isinstance(prompt, Plan):
-            scanned = await scan(state.tokenizer, prompt,
-                                 lambda ids: conductor.holds(ids, salt))
+        if isinstance(prompt, Deferred):
+            scanned = await scan(state.tokenizer, prompt.plan,
+                                 lambda ids: conductor.holds(ids, salt),
+                                 exact_above=prompt.exact_above)
             tokens, n_tokens, whole = scanned.tokens, scanned.n_tokens, scanned.complete
+            if prompt.exact_above is not None and whole:
+                bounds.check_tokens(n_tokens, prompt.context)
+                bounds.fit_budget(body, n_tokens, prompt.context)
         else:
             tokens, n_tokens, whole = prompt, len(prompt), True
         hashes = conductor.hashes(tokens, salt)

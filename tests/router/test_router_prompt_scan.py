@@ -199,11 +199,12 @@ def test_a_long_prompt_is_routed_on_its_held_blocks_and_forwarded_untouched(
         Upstreams(), whole_fn)
 
 
-def test_a_prompt_that_may_be_too_long_is_counted_exactly_before_it_is_admitted(
+def test_a_prompt_that_may_be_too_long_is_counted_exactly_before_it_is_forwarded(
         tiny_dir: str) -> None:
     """The refusal of a prompt over the context needs its exact count: a prompt whose
-    bound is over the limit is tokenised whole, refused when it is over and served when
-    the bound was loose."""
+    bound is over the limit and whose estimate is over half of it is tokenised whole,
+    refused when it is over and served when the bound was loose; one estimated under
+    half the limit is scanned like any other."""
     from tests.router.test_router_app import TWO, Upstreams, make_cfg, run
 
     tok = scanning(tiny_dir)
@@ -229,3 +230,25 @@ def test_a_prompt_that_may_be_too_long_is_counted_exactly_before_it_is_admitted(
         assert r.status_code == 200, r.text
 
     run(make_cfg(tiny_dir, TWO, limits={"max_model_len": n + 2}), tok, Upstreams(), fits)
+
+    tok = quiet(PromptTokenizer(bench(), cache_chars=1 << 22))  # ~6 characters a token
+    # words the tokenizer has whole (as the benchmarks' prompts): a space and 6+ letters
+    words = sorted(w[1:] for w in tok.tok.get_vocab()
+                   if w.startswith("\u0120") and len(w) > 6 and w[1:].isalpha())
+    over = "".join(" " + rnd.choice(words) for _ in range(6000))
+    n = len(tok.tok(over)["input_ids"])
+    loose = {"max_model_len": int(n * 2.5)}
+    assert tok.token_bound(over, True) > loose["max_model_len"]  # the bound cannot tell
+
+    async def estimated(c: httpx.AsyncClient) -> None:
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": over,
+                                                  "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert tok.prefix.tokenized_tokens < n / 2  # type: ignore[union-attr]
+        # a min_tokens only the exact count can check: tokenised whole
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": over + " x",
+                                                  "max_tokens": 4, "min_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert tok.prefix.tokenized_tokens > n  # type: ignore[union-attr]
+
+    run(make_cfg(tiny_dir, TWO, limits=loose), tok, Upstreams(), estimated)
