@@ -78,8 +78,9 @@ class CostParams:
     ``tie_tolerance``: predicted TTFTs within this fraction of the lowest are ties, broken
     by load (:func:`choose`). ``balance_abs``, ``balance_rel``: the bound on a candidate's
     running sequences over the least loaded's (:func:`overloaded`); ``None``: no bound.
-    ``stall_weight``: what a second of a colocated prefill costs each sequence decoding
-    beside it, in seconds of the request's TTFT (see the module docstring; 0: none)."""
+    ``stall_weight``: what a second of a colocated prefill costs each of this router's
+    requests on its processor, in seconds of the request's TTFT (see the module
+    docstring; 0: none)."""
 
     profile: Profile
     block_size: int
@@ -236,7 +237,8 @@ class Pairing(NamedTuple):
 
 def stall_s(decoding: int, prefill_s: float, params: CostParams) -> float:
     """The wait a prefill of ``prefill_s`` seconds of compute inflicts on the ``decoding``
-    sequences it shares its processor with, weighted by ``params.stall_weight``."""
+    sequences that decode on its processor while it runs (:func:`decoding_beside`),
+    weighted by ``params.stall_weight``."""
     return params.stall_weight * decoding * prefill_s
 
 
