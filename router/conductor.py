@@ -120,10 +120,8 @@ class Conductor:
         if not hashes:
             return True
         model = self.cfg.model
-        mask = 0
-        for i in (*self.registry.candidates(model, prefill=True),
-                  *self.registry.candidates(model, prefill=False)):
-            mask |= 1 << i.slot
+        mask = _slots([*self.registry.candidates(model, prefill=True),
+                       *self.registry.candidates(model, prefill=False)])
         if max(self.index.match(hashes, mask).values(), default=0) >= len(hashes):
             return True
         return self.store.enabled and await self.store.leading_run(hashes) >= len(hashes)
@@ -138,12 +136,7 @@ class Conductor:
         pre = [i for i in self.registry.candidates(model, prefill=True) if i.name not in exclude]
         dec = [i for i in self.registry.candidates(model, prefill=False)
                if i.name not in exclude]
-        mask = 0
-        for i in pre:
-            mask |= 1 << i.slot
-        for i in dec:
-            mask |= 1 << i.slot
-        runs = self.index.match(hashes, mask)
+        runs = self.index.match(hashes, _slots([*pre, *dec]))
         now = self.clock()
         result = self.policy.choose(RouteInput(
             pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
@@ -245,3 +238,11 @@ class Conductor:
     def replicas(self, h: bytes) -> int:
         """Instances that hold block ``h``."""
         return self.index.owners(h).bit_count()
+
+
+def _slots(instances: Sequence[Instance]) -> int:
+    """The prefix-index mask of ``instances``' slots."""
+    mask = 0
+    for i in instances:
+        mask |= 1 << i.slot
+    return mask

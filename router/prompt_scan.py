@@ -83,11 +83,18 @@ async def scan(tok: PromptTokenizer, plan: Plan,
             if exact_above is not None and n > exact_above:
                 break
             if plan.verify:
-                whole = await asyncio.to_thread(tok.check_prefix, text, special, ids)
-                if whole is not None:
-                    return Scanned(whole, len(whole), True)
+                checked = await asyncio.to_thread(tok.check_prefix, text, special, ids)
+                if checked is not None:
+                    return Scanned(checked, len(checked), True)
             return Scanned(ids, n, False)
         cut += piece_chars
-    run = tok.run
-    ids = run(plan) if plan.inline else await asyncio.to_thread(run, plan)
+    ids = await whole(tok, plan)
     return Scanned(ids, len(ids), True)
+
+
+async def whole(tok: PromptTokenizer, plan: Plan) -> np.ndarray:
+    """``plan``'s text tokenised whole (:meth:`PromptTokenizer.run`): on a worker thread
+    only for much to tokenise (the Rust tokenizer releases the GIL and the loop serves
+    others meanwhile; a hand-off costs more than a little)."""
+    run = tok.run
+    return run(plan) if plan.inline else await asyncio.to_thread(run, plan)

@@ -14,7 +14,6 @@ here and nowhere else.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from kvcentric.router.api import api_models, limits
 from kvcentric.router.api.auth import Caller
 from kvcentric.router.api.errors import Refused
 from kvcentric.router.api.relay import RelayResponse
-from kvcentric.router.prompt_scan import scan, worth_scanning
+from kvcentric.router.prompt_scan import scan, whole, worth_scanning
 from kvcentric.router.tokenize import Plan
 
 if TYPE_CHECKING:
@@ -123,10 +122,7 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
             deferred = _deferred(tokens, body, context)
             if deferred is not None:
                 return body, deferred
-            # a worker thread only for much to tokenise: the Rust tokenizer releases the
-            # GIL and the loop serves others meanwhile; a hand-off costs more than a little
-            run = state.tokenizer.run
-            tokens = run(tokens) if tokens.inline else await asyncio.to_thread(run, tokens)
+            tokens = await whole(state.tokenizer, tokens)
             bounds.check_tokens(len(tokens), context)
         bounds.fit_budget(body, len(tokens), context)
         return body, tokens
@@ -180,16 +176,16 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
             scanned = await scan(state.tokenizer, prompt.plan,
                                  lambda ids: conductor.holds(ids, salt),
                                  exact_above=prompt.exact_above)
-            tokens, n_tokens, whole = scanned.tokens, scanned.n_tokens, scanned.complete
-            if prompt.exact_above is not None and whole:
+            tokens, n_tokens, complete = scanned.tokens, scanned.n_tokens, scanned.complete
+            if prompt.exact_above is not None and complete:
                 bounds.check_tokens(n_tokens, prompt.context)
                 bounds.fit_budget(body, n_tokens, prompt.context)
         else:
-            tokens, n_tokens, whole = prompt, len(prompt), True
+            tokens, n_tokens, complete = prompt, len(prompt), True
         hashes = conductor.hashes(tokens, salt)
-        tail = conductor.tail(tokens, hashes, salt) if whole else None
+        tail = conductor.tail(tokens, hashes, salt) if complete else None
         if state.replicator is not None:
-            state.replicator.observe(hashes, tokens, salt, cut=not whole)
+            state.replicator.observe(hashes, tokens, salt, cut=not complete)
         # a router key is the router's business: never forwarded to the engines, which get
         # upstream.api_key when they check keys of their own
         forwarded = ("content-type", "accept", "x-request-id") if state.auth.enabled else \
