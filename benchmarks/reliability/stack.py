@@ -42,6 +42,8 @@ from kvcentric.testing.signals import sigstop_group
 FAULTS = {"local": ("coordinator", "engine", "router", "coordinator-stop"),
           "mooncake": ("master", "node", "engine", "master-stop", "node-stop")}
 
+WRITER_HOT_TIMEOUT_S = 1.0
+
 
 class Stack:
     """Store + engines ``e0``, ``e1`` + router, started by :meth:`start`."""
@@ -70,8 +72,14 @@ class Stack:
             self.store = {"backend": "mooncake", "mooncake": {
                 "master_server_address": MASTER, "metadata_server": "P2PHANDSHAKE",
                 "use_env": False, "global_segment_size": 0, "staging_size": "256mb"}}
+        # the writer e0 bounds its store calls at WRITER_HOT_TIMEOUT_S, not the default:
+        # a round's precondition is its prompts stored, and on a loaded 2-core box the
+        # writer's own prefill can starve a put past the default bound (its breaker then
+        # skips the batch's saves); the reader e1, whose bounded calls the rows measure,
+        # keeps the default
+        stores = [{**self.store, "hot_timeout_s": WRITER_HOT_TIMEOUT_S}, self.store]
         self.engines = [VllmServer(model, log_path=logs / f"faults-{backend}-e{i}.log",
-                                   kv_transfer=connector_config(self.store) if connector
+                                   kv_transfer=connector_config(stores[i]) if connector
                                    else None,
                                    args=("--enable-prompt-tokens-details",),
                                    env=engine_env or {})
