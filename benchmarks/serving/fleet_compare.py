@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = arms[rep % len(arms):] + arms[:rep % len(arms)]
             for arm in order:
                 if arm.gateway_opts.get("pd"):
-                    res = pd_run(fr, arm, workload, src, rep)
+                    res = fr.run_pd(arm, workload, src, rep, len(fr.fleet.urls) // 2)
                 else:
                     res = fr.run_arm(arm, workload, src, rep)
                 runs[arm.name].append(summary_row(res))
@@ -198,42 +198,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               lambda p: figure(doc, p))],
              command=args.cmdline)
     return doc
-
-
-def pd_run(fr: FleetRun, arm: Arm, workload: Any, src: TokenSource, rep: int
-           ) -> dict[str, Any]:
-    """Our router with the first half of the instances prefill-only, the rest decode.
-    Hits count on the prefill instances only: a decode instance loading the prompt the
-    prefill just computed is the P/D transfer, not reuse (counted, the engines' counters
-    would give a hit rate near 2)."""
-    n = len(fr.fleet.urls)
-    saved = fr.setup
-    fr.setup = replace(saved, roles=tuple("prefill" if i < n // 2 else "decode"
-                                          for i in range(n)))
-    try:
-        opts = {k: v for k, v in arm.gateway_opts.items() if k != "pd"}
-        res = fr.run_arm(replace(arm, gateway_opts=opts), workload, src, rep)
-    finally:
-        fr.setup = saved
-    return prefill_hits(res, {f"emu{i}" for i in range(n // 2)})
-
-
-def prefill_hits(res: dict[str, Any], prefill: set[str]) -> dict[str, Any]:
-    """``res`` with its hit tokens (and rate) counted on the ``prefill`` engines only,
-    from the engines' per-request records; the decode side's loads are kept as
-    ``server_metrics["pd_transfer_tokens"]``."""
-    recs = res["engine_requests"]
-    local = sum(r["local_hit"] for r in recs if r["engine"] in prefill)
-    external = sum(r["external_hit"] for r in recs if r["engine"] in prefill)
-    s = res["summary"]
-    s["hit_tokens"] = float(local + external)
-    s["hit_rate"] = s["hit_tokens"] / s["total_input_tokens"] if s["total_input_tokens"] else None
-    res["server_metrics"] = {**res["server_metrics"], "hit_tokens_local": float(local),
-                             "hit_tokens_external": float(external),
-                             "pd_transfer_tokens": float(sum(
-                                 r["local_hit"] + r["external_hit"] for r in recs
-                                 if r["engine"] not in prefill))}
-    return res
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -224,6 +224,47 @@ class FleetRun:
         return res
 
 
+    def run_pd(self, arm: Arm, workload: Workload, src: TokenSource, rep: int,
+               prefill: int) -> dict[str, Any]:
+        """:meth:`run_arm` with the first ``prefill`` instances prefill-only and the rest
+        decode-only (Mooncake's split: our router hands each request's KV from its
+        prefill instance to its decode instance through the store); ``arm``'s ``pd``
+        option is dropped. Hits count on the prefill instances only: a decode instance
+        loading the prompt its prefill just computed is the P/D transfer, not reuse
+        (counted, the engines' counters would give a hit rate near 2)."""
+        n = len(self.fleet.urls)
+        if not 0 < prefill < n:
+            raise ValueError(f"a P/D split needs 1 to {n - 1} prefill instances, not {prefill}")
+        saved = self.setup
+        self.setup = replace(saved, roles=tuple("prefill" if i < prefill else "decode"
+                                                for i in range(n)))
+        try:
+            opts = {k: v for k, v in arm.gateway_opts.items() if k != "pd"}
+            res = self.run_arm(replace(arm, gateway_opts=opts), workload, src, rep)
+        finally:
+            self.setup = saved
+        res["prefill_engines"] = [f"emu{i}" for i in range(prefill)]
+        return prefill_hits(res, set(res["prefill_engines"]))
+
+
+def prefill_hits(res: dict[str, Any], prefill: set[str]) -> dict[str, Any]:
+    """``res`` with its hit tokens (and rate) counted on the ``prefill`` engines only,
+    from the engines' per-request records; the decode side's loads are kept as
+    ``server_metrics["pd_transfer_tokens"]``."""
+    recs = res["engine_requests"]
+    local = sum(r["local_hit"] for r in recs if r["engine"] in prefill)
+    external = sum(r["external_hit"] for r in recs if r["engine"] in prefill)
+    s = res["summary"]
+    s["hit_tokens"] = float(local + external)
+    s["hit_rate"] = s["hit_tokens"] / s["total_input_tokens"] if s["total_input_tokens"] else None
+    res["server_metrics"] = {**res["server_metrics"], "hit_tokens_local": float(local),
+                             "hit_tokens_external": float(external),
+                             "pd_transfer_tokens": float(sum(
+                                 r["local_hit"] + r["external_hit"] for r in recs
+                                 if r["engine"] not in prefill))}
+    return res
+
+
 def _router_cpu(gws: list[Gateway]) -> float:
     """CPU seconds the routers' process groups have used so far (a router restarted
     meanwhile counts from its restart)."""

@@ -3,16 +3,21 @@
 ``python -m benchmarks.serving.slo_capacity <workload> --engine emulator`` runs the
 capacity sweep through :class:`FleetEngine`: ``--instances`` emulated engines
 (:mod:`benchmarks.emulator`, profile ``--profile``, default ``h100_llama8b``; each its own
-processor, all sharing one local store, engine caches of ``--pages`` pages) and, per
-arm, the router in front of them (:mod:`.fleet_runs`: round robin in the client, the peer
-routers' cache-aware policies, ours, ours running a baseline policy), caches emptied
-before every run. The workloads are :mod:`kvcentric.bench_serving`'s at each offered
-rate: the Mooncake traces (their first ``--requests`` lines, times scaled to the rate,
-tokens by ``--scale-tokens``), hot prefix (Zipf-popular prefixes, Poisson arrivals) and
-the coding agent (multi-turn sessions: a shared system prompt, a long first turn, more
-context each turn, think time; a turn is sent when the previous answer came). Answers
-are cut to ``--max-output`` tokens (the token stream of every request goes through the
-router and the client on this machine's CPUs).
+processor, all sharing one local store, engine caches of ``--pages`` pages) and, per arm,
+the router in front of them (:mod:`.fleet_runs`: round robin in the client, the peer
+routers' cache-aware policies, ours, ours running a baseline policy, ours over a P/D
+split: ``kvcentric-pd50`` and ``kvcentric-pd75`` make the first half or three quarters of
+the instances prefill-only and the rest decode-only, each request's KV handed over through
+the store), caches emptied before every run. In a P/D run TBT comes from the decode pool
+and the hit shares from the prefill pool (a decode instance loading what its prefill just
+computed is the hand-over, not reuse; ``pd_transfer_share`` is the share of the decode
+pool's prompt tokens it loaded rather than recomputed). The workloads are
+:mod:`kvcentric.bench_serving`'s at each offered rate: the Mooncake traces (their first
+``--requests`` lines, times scaled to the rate, tokens by ``--scale-tokens``), hot prefix
+(Zipf-popular prefixes, Poisson arrivals) and the coding agent (multi-turn sessions: a
+shared system prompt, a long first turn, more context each turn, think time; a turn is
+sent when the previous answer came). Answers are cut to ``--max-output`` tokens (the token
+stream of every request goes through the router and the client on this machine's CPUs).
 
 Time: the emulation runs ``--dilation`` times slower than real time and every time is
 reported back in emulated seconds (offered rates too), so the CPUs in front of the fleet
@@ -50,11 +55,16 @@ from kvcentric.testing.models import build_model
 ABLATIONS = [Arm("kvcentric-ttft_only", gateway="kvcentric",
                  gateway_opts={**OUR_ROUTER.gateway_opts,
                                "extra": {"cost": {"stall_weight": 0.0}}})]
+# Mooncake's architecture: a prefill pool and a decode pool, each request's KV handed from
+# one to the other through the store; ``pd`` is the prefill pool's share of the instances
+PD_ARMS = [Arm(f"kvcentric-pd{round(100 * share)}", gateway="kvcentric",
+               gateway_opts={**OUR_ROUTER.gateway_opts, "pd": share})
+           for share in (0.5, 0.75)]
 ARMS = {a.name: a for a in [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS, *POLICY_ARMS,
-                            *ABLATIONS]}
+                            *ABLATIONS, *PD_ARMS]}
 DEFAULT_ARMS = ("round-robin", "vllm-router-cache_aware", "smg-cache_aware",
                 "kvcentric-router", "kvcentric-admission")
-OURS = tuple(a.name for a in OUR_ARMS)
+OURS = tuple(a.name for a in [*OUR_ARMS, *PD_ARMS])
 PEERS = tuple(a.name for a in PEER_CACHE_AWARE)
 # Figure 5's schedulers, each our router running that policy over the same fleet
 FIGURE5 = ("kvcentric-random", "kvcentric-least_loaded", "kvcentric-engine_cache",
@@ -163,7 +173,13 @@ class FleetEngine:
     # ---- one run ----
     def point(self, arm: str, rate: float, rep: int
               ) -> tuple[dict[str, Any], list[cap.Served]]:
-        res = self.fr.run_arm(ARMS[arm], self.workload(rate, rep), self.src, rep)
+        share = ARMS[arm].gateway_opts.get("pd")
+        if share:
+            res = self.fr.run_pd(ARMS[arm], self.workload(rate, rep), self.src, rep,
+                                 min(self.args.instances - 1,
+                                     max(1, round(share * self.args.instances))))
+        else:
+            res = self.fr.run_arm(ARMS[arm], self.workload(rate, rep), self.src, rep)
         d = self.d
         recs = sorted(res["requests"], key=lambda r: r["start_s"])
         outs = [cap.Served(r["ttft_s"] / d if r["success"] else None,
@@ -172,7 +188,16 @@ class FleetEngine:
         kept = cap.counted(outs, self.args.warmup)
         row = cap.rate_point(kept, self.slo, rate, len(kept) / rate)
         engine = res["engine_requests"]
-        row |= self.tbt_sources(kept, engine)
+        prefill = set(res.get("prefill_engines", ()))
+        # a P/D split: tokens come from the decode pool, the prompt's reuse is the prefill's
+        decode = [r for r in engine if r["engine"] not in prefill]
+        row |= self.tbt_sources(kept, decode, self.args.instances - len(prefill))
+        row["pd_transfer_share"] = None
+        if prefill:
+            # what the decode pool loaded of its prompts (the hand-over) and did not recompute
+            row["pd_transfer_share"] = (sum(r["local_hit"] + r["external_hit"] for r in decode)
+                                        / (sum(r["prompt_tokens"] for r in decode) or 1))
+            engine = [r for r in engine if r["engine"] in prefill]
         prompt = sum(r["prompt_tokens"] for r in engine) or 1
         local = sum(r["local_hit"] for r in engine)
         external = sum(r["external_hit"] for r in engine)
@@ -189,14 +214,14 @@ class FleetEngine:
               flush=True)
         return row, kept
 
-    def tbt_sources(self, kept: list[cap.Served], engine: list[dict[str, Any]]
-                    ) -> dict[str, Any]:
+    def tbt_sources(self, kept: list[cap.Served], engine: list[dict[str, Any]],
+                    engines: int) -> dict[str, Any]:
         """Where TBT misses arise: the share of counted requests over the TBT SLO as the
         client saw their tokens (``tbt_miss_share``) and as their engine emitted them
         (``engine_tbt_miss_share``: the engine's steps, i.e. placement; the difference is
         the router's relay and the client), and how unevenly the engines were loaded
-        (``engine_requests_max_over_mean``). Engine records are counted without the same
-        warm-up share, by arrival."""
+        (``engine_requests_max_over_mean``, over ``engines`` engines: those that emit
+        tokens). Engine records are counted without the same warm-up share, by arrival."""
         d, slo = self.d, self.slo.tbt_s
         served = [o for o in kept if o.ttft_s is not None]
         recs = sorted(engine, key=lambda r: r["arrival"])
@@ -205,7 +230,7 @@ class FleetEngine:
         per: dict[str, int] = {}
         for r in recs:
             per[r["engine"]] = per.get(r["engine"], 0) + 1
-        counts = [*per.values(), *[0] * max(0, self.args.instances - len(per))]
+        counts = [*per.values(), *[0] * max(0, engines - len(per))]
         mean = statistics.fmean(counts) if counts else 0.0
         return {"tbt_miss_share": (sum(o.tbt_s > slo for o in served) / len(served)
                                    if served else None),

@@ -77,7 +77,7 @@ def test_a_warmed_hot_prefix_workload_serves_each_prefix_once_first() -> None:
 def test_a_pd_runs_hits_are_the_prefill_engines_only() -> None:
     """The decode engine loading what the prefill engine just computed is the P/D
     transfer: counted as a hit, a hot-prefix run's hit rate came out near 2."""
-    from benchmarks.serving.fleet_compare import prefill_hits
+    from benchmarks.serving.fleet_runs import prefill_hits
 
     res = result([1.0, 1.0], dilation=1.0)
     res["summary"] |= {"total_input_tokens": 2000, "hit_tokens": 3800.0, "hit_rate": 1.9}

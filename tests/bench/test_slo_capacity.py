@@ -240,6 +240,32 @@ def test_the_emulated_fleet_sweeps_real_requests_in_emulated_time(tmp_path: Path
     assert doc["arms"][0]["summary"]["capacity_found"] == "interpolated"
 
 
+
+def test_a_pd_arm_splits_the_fleet_and_hands_each_prompt_over_through_the_store(
+        tmp_path: Path) -> None:
+    """``kvcentric-pd50`` over two emulated engines: our router prefills on the first and
+    decodes on the second, which loads each prompt's KV from the store instead of
+    recomputing it; reuse is counted on the prefill side only (a decode loading what its
+    prefill just computed would otherwise count as a hit). Structure only, no timing: the
+    SLOs are out of reach of any delay."""
+    out = tmp_path / "pd.json"
+    assert slo_capacity.main([
+        "hotprefix", "--engine", "emulator", "--instances", "2", "--arms",
+        "kvcentric-pd50,round-robin", "--rates", "5", "--requests", "32", "--reps", "1",
+        "--scale-tokens", "0.05", "--pages", "256", "--max-output", "8", "--dilation", "1.5",
+        "--slo-ttft-s", "600", "--slo-tbt-s", "60", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {a["label"]: a["rows"][0] for a in doc["arms"]}
+    pd, rr = rows["kvcentric-pd50"], rows["round-robin"]
+    assert pd["effective_fraction"] == rr["effective_fraction"] == 1.0
+    # the decode engine loaded nearly every prompt token (all but each prompt's last,
+    # partial block), the prefill engine computed them: the hand-over went through
+    assert pd["pd_transfer_share"] > 0.6 and rr["pd_transfer_share"] is None
+    # a hot prefix is reused on the prefill side, and its reuse is not double counted
+    assert 0 < pd["engine_hit_share"] + pd["store_hit_share"] < 1
+    assert pd["miss_share"] > 0
+    assert doc["summary"]["best_ours"] == "kvcentric-pd50"
+
 class _Fixed:
     """An engine whose arms hold up to a capacity (``inf``: always, 0: never)."""
 
