@@ -73,6 +73,30 @@ class Request:
         return self.local_hit + self.external_hit
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A finished request as the per-request reports need it. An engine keeps thousands
+    (a capacity sweep's every run): kept as :class:`Request`, each held its prompt's and
+    its sequence's token lists, and a long sweep's emulator ran out of memory."""
+
+    rid: str
+    n: int
+    max_tokens: int
+    arrival: float
+    t_admit: float | None
+    t_first: float | None
+    t_done: float | None
+    local_hit: int
+    external_hit: int
+    load_s: float
+    gaps: tuple[float, ...]
+
+    @classmethod
+    def of(cls, r: Request) -> Finished:
+        return cls(r.rid, r.n, r.max_tokens, r.arrival, r.t_admit, r.t_first, r.t_done,
+                   r.local_hit, r.external_hit, r.load_s, tuple(r.gaps))
+
+
 @dataclass
 class Step:
     chunks: list[tuple[Request, int]]
@@ -107,7 +131,7 @@ class EngineCore:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = Counters()
-        self.finished: deque[Request] = deque(maxlen=20000)  # for per-request reports
+        self.finished: deque[Finished] = deque(maxlen=20000)  # for per-request reports
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -206,7 +230,7 @@ class EngineCore:
             if self.connector is not None and r.output > 1:
                 self.connector.save(r.seq.tokens[:r.n + r.output - 1], r.salt, with_tail=False)
             cache.release(r.seq)
-            self.finished.append(r)
+            self.finished.append(Finished.of(r))
         return done
 
     def _emit(self, r: Request, done: list[Request]) -> None:
