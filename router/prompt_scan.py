@@ -4,12 +4,13 @@ Why: the router tokenises a prompt to hash its blocks and find where they are ca
 tokenising is most of its CPU on long prompts (the conversation trace's prompts average
 63k characters). Past the first block that no engine and not the store holds, nothing of
 the prompt can be loaded anywhere: its hashes would change no decision, and the engine
-tokenises the request itself. So the prompt is tokenised in pieces of ``piece_chars``
-characters (each through the prompt token cache, which joins pieces where a whole
-tokenisation puts the same ids: :meth:`PromptTokenizer.known_prefix
-<kvcentric.router.tokenize.PromptTokenizer.known_prefix>`), and after each piece the caller
-says whether every full block so far is held somewhere; the first that is not ends the
-scan. A prompt held to its end is tokenised whole, exactly as without the scan.
+tokenises the request itself. So the prompt is tokenised in pieces that grow from
+``first_chars`` characters to ``piece_chars`` (each through the prompt token cache, which
+joins pieces where a whole tokenisation puts the same ids:
+:meth:`PromptTokenizer.known_prefix
+<kvcentric.router.tokenize.PromptTokenizer.known_prefix>`), and after each piece the
+caller says whether every full block so far is held somewhere; the first that is not ends
+the scan. A prompt held to its end is tokenised whole, exactly as without the scan.
 
 What a stopped scan gives instead of the exact count: the tokens so far plus the
 characters left at the tokens-per-character of what was tokenised (the cost model's
@@ -36,8 +37,13 @@ import numpy as np
 
 from kvcentric.router.tokenize import Plan, PromptTokenizer
 
-# characters tokenised per piece: a few thousand tokens, so a scan that stops at once
-# costs little, and a long cached prefix takes a few steps (each one store lookup)
+# characters tokenised by a scan's first piece, then twice as many each piece up to
+# PIECE_CHARS: most scans stop at once (the text past what the prompt token cache knows is
+# new, so its first block is held nowhere) and pay for a small piece only, while a long
+# held prefix the cache does not know takes a few steps (each one store lookup). The first
+# piece spans two of the cache's chunks (PrefixTokens' anchor_chars), so it ends past one
+# pre-token boundary the cache can vouch for
+FIRST_PIECE_CHARS = 2048
 PIECE_CHARS = 16384
 
 
@@ -57,23 +63,27 @@ def left_from(plan: Plan) -> int:
     return plan.reuse.start if plan.reuse is not None else 0
 
 
-def worth_scanning(plan: Plan, piece_chars: int = PIECE_CHARS) -> bool:
-    """Whether more than a piece of ``plan``'s text is left to tokenise: else it is
-    tokenised whole, at the cost of one piece, and no lookup is spent on it."""
-    return len(plan.text) - left_from(plan) > piece_chars
+def worth_scanning(plan: Plan, first_chars: int = FIRST_PIECE_CHARS) -> bool:
+    """Whether more than a first piece of ``plan``'s text is left to tokenise: else it is
+    tokenised whole, at the cost of that piece, and no lookup is spent on it."""
+    return len(plan.text) - left_from(plan) > first_chars
 
 
 async def scan(tok: PromptTokenizer, plan: Plan,
                held: Callable[[np.ndarray], Awaitable[bool]],
-               piece_chars: int = PIECE_CHARS, exact_above: int | None = None) -> Scanned:
-    """Tokenise ``plan``'s text piece by piece while ``held(tokens)`` says every full block
-    of the tokens so far is cached somewhere; whole (as :meth:`PromptTokenizer.run`) when
-    the tokenizer cannot join pieces (:attr:`PromptTokenizer.scans`), the text is held
-    to its end, or the estimate of a stopped scan is over ``exact_above`` tokens (the
-    caller then needs the exact count). ``plan.verify``: a stopped scan's tokens are
-    checked against a whole tokenisation (which replaces them on a mismatch)."""
+               piece_chars: int = PIECE_CHARS, exact_above: int | None = None,
+               first_chars: int = FIRST_PIECE_CHARS) -> Scanned:
+    """Tokenise ``plan``'s text piece by piece (the first of ``first_chars`` characters,
+    each next one twice the last, up to ``piece_chars``) while ``held(tokens)`` says every
+    full block of the tokens so far is cached somewhere; whole (as
+    :meth:`PromptTokenizer.run`) when the tokenizer cannot join pieces
+    (:attr:`PromptTokenizer.scans`), the text is held to its end, or the estimate of a
+    stopped scan is over ``exact_above`` tokens (the caller then needs the exact count).
+    ``plan.verify``: a stopped scan's tokens are checked against a whole tokenisation (which
+    replaces them on a mismatch)."""
     text, special = plan.text, plan.add_special_tokens
-    cut = left_from(plan) + piece_chars  # what the prompt token cache knows costs nothing
+    step = min(first_chars, piece_chars)
+    cut = left_from(plan) + step  # what the prompt token cache knows costs nothing
     while tok.scans and cut < len(text):
         ids, chars = await asyncio.to_thread(tok.known_prefix, text, special, cut)
         if not await held(ids):
@@ -87,7 +97,8 @@ async def scan(tok: PromptTokenizer, plan: Plan,
                 if checked is not None:
                     return Scanned(checked, len(checked), True)
             return Scanned(ids, n, False)
-        cut += piece_chars
+        step = min(2 * step, piece_chars)
+        cut += step
     ids = await whole(tok, plan)
     return Scanned(ids, len(ids), True)
 

@@ -87,6 +87,35 @@ def test_a_prompt_held_to_its_end_is_tokenised_whole() -> None:
     assert not got.complete and asked == [len(got.tokens)]
 
 
+def test_pieces_grow_from_a_small_first_one_so_a_scan_that_stops_at_once_costs_little(
+        ) -> None:
+    """Most scans stop at their first piece (the text past what the prompt token cache
+    knows is new): that piece is small; a prefix held further takes pieces twice as long
+    each time, up to the largest."""
+    tok = quiet(PromptTokenizer(bench(), cache_chars=1 << 22))
+    first, largest = 2048, 16384
+    text = mixed_text(random.Random(13), 12000)  # ~50k characters held nowhere
+    whole = len(tok.tok(text)["input_ids"])
+    asked, held = held_up_to(0)
+    before = tok.prefix.tokenized_tokens  # type: ignore[union-attr]
+    got = asyncio.run(scan(tok, tok.plan(text, True), held, largest,  # type: ignore[arg-type]
+                           first_chars=first))
+    spent = tok.prefix.tokenized_tokens - before  # type: ignore[union-attr]
+    assert not got.complete and asked == [len(got.tokens)]
+    assert 0 < spent <= 1.5 * whole * first / len(text), (spent, whole)  # the first piece
+    # held to its end: one lookup per piece, the pieces 2k, 4k, 8k, then 16k characters
+    other = mixed_text(random.Random(14), 12000)
+    asked, held = held_up_to(1 << 30)
+    got = asyncio.run(scan(tok, tok.plan(other, True), held, largest,  # type: ignore[arg-type]
+                           first_chars=first))
+    cuts, step, cut = 0, first, first
+    while cut < len(other):
+        cuts += 1
+        step = min(2 * step, largest)
+        cut += step
+    assert got.complete and len(asked) == cuts and asked == sorted(asked)
+    assert np.array_equal(got.tokens, np.asarray(tok.tok(other)["input_ids"], dtype=np.uint32))
+
 def test_without_the_prompt_text_cache_every_prompt_is_tokenised_whole() -> None:
     tok = PromptTokenizer(bench())  # cache_chars 0: pieces cannot be joined exactly
     assert not tok.scans
