@@ -243,7 +243,7 @@ class FleetRun:
             res = self.run_arm(replace(arm, gateway_opts=opts), workload, src, rep)
         finally:
             self.setup = saved
-        res["prefill_engines"] = [f"emu{i}" for i in range(prefill)]
+        res["prefill_engines"] = [s["name"] for s in self.fleet.specs[:prefill]]
         return prefill_hits(res, set(res["prefill_engines"]))
 
 

@@ -195,7 +195,7 @@ class FleetEngine:
         row["pd_transfer_share"] = None
         if prefill:
             # what the decode pool loaded of its prompts (the hand-over) and did not recompute
-            row["pd_transfer_share"] = (sum(r["local_hit"] + r["external_hit"] for r in decode)
+            row["pd_transfer_share"] = (res["server_metrics"]["pd_transfer_tokens"]
                                         / (sum(r["prompt_tokens"] for r in decode) or 1))
             engine = [r for r in engine if r["engine"] in prefill]
         prompt = sum(r["prompt_tokens"] for r in engine) or 1
