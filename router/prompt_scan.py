@@ -99,7 +99,7 @@ async def scan(tok: PromptTokenizer, plan: Plan,
             return Scanned(ids, n, False)
         step = min(2 * step, piece_chars)
         cut += step
-    ids = await whole(tok, plan)
+    ids = await whole(tok, tok.replan(plan))  # the pieces scanned are not tokenised again
     return Scanned(ids, len(ids), True)
 
 

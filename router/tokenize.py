@@ -22,7 +22,7 @@ import json
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,15 @@ class PromptTokenizer:
             return Plan(text, add_special_tokens, None, False)
         return Plan(text, add_special_tokens, p.lookup(text, add_special_tokens),
                     p.should_verify())
+
+    def replan(self, plan: Plan) -> Plan:
+        """``plan`` with the prompt token cache looked up again (its check kept): after a
+        scan's pieces added their anchors, only the text past them is left to tokenise,
+        not all the scan already did."""
+        p = self.prefix
+        if p is None or plan.reuse is None or not p.enabled:
+            return plan
+        return replace(plan, reuse=p.lookup(plan.text, plan.add_special_tokens))
 
     def run(self, plan: Plan) -> np.ndarray:
         """Token ids of ``plan.text``. Off the event loop unless ``plan.inline``: the Rust
