@@ -54,11 +54,16 @@ Writes ``benchmarks/results/slo_capacity_<workload>_<n>_{sim,emulated}[_quick].j
 ``ours_over_best_peer`` (emulated: the peer routers), ``figure5_ordering_holds``,
 ``router_added_ttft_p50_ms`` and ``router_cpu_ms_per_request`` (emulated: the best of ours
 at 0.8x the best capacity)) and PNGs of the effective fraction vs rate and the TTFT CDF.
+Emulated sweeps also write ``<that name>_requests.jsonl.gz``: every request of every run,
+where it ran and what our router predicted against the TTFT it got (``per_request``), so
+a loss can be explained request by request.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import math
 import statistics
 import sys
@@ -351,7 +356,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kind = "sim" if args.engine == "sim" else "emulated"
     stem = (f"slo_capacity_{args.workload}_{args.instances}_{kind}"
             f"{'_quick' if args.quick else ''}{args.tag}")
-    out = args.out or RESULTS / f"{stem}.json"
+    out = Path(args.out or RESULTS / f"{stem}.json")
+    runs = getattr(engine, "runs", None)
+    if runs:  # each run's fleet numbers (router CPU, hits, engine lag): the spreads' why
+        doc["runs"] = runs
+    rows = getattr(engine, "requests", None)
+    if rows:
+        doc["per_request"] = write_requests(out.with_name(out.stem + "_requests.jsonl.gz"),
+                                            rows)
     rw.write(out, doc, table(doc), [
         rw.Figure("effective", "effective fraction vs offered rate",
                   lambda p: figure_effective(doc, engine.ours, p)),
@@ -359,6 +371,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   lambda p: figure_cdf(ttfts, load, engine.ours, p))],
         command=args.cmdline)
     return doc
+
+
+def write_requests(path: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every run's requests (:func:`benchmarks.serving.slo_fleet.request_rows`), one JSON
+    object a line, gzipped (reproducibly: no name or time in the header); what the result
+    says of the file."""
+    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()
+    path.write_bytes(gzip.compress(data, mtime=0))
+    return {"file": path.name, "rows": len(rows), "fields": sorted(rows[0]),
+            "note": "one line per request of every run (warm-up ones with counted false): "
+                    "where it ran, its queueing and hits there, and what our router "
+                    "predicted against the TTFT it got, in emulated seconds"}
 
 
 def table(doc: dict[str, Any]) -> str:

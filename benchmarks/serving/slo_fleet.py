@@ -82,6 +82,44 @@ def capped(w: Workload, max_output: int) -> Workload:
                                for t in s.turns)) for s in w.sessions])
 
 
+def _s(x: float | None, d: float) -> float | None:
+    """Wall seconds as emulated seconds, to the microsecond (None stays None)."""
+    return None if x is None else round(x / d, 6)
+
+
+def request_rows(arm: str, rate: float, rep: int, recs: list[dict[str, Any]],
+                 engine: list[dict[str, Any]], d: float, warmup: int
+                 ) -> list[dict[str, Any]]:
+    """One row per request of a run, what explains its TTFT: as the client saw it (status,
+    TTFT, TBT as the paper defines it), what our router predicted (``predicted_ttft_s``,
+    its header; None for the peers), and where it ran (``engines``: the engines that
+    served its ``x-request-id``, the prefill's first in a P/D split, with the first one's
+    queueing, engine-cache and store hits and store-load time). ``recs``: the client's
+    records in start order, the first ``warmup`` not counted. Times in emulated seconds."""
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for e in sorted(engine, key=lambda e: e["arrival"]):
+        rid = e.get("request_id") or ""
+        by_id.setdefault(rid[rid.find("/"):], []).append(e)
+    rows = []
+    for i, r in enumerate(recs):
+        es = by_id.get(f"/{r['sid']}/{r['turn']}", [])
+        first = es[0] if es else {}
+        admitted = first.get("admitted")
+        rows.append({
+            "arm": arm, "rate": rate, "rep": rep, "sid": r["sid"], "turn": r["turn"],
+            "counted": i >= warmup, "start_s": _s(r["start_s"], d),
+            "prompt_len": r["prompt_len"], "status": r["status"],
+            "ttft_s": _s(r["ttft_s"], d) if r["success"] else None,
+            "tbt_s": _s(cap.paper_tbt(r["itl_s"]), d) if r["success"] else None,
+            "predicted_ttft_s": _s(r.get("predicted_ttft_s"), d),
+            "engines": [e["engine"] for e in es],
+            "queue_s": (_s(admitted - first["arrival"], d) if admitted is not None
+                        else None),
+            "engine_hit": first.get("local_hit"), "store_hit": first.get("external_hit"),
+            "load_s": _s(first.get("load_s"), d)})
+    return rows
+
+
 class FleetEngine:
     """One emulated fleet for a whole sweep; ``point`` runs one arm at one rate."""
 
@@ -113,6 +151,7 @@ class FleetEngine:
                                       endpoint=endpoint, router_cpus=self.rest), self.logs)
         self._w: dict[tuple[float, int], Workload] = {}
         self.runs: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []  # every run's, for the per-request file
 
     def __enter__(self) -> FleetEngine:
         if self.rest:
@@ -209,6 +248,8 @@ class FleetEngine:
                 "emulator_loop_lag_max_s": fleet["emulator_loop_lag_max_s"],
                 "wall_s": res["wall_s"]}
         self.runs.append({"arm": arm, "rate": rate, "rep": rep, **fleet})
+        self.requests.extend(request_rows(arm, rate, rep, recs, res["engine_requests"], d,
+                                          len(recs) - len(kept)))
         print(f"  {arm} at {rate:.3g}/s (rep {rep}): effective "
               f"{row['effective_fraction']:.2f}, TTFT mean {row['ttft_mean_s'] or 0:.2f} s",
               flush=True)

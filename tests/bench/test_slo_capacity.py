@@ -3,6 +3,7 @@ interpolated capacity, the simulated workloads at a chosen rate, and a whole swe
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -265,6 +266,28 @@ def test_a_pd_arm_splits_the_fleet_and_hands_each_prompt_over_through_the_store(
     assert 0 < pd["engine_hit_share"] + pd["store_hit_share"] < 1
     assert pd["miss_share"] > 0
     assert doc["summary"]["best_ours"] == "kvcentric-pd50"
+    # each run's fleet numbers: the swept rate's and the TTFT CDF's, for both arms
+    assert {(r["arm"], r["rate"]) for r in doc["runs"]} >= {("kvcentric-pd50", 5.0),
+                                                            ("round-robin", 5.0)}
+    # every request in the per-request file: where it ran, and our router's prediction
+    per = doc["per_request"]
+    lines = gzip.decompress((tmp_path / per["file"]).read_bytes()).decode().splitlines()
+    reqs = [json.loads(x) for x in lines]
+    by_arm = {a: [r for r in reqs if r["arm"] == a and r["rate"] == 5.0]
+              for a in ("kvcentric-pd50", "round-robin")}
+    n = len(by_arm["round-robin"])  # the workload's requests, every one in each run
+    assert n >= 32 and per["rows"] == len(reqs) == n * len(doc["runs"])
+    assert all(len(v) == n and sum(not r["counted"] for r in v) == round(0.2 * n)
+               for v in by_arm.values())
+    # a P/D request ran on both engines, the prefill first; round robin's on one
+    engines = {tuple(r["engines"]) for r in by_arm["kvcentric-pd50"]}
+    assert len(engines) == 1 and len(next(iter(engines))) == 2, engines
+    assert all(len(r["engines"]) == 1 for r in by_arm["round-robin"])
+    assert {r["engines"][0] for r in by_arm["round-robin"]} == {
+        *next(iter(engines))}  # both engines served it, in turn
+    assert all(r["predicted_ttft_s"] is not None and r["ttft_s"] > 0
+               for r in by_arm["kvcentric-pd50"])
+    assert all(r["predicted_ttft_s"] is None for r in by_arm["round-robin"])
 
 class _Fixed:
     """An engine whose arms hold up to a capacity (``inf``: always, 0: never)."""
