@@ -136,6 +136,9 @@ class SimEngine:
     ours = OURS
     peers: tuple[str, ...] = ()  # the peers' routers are not in the simulator
     figure5 = FIGURE5
+    # no per-run fleet numbers, no per-request file: the rows say all a simulation knows
+    runs: tuple[dict[str, Any], ...] = ()
+    request_log: tuple[dict[str, Any], ...] = ()
 
     def __init__(self, args: argparse.Namespace, slo: cap.Slo) -> None:
         self.args = args
@@ -357,13 +360,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stem = (f"slo_capacity_{args.workload}_{args.instances}_{kind}"
             f"{'_quick' if args.quick else ''}{args.tag}")
     out = Path(args.out or RESULTS / f"{stem}.json")
-    runs = getattr(engine, "runs", None)
-    if runs:  # each run's fleet numbers (router CPU, hits, engine lag): the spreads' why
-        doc["runs"] = runs
-    rows = getattr(engine, "requests", None)
-    if rows:
+    if engine.runs:  # each run's fleet numbers (router CPU, hits, engine lag): the why
+        doc["runs"] = engine.runs
+    if engine.request_log:
         doc["per_request"] = write_requests(out.with_name(out.stem + "_requests.jsonl.gz"),
-                                            rows)
+                                            engine.request_log)
     rw.write(out, doc, table(doc), [
         rw.Figure("effective", "effective fraction vs offered rate",
                   lambda p: figure_effective(doc, engine.ours, p)),
@@ -373,7 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def write_requests(path: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def write_requests(path: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Every run's requests (:func:`benchmarks.serving.slo_fleet.request_rows`), one JSON
     object a line, gzipped (reproducibly: no name or time in the header); what the result
     says of the file."""

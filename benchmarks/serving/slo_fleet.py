@@ -151,7 +151,7 @@ class FleetEngine:
                                       endpoint=endpoint, router_cpus=self.rest), self.logs)
         self._w: dict[tuple[float, int], Workload] = {}
         self.runs: list[dict[str, Any]] = []
-        self.requests: list[dict[str, Any]] = []  # every run's, for the per-request file
+        self.request_log: list[dict[str, Any]] = []  # every run's requests (request_rows)
 
     def __enter__(self) -> FleetEngine:
         if self.rest:
@@ -248,7 +248,7 @@ class FleetEngine:
                 "emulator_loop_lag_max_s": fleet["emulator_loop_lag_max_s"],
                 "wall_s": res["wall_s"]}
         self.runs.append({"arm": arm, "rate": rate, "rep": rep, **fleet})
-        self.requests.extend(request_rows(arm, rate, rep, recs, res["engine_requests"], d,
+        self.request_log.extend(request_rows(arm, rate, rep, recs, res["engine_requests"], d,
                                           len(recs) - len(kept)))
         print(f"  {arm} at {rate:.3g}/s (rep {rep}): effective "
               f"{row['effective_fraction']:.2f}, TTFT mean {row['ttft_mean_s'] or 0:.2f} s",
