@@ -88,29 +88,30 @@ def _s(x: float | None, d: float) -> float | None:
 
 
 def request_rows(arm: str, rate: float, rep: int, recs: list[dict[str, Any]],
-                 engine: list[dict[str, Any]], d: float, warmup: int
-                 ) -> list[dict[str, Any]]:
+                 outs: list[cap.Served], engine: list[dict[str, Any]], d: float,
+                 warmup: int) -> list[dict[str, Any]]:
     """One row per request of a run, what explains its TTFT: as the client saw it (status,
     TTFT, TBT as the paper defines it), what our router predicted (``predicted_ttft_s``,
     its header; None for the peers), and where it ran (``engines``: the engines that
     served its ``x-request-id``, the prefill's first in a P/D split, with the first one's
     queueing, engine-cache and store hits and store-load time). ``recs``: the client's
-    records in start order, the first ``warmup`` not counted. Times in emulated seconds."""
+    records in start order, the first ``warmup`` not counted, and ``outs`` what
+    :meth:`FleetEngine.point` made of each (emulated TTFT and TBT). Times in emulated
+    seconds."""
     by_id: dict[str, list[dict[str, Any]]] = {}
     for e in sorted(engine, key=lambda e: e["arrival"]):
         rid = e.get("request_id") or ""
-        by_id.setdefault(rid[rid.find("/"):], []).append(e)
+        by_id.setdefault(rid.partition("/")[2], []).append(e)  # <arm>.<rep>/<sid>/<turn>
     rows = []
-    for i, r in enumerate(recs):
-        es = by_id.get(f"/{r['sid']}/{r['turn']}", [])
+    for i, (r, o) in enumerate(zip(recs, outs, strict=True)):
+        es = by_id.get(f"{r['sid']}/{r['turn']}", [])
         first = es[0] if es else {}
         admitted = first.get("admitted")
         rows.append({
             "arm": arm, "rate": rate, "rep": rep, "sid": r["sid"], "turn": r["turn"],
             "counted": i >= warmup, "start_s": _s(r["start_s"], d),
             "prompt_len": r["prompt_len"], "status": r["status"],
-            "ttft_s": _s(r["ttft_s"], d) if r["success"] else None,
-            "tbt_s": _s(cap.paper_tbt(r["itl_s"]), d) if r["success"] else None,
+            "ttft_s": o.ttft_s, "tbt_s": o.tbt_s if o.ttft_s is not None else None,
             "predicted_ttft_s": _s(r.get("predicted_ttft_s"), d),
             "engines": [e["engine"] for e in es],
             "queue_s": (_s(admitted - first["arrival"], d) if admitted is not None
@@ -248,8 +249,8 @@ class FleetEngine:
                 "emulator_loop_lag_max_s": fleet["emulator_loop_lag_max_s"],
                 "wall_s": res["wall_s"]}
         self.runs.append({"arm": arm, "rate": rate, "rep": rep, **fleet})
-        self.request_log.extend(request_rows(arm, rate, rep, recs, res["engine_requests"], d,
-                                          len(recs) - len(kept)))
+        self.request_log.extend(request_rows(arm, rate, rep, recs, outs,
+                                             res["engine_requests"], d, len(outs) - len(kept)))
         print(f"  {arm} at {rate:.3g}/s (rep {rep}): effective "
               f"{row['effective_fraction']:.2f}, TTFT mean {row['ttft_mean_s'] or 0:.2f} s",
               flush=True)
