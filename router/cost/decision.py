@@ -266,7 +266,13 @@ def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: in
     router's decodes, then fewer running sequences. Without the ties the decoder already
     holding the prompt's prefix always won by its shorter load, so the first decoders to
     get a hot prefix took all of its requests and the others none (emulated P/D fleet,
-    4 decoders: 31, 20, 13 and 0 requests)."""
+    4 decoders: 31, 20, 13 and 0 requests).
+
+    A decoder running far more sequences than the least loaded one (:func:`overloaded`,
+    the bound prefills have) is no candidate. Where a long shared prefix makes the holder's
+    load shorter by more than the tolerance (a coding agent's 20k-token system prompt and
+    its sessions' growing contexts), the ties alone let the first decoder to hold it take
+    every session, and its decodes stalled behind each request's load."""
     full_blocks = n_tokens // params.block_size
     picks: list[DecoderPick] = []
     for d in decode:
@@ -275,6 +281,9 @@ def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: in
         dc = decode_cost(d, runs.get(d.slot, 0), full_blocks, n_tokens, params, disk_only)
         if dc.tbt_s <= tbt_slo:
             picks.append(DecoderPick(dc.load_s + dc.tbt_s, d, dc))
+    if params.balance_abs is not None and len(picks) > 1:
+        least = min(p.instance.batch() for p in picks)
+        picks = [p for p in picks if not overloaded(p.instance.batch(), least, params)]
     if not picks:
         return None
     soonest = min(p.extra_s for p in picks)

@@ -592,3 +592,28 @@ def test_the_router_config_bounds_by_default_and_null_turns_it_off() -> None:
     off = RouterConfig.from_dict({"model": "m", "tokenizer": "t",
                                   "cost": {"balance_abs": None}}).cost
     assert off.balance_abs is None
+
+
+def test_a_decoder_running_far_more_than_the_least_loaded_is_not_a_candidate() -> None:
+    """The bound holds for decoders too: a long shared prefix makes its holder's load
+    shorter than any tie, so without the bound one decoder took every session (the
+    emulated coding-agent workload: 372 of 372 requests on one of 4 decoders)."""
+    p = inst("p", 0, "prefill")
+    ds = [inst(f"d{i}", 1 + i, "decode") for i in range(2)]
+    runs = {1: 32}  # d0 holds the prompt: d1 would load 33 objects more
+    taken = []
+    for _ in range(12):
+        res = choose([p], ds, runs, 32, N, BALANCED, ROOMY, now=0.0)
+        assert isinstance(res, Decision) and res.disaggregated
+        res.decode.decodes += 1
+        taken.append(res.decode.name)
+    # the holder until it runs balance_abs beyond the idle one, then both, within the bound
+    assert taken[:5] == ["d0"] * 5 and taken[5] == "d1"
+    assert ds[0].decodes - ds[1].decodes <= 5 and ds[1].decodes >= 3
+    # without the bound (CostParams' default) the holder takes all of them
+    for d in ds:
+        d.decodes = 0
+    for _ in range(12):
+        res = choose([p], ds, runs, 32, N, PARAMS, ROOMY, now=0.0)
+        assert isinstance(res, Decision) and res.decode is ds[0]
+        res.decode.decodes += 1
