@@ -7,12 +7,17 @@ Store put/get bandwidth against a plain memcpy of the same bytes, in one run.
 
 For each object size (256 KiB - 2 MiB) it puts and gets batches of objects from this
 process, then from a second process, and times ``np.copyto`` of the same objects in the
-same process as the baseline. Destinations are pre-touched and the store runs in steady
-state (capacity = 4x a batch, so eviction recycles mapped pages), and the CPU caches are
-evicted before every timed copy, so no arm profits from the previous one's cache. Reports
-medians over rounds and the ratios store/memcpy. ``--disk-dir`` gives the local store a disk
-tier there (8x a batch): puts then pay for the tier's bookkeeping and, in steady state, wait
-for its demotions (the store writes each batch to disk before DRAM can drop it).
+same process as the baseline. In this process it also puts each batch as the connectors
+write (``batch_alloc``, a memmove per slot, ``batch_commit``) and times the copies of that
+put alone: ``arena_copy_vs_memcpy`` is the floor any put reaches here (the same bytes,
+into arena memory that rotates over the store rather than one hot destination), and
+``put_vs_arena_copy`` what the round trips and the coordinator's bookkeeping add to it.
+Destinations are pre-touched and the store runs in steady state (capacity = 4x a batch,
+so eviction recycles mapped pages), and the CPU caches are evicted before every timed
+copy, so no arm profits from the previous one's cache. Reports medians over rounds and
+the ratios store/memcpy. ``--disk-dir`` gives the local store a disk tier there (8x a
+batch): puts then pay for the tier's bookkeeping and, in steady state, wait for its
+demotions (the store writes each batch to disk before DRAM can drop it).
 ``--events`` turns on the store's KV events (docs/store.md §KV events) with a subscriber
 draining them in this process: every object is a block key, so every put and eviction
 publishes (keys are block keys in every run, so runs with and without compare).
@@ -23,6 +28,7 @@ with events, each summary ratio's median and range per side (``store_events_ab*.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -109,7 +115,7 @@ def measure(cfg: dict[str, Any], obj_size: int, batch_bytes: int, rounds: int,
     dst = [np.ones(obj_size, np.uint8) for _ in range(n)]
     sizes = [obj_size] * n
     sp, dp = [a.ctypes.data for a in src], [a.ctypes.data for a in dst]
-    put_t, get_t, cpy_t = [], [], []
+    put_t, get_t, cpy_t, slot_t, arena_t = [], [], [], [], []
     with open_store(cfg) as store:
         for r in range(rounds + 1):  # round 0 warms the arena pages
             keys = [block_key(tag, obj_size, r, i) for i in range(n)]
@@ -128,13 +134,39 @@ def measure(cfg: dict[str, Any], obj_size: int, batch_bytes: int, rounds: int,
             t5 = time.perf_counter()
             if codes != [OK] * n or got != sizes or not np.array_equal(dst[-1], src[-1]):
                 raise RuntimeError(f"store round trip failed: {codes[:3]} {got[:3]}")
+            whole, copy = slot_put(store, [block_key(tag, "slots", obj_size, r, i)
+                                           for i in range(n)], sp, sizes)
             if r:
                 put_t.append(t1 - t0)
                 get_t.append(t3 - t2)
                 cpy_t.append(t5 - t4)
+                slot_t.append(whole)
+                arena_t.append(copy)
     med = statistics.median
     return {"put_gbps": _gbps(batch_bytes, med(put_t)), "get_gbps": _gbps(batch_bytes, med(get_t)),
-            "memcpy_gbps": _gbps(batch_bytes, med(cpy_t))}
+            "memcpy_gbps": _gbps(batch_bytes, med(cpy_t)),
+            "slot_put_gbps": _gbps(batch_bytes, med(slot_t)),
+            "arena_copy_gbps": _gbps(batch_bytes, med(arena_t))}
+
+
+def slot_put(store: Any, keys: list[str], ptrs: list[int], sizes: list[int]
+             ) -> tuple[float, float]:
+    """A put the way the connectors write (``batch_alloc``, one memmove per slot,
+    ``batch_commit``), caches evicted first: (seconds in all, seconds of the copies
+    alone). The copies alone are what any put into this arena costs at least: the same
+    bytes as the memcpy baseline, into store memory that rotates over the arena."""
+    cold()
+    t0 = time.perf_counter()
+    slots = store.batch_alloc(keys, sizes)
+    t1 = time.perf_counter()
+    for slot, src in zip(slots, ptrs):
+        ctypes.memmove(slot.ptr, src, slot.size)
+    t2 = time.perf_counter()
+    codes = store.batch_commit(slots)
+    t3 = time.perf_counter()
+    if codes != [OK] * len(keys):
+        raise RuntimeError(f"slot put failed: {codes[:3]}")
+    return t3 - t0, t2 - t1
 
 
 def cross_process(cfg: dict[str, Any], obj_size: int, batch_bytes: int, rounds: int) -> dict:
@@ -219,6 +251,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "get_vs_memcpy": med(r["get_gbps"] / r["memcpy_gbps"] for r in rows),
         "xproc_get_vs_memcpy": med(r["xproc_get_gbps"] / r["xproc_memcpy_gbps"] for r in rows),
         "xproc_put_vs_memcpy": med(r["xproc_put_gbps"] / r["xproc_memcpy_gbps"] for r in rows),
+        # the floor of a put: copying the same bytes into the arena's slots, without the
+        # round trips; and how far the whole put is from it
+        "arena_copy_vs_memcpy": med(r["arena_copy_gbps"] / r["memcpy_gbps"] for r in rows),
+        "put_vs_arena_copy": med(r["put_gbps"] / r["arena_copy_gbps"] for r in rows),
+        "slot_put_vs_memcpy": med(r["slot_put_gbps"] / r["memcpy_gbps"] for r in rows),
     }
     return {"benchmark": "store", "backend": args.backend, "quick": args.quick,
             "disk_tier": args.disk_dir is not None, "events": args.events,
@@ -250,11 +287,12 @@ def events_ab(args: argparse.Namespace, rounds: int) -> dict[str, Any]:
 def print_table(res: dict[str, Any]) -> None:
     print(f"\nstore benchmark, backend={res['backend']} (GB/s, median)")
     print(f"{'object':>8} {'put':>7} {'get':>7} {'memcpy':>7} {'xp put':>7} {'xp get':>7} "
-          f"{'xp cpy':>7}")
+          f"{'xp cpy':>7} {'slots':>7} {'arena':>7}")
     for r in res["rows"]:
         print(f"{r['object_bytes'] // KiB:>6}Ki {r['put_gbps']:7.2f} {r['get_gbps']:7.2f} "
               f"{r['memcpy_gbps']:7.2f} {r['xproc_put_gbps']:7.2f} {r['xproc_get_gbps']:7.2f} "
-              f"{r['xproc_memcpy_gbps']:7.2f}")
+              f"{r['xproc_memcpy_gbps']:7.2f} {r['slot_put_gbps']:7.2f} "
+              f"{r['arena_copy_gbps']:7.2f}")
     print("summary: " + ", ".join(f"{k}={v:.2f}" for k, v in res["summary"].items()))
 
 
