@@ -62,13 +62,15 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from kvcentric.router.config import BALANCE_REL, STALL_WEIGHT, TIE_TOLERANCE, SloConfig
 from kvcentric.router.cost.cost_model import Profile, tiered_load_s
 from kvcentric.router.fleet.instances import Instance
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,16 @@ def overloaded(running: int, least: int, params: CostParams) -> bool:
     return ab is not None and running - least > ab and running > params.balance_rel * least
 
 
+def within_bound(candidates: list[T], instance: Callable[[T], Instance],
+                 params: CostParams) -> list[T]:
+    """``candidates`` less those whose instance is :func:`overloaded` next to the least
+    loaded one's (all of them without a bound, or with one candidate)."""
+    if params.balance_abs is None or len(candidates) < 2:
+        return candidates
+    least = min(instance(c).batch() for c in candidates)
+    return [c for c in candidates if not overloaded(instance(c).batch(), least, params)]
+
+
 def hit_tokens(local: int, global_run: int, global_tail: bool, n_tokens: int,
                block_size: int) -> int:
     """Prompt tokens an engine holding ``local`` blocks finds cached or in the store (a
@@ -281,9 +293,7 @@ def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: in
         dc = decode_cost(d, runs.get(d.slot, 0), full_blocks, n_tokens, params, disk_only)
         if dc.tbt_s <= tbt_slo:
             picks.append(DecoderPick(dc.load_s + dc.tbt_s, d, dc))
-    if params.balance_abs is not None and len(picks) > 1:
-        least = min(p.instance.batch() for p in picks)
-        picks = [p for p in picks if not overloaded(p.instance.batch(), least, params)]
+    picks = within_bound(picks, lambda p: p.instance, params)
     if not picks:
         return None
     soonest = min(p.extra_s for p in picks)
@@ -337,9 +347,7 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         min_tbt = min(min_tbt, pair.tbt_s)
         if pair.tbt_s <= tbt_slo:
             pairs.append(pair)
-    if params.balance_abs is not None and len(pairs) > 1:
-        least = min(pair.prefill.batch() for pair in pairs)
-        pairs = [pair for pair in pairs if not overloaded(pair.prefill.batch(), least, params)]
+    pairs = within_bound(pairs, lambda pair: pair.prefill, params)
     slo_s = slo.ttft_ms / 1000.0
     # the score decides among pairs within the TTFT SLO; when none is, the lowest TTFT
     within = [pair for pair in pairs if pair.ttft_s <= slo_s]

@@ -210,6 +210,19 @@ def test_disaggregated_pair_counts_the_decode_side_load() -> None:
     assert res.hit_tokens == 32 * BS  # p2's own blocks; p2 computes the tail
 
 
+def decode_in_turn(n: int, p: Instance, ds: list[Instance], runs: dict[int, int],
+                   params: CostParams, slo: SloConfig) -> list[str]:
+    """The decoders ``n`` requests of one prompt go to, one after another, each counted
+    as decoding there before the next is placed."""
+    taken = []
+    for _ in range(n):
+        res = choose([p], ds, runs, 32, N, params, slo, now=0.0)
+        assert isinstance(res, Decision) and res.disaggregated
+        res.decode.decodes += 1
+        taken.append(res.decode.name)
+    return taken
+
+
 def test_decoders_whose_first_token_is_as_soon_share_the_requests() -> None:
     """A decoder holding the prompt loads less, but within the tie tolerance of the pair's
     TTFT the least busy decoder takes it: a hot prefix's requests spread over every
@@ -218,12 +231,7 @@ def test_decoders_whose_first_token_is_as_soon_share_the_requests() -> None:
     ds = [inst(f"d{i}", 1 + i, "decode") for i in range(4)]
     runs = {1: 32, 2: 32}  # d0 and d1 hold the prompt's blocks, d2 and d3 nothing
     p.enqueue("queued", 1.0, now=0.0)  # TTFT ~1 s: loading the prompt (33 ms) is a tie
-    taken = []
-    for _ in range(8):
-        res = choose([p], ds, runs, 32, N, PARAMS, SLO, now=0.0)
-        assert isinstance(res, Decision) and res.disaggregated
-        res.decode.decodes += 1
-        taken.append(res.decode.name)
+    taken = decode_in_turn(8, p, ds, runs, PARAMS, SLO)
     assert sorted(taken) == ["d0", "d0", "d1", "d1", "d2", "d2", "d3", "d3"]
     assert taken[:2] == ["d0", "d1"]  # equally idle: the shorter load first
     # with nothing queued the 33 ms load is no tie: the holder keeps it, busier or not
@@ -601,19 +609,11 @@ def test_a_decoder_running_far_more_than_the_least_loaded_is_not_a_candidate() -
     p = inst("p", 0, "prefill")
     ds = [inst(f"d{i}", 1 + i, "decode") for i in range(2)]
     runs = {1: 32}  # d0 holds the prompt: d1 would load 33 objects more
-    taken = []
-    for _ in range(12):
-        res = choose([p], ds, runs, 32, N, BALANCED, ROOMY, now=0.0)
-        assert isinstance(res, Decision) and res.disaggregated
-        res.decode.decodes += 1
-        taken.append(res.decode.name)
+    taken = decode_in_turn(12, p, ds, runs, BALANCED, ROOMY)
     # the holder until it runs balance_abs beyond the idle one, then both, within the bound
     assert taken[:5] == ["d0"] * 5 and taken[5] == "d1"
     assert ds[0].decodes - ds[1].decodes <= 5 and ds[1].decodes >= 3
     # without the bound (CostParams' default) the holder takes all of them
     for d in ds:
         d.decodes = 0
-    for _ in range(12):
-        res = choose([p], ds, runs, 32, N, PARAMS, ROOMY, now=0.0)
-        assert isinstance(res, Decision) and res.decode is ds[0]
-        res.decode.decodes += 1
+    assert decode_in_turn(12, p, ds, runs, PARAMS, ROOMY) == ["d0"] * 12
