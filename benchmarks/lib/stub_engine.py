@@ -8,7 +8,8 @@ One process answers on every port (one uvicorn server, one pre-bound socket per 
 instance is told apart by the port): ``GET /health``, ``/v1/models``, ``/metrics`` (the
 vLLM gauges the router reads: running, waiting, KV usage and ``cache_config_info`` with
 ``--pages`` pages of ``--page-size`` tokens), ``POST /v1/completions`` and
-``/v1/chat/completions``, streamed (three SSE chunks and ``[DONE]``) or not, at once or
+``/v1/chat/completions``, streamed (three SSE chunks and ``[DONE]``; with
+``--stream-tokens``, one chunk per requested token as vLLM streams) or not, at once or
 after a random ``--latency-ms`` (an engine's time: requests then overlap as with vLLM).
 
 With ``--store`` (a local store's config, as in the router's ``store`` section) a request
@@ -99,7 +100,10 @@ def vllm_histograms(model: str, n: int) -> str:
 
 def build_app(model: str, tokenizer: PromptTokenizer, ports: list[int], pages: int,
               page_size: int, saver: Saver | None,
-              latency_s: tuple[float, float] = (0.0, 0.0)) -> Starlette:
+              latency_s: tuple[float, float] = (0.0, 0.0),
+              stream_tokens: bool = False) -> Starlette:
+    """The stub's app; ``stream_tokens``: a streamed answer has ``max_tokens`` chunks
+    (else three)."""
     names = {p: f"e{i}" for i, p in enumerate(ports)}
     running = dict.fromkeys(names.values(), 0)
     served = dict.fromkeys(names.values(), 0)
@@ -151,15 +155,17 @@ def build_app(model: str, tokenizer: PromptTokenizer, ports: list[int], pages: i
                                  "text_completion", "model": model, "choices": [choice],
                                  "usage": usage})
 
+        chunks = max(1, int(body.get("max_tokens") or 1)) if stream_tokens else 3
+
         async def sse() -> AsyncIterator[bytes]:
             running[n] += 1
             try:
-                for i in range(3):
+                for i in range(chunks):
                     delta = {"delta": {"content": f" t{i}"}} if chat else {"text": f" t{i}"}
                     chunk = {"id": f"cmpl-{n}", "model": model,
                              "choices": [{"index": 0, **delta, "finish_reason": None}]}
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
-                    await asyncio.sleep(delay / 3)
+                    await asyncio.sleep(delay / chunks)
                 yield b"data: [DONE]\n\n"
             finally:
                 running[n] -= 1
@@ -184,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--object-bytes", type=int, default=4096, help="bytes per stored block")
     ap.add_argument("--latency-ms", default="0,0",
                     help="LO,HI: each answer takes a uniform random time in [LO, HI] ms")
+    ap.add_argument("--stream-tokens", action="store_true",
+                    help="stream one chunk per requested token (max_tokens), not three")
     args = ap.parse_args(argv)
     ports = [int(p) for p in args.ports.split(",")]
     tok = PromptTokenizer(args.tokenizer)
@@ -198,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         s.bind((args.host, port))
         socks.append(s)
     lo, hi = (float(x) / 1e3 for x in args.latency_ms.split(","))
-    app = build_app(args.model, tok, ports, args.pages, args.page_size, saver, (lo, hi))
+    app = build_app(args.model, tok, ports, args.pages, args.page_size, saver, (lo, hi),
+                    args.stream_tokens)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.run(sockets=socks)
     return 0

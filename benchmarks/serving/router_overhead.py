@@ -3,6 +3,8 @@
 What the router adds to a request: streamed TTFT through it vs straight to the engine.
 
     python -m benchmarks.serving.router_overhead [--requests 60] [--words 3000,750]
+                                               [--max-tokens 16] [--token-ms 0]
+                                               [--peers vllm-router:cache_aware,...]
                                                [--out FILE.json]
 
 Two stub engines (:mod:`benchmarks.lib.stub_engine`: instant answers, vLLM's ``/metrics``
@@ -10,10 +12,17 @@ gauges, and the connector's saves into a local store, so the router's store view
 residency) and the router in front of them (``kvcentric.router.cli serve``, its own
 process, a local store). Per prompt size (``--words`` words of text: the router tokenises
 them, as it does for every text prompt), requests alternate between the stub directly (the
-baseline, same run) and the router; each is a streamed ``/v1/completions`` and its TTFT is
+baseline, same run) and the router; each is a streamed ``/v1/completions`` of
+``--max-tokens`` tokens (one SSE chunk each, as vLLM streams: the router relays every
+one), ``--token-ms`` apart (an engine's time between tokens: at 0 the chunks leave together
+and the router reads several at once, which a real decode does not allow), and its TTFT is
 the time to the first SSE event. Also reported: the router's CPU time per request, from
-``/proc/PID/task/*/schedstat`` over separate passes of router-only requests (the median
-of ``CPU_PASSES``).
+``/proc/PID/task/*/schedstat`` of its process group over separate passes of router-only
+requests (the median of ``CPU_PASSES``).
+
+``--peers``: peer routers (:func:`benchmarks.serving.gateways.gateway_for` kinds, e.g.
+``vllm-router:cache_aware``, ``smg:cache_aware``) in front of the same stubs, measured the
+same way in the same run, one after another: the baseline a router's hop is judged by.
 
 Engines here answer at once, so the difference is the router's own work (parse and
 validate, tokenise, hash, look up the store, decide, relay) plus one proxy hop. The ratio
@@ -41,7 +50,8 @@ from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, module_command
-from benchmarks.lib.procfs import cpu_seconds
+from benchmarks.lib.procfs import group_cpu_seconds
+from benchmarks.serving.gateways import Gateway, gateway_for
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
@@ -51,21 +61,32 @@ CPU_PASSES = 3  # passes of router-only requests whose CPU per request is the me
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta")
 
 
-def ttft_ms(client: httpx.Client, base: str, prompt: str) -> float:
-    """Milliseconds to the first SSE event of a streamed completion of ``prompt``."""
+def ttft_ms(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> float:
+    """Milliseconds to the first SSE event of a streamed completion of ``prompt``; the
+    rest of the stream is read to its end, and must be every token's event and
+    ``[DONE]`` (a router that dropped or merged events would be measured doing less)."""
     t0 = time.perf_counter()
+    first = None
+    events = 0
     with client.stream("POST", base + "/v1/completions", json={
-            "model": "bench", "prompt": prompt, "max_tokens": 16, "stream": True,
+            "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data:"):
-                return (time.perf_counter() - t0) * 1000
-    raise RuntimeError(f"{base}: the stream carried no event")
+                events += 1
+                if first is None:
+                    first = (time.perf_counter() - t0) * 1000
+    if first is None or events != max_tokens + 1:
+        raise RuntimeError(f"{base}: the stream carried {events} events, not "
+                           f"{max_tokens} tokens and [DONE]")
+    return first
 
 
-def measure(router: subprocess.Popen[bytes], url: str, direct: str, words: int, n: int,
-            bar: tqdm) -> dict[str, Any]:
+def measure(name: str, router: subprocess.Popen[bytes], url: str, direct: str, words: int,
+            n: int, max_tokens: int, bar: tqdm) -> dict[str, Any]:
+    """One router (``name``, its process, its URL) at one prompt size: CPU passes, then
+    ``n`` requests alternating between ``direct`` (a stub) and the router."""
     rnd = random.Random(words)
     system = " ".join(rnd.choice(WORDS) for _ in range(words))
 
@@ -74,23 +95,24 @@ def measure(router: subprocess.Popen[bytes], url: str, direct: str, words: int, 
 
     with httpx.Client(timeout=60) as c:
         for _ in range(5):  # connections, the tokenizer's and the store's first calls
-            ttft_ms(c, url, prompt())
-            ttft_ms(c, direct, prompt())
+            ttft_ms(c, url, prompt(), max_tokens)
+            ttft_ms(c, direct, prompt(), max_tokens)
         cpu = []
         for _ in range(CPU_PASSES):  # the box's noise moves one pass by tens of percent
-            c0 = cpu_seconds(router.pid)
+            c0 = group_cpu_seconds([router.pid])
             for _ in range(n):
-                ttft_ms(c, url, prompt())
+                ttft_ms(c, url, prompt(), max_tokens)
             bar.update(n)
-            cpu.append((cpu_seconds(router.pid) - c0) / n * 1000)
+            cpu.append((group_cpu_seconds([router.pid]) - c0) / n * 1000)
         cpu_ms = statistics.median(cpu)
         d, r = [], []
         for _ in range(n):
-            d.append(ttft_ms(c, direct, prompt()))
-            r.append(ttft_ms(c, url, prompt()))
+            d.append(ttft_ms(c, direct, prompt(), max_tokens))
+            r.append(ttft_ms(c, url, prompt(), max_tokens))
             bar.update()
     dm, rm = statistics.median(d), statistics.median(r)
-    return {"words": words, "requests": n, "direct_p50_ms": dm, "router_p50_ms": rm,
+    return {"router": name, "words": words, "requests": n, "max_tokens": max_tokens,
+            "direct_p50_ms": dm, "router_p50_ms": rm,
             "added_p50_ms": rm - dm, "router_over_direct": rm / dm,
             "direct_mean_ms": statistics.mean(d), "router_mean_ms": statistics.mean(r),
             "router_cpu_ms_per_request": cpu_ms,
@@ -107,6 +129,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     launcher.ensure_running(store_cfg)
     ports = [free_port(), free_port()]
     port = free_port()
+    lat = args.token_ms * args.max_tokens
     cfg = {"model": "bench", "tokenizer": model, "listen": {"port": port}, "store": store,
            "log_level": "warning",
            "instances": [{"url": f"http://127.0.0.1:{p}", "role": "both", "name": f"e{i}"}
@@ -114,10 +137,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg_path = logs / f"router-overhead-{port}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     stub = router = None
+    peers: list[Gateway] = []
     try:
         stub = spawn(module_command("benchmarks.lib.stub_engine", "--ports",
                                     ",".join(map(str, ports)), "--model", "bench",
-                                    "--tokenizer", model, "--store", json.dumps(store)),
+                                    "--tokenizer", model, "--store", json.dumps(store),
+                                    "--stream-tokens", "--latency-ms",
+                                    f"{lat},{lat}"),
                      logs / "router-overhead-stub.log")
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health", stub, logs / "router-overhead-stub.log")
@@ -125,11 +151,23 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         str(cfg_path)], logs / "router-overhead.log")
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", router, logs / "router-overhead.log")
-        total = (1 + CPU_PASSES) * args.requests * len(args.words)
+        targets = [("kvcentric", router, url)]
+        for kind in args.peers:
+            g = gateway_for(kind, [f"http://127.0.0.1:{p}" for p in ports], logs,
+                            tokenizer=model)
+            assert g is not None, f"{kind}: not a router"
+            peers.append(g)
+            g.start().wait_ready()
+            assert g.proc is not None
+            targets.append((g.name, g.proc, g.url))
+        total = (1 + CPU_PASSES) * args.requests * len(args.words) * len(targets)
         with tqdm(total=total, desc="requests") as bar:
-            return [measure(router, url, f"http://127.0.0.1:{ports[0]}", w, args.requests, bar)
-                    for w in args.words]
+            return [measure(name, proc, base, f"http://127.0.0.1:{ports[0]}", w,
+                            args.requests, args.max_tokens, bar)
+                    for name, proc, base in targets for w in args.words]
     finally:
+        for g in peers:
+            g.stop()
         stop_group(router)
         stop_group(stub)
         launcher.stop(store_cfg)
@@ -137,12 +175,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'words':>6} {'direct p50':>10} {'router p50':>10} {'added':>7} {'ratio':>6} "
-             f"{'router CPU/req':>14}"]
-    lines += [f"{r['words']:>6} {r['direct_p50_ms']:>10.1f} {r['router_p50_ms']:>10.1f} "
-              f"{r['added_p50_ms']:>7.1f} {r['router_over_direct']:>6.2f} "
-              f"{r['router_cpu_ms_per_request']:>12.1f}ms" for r in rows]
+    lines = [f"{'router':<26} {'words':>6} {'direct p50':>10} {'router p50':>10} {'added':>7} "
+             f"{'ratio':>6} {'router CPU/req':>14}"]
+    lines += [f"{r['router']:<26} {r['words']:>6} {r['direct_p50_ms']:>10.1f} "
+              f"{r['router_p50_ms']:>10.1f} {r['added_p50_ms']:>7.1f} "
+              f"{r['router_over_direct']:>6.2f} {r['router_cpu_ms_per_request']:>12.1f}ms"
+              for r in rows]
     return "\n".join(lines)
+
+
+def per_size(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """One router's added TTFT p50 and CPU per request, by prompt size (words)."""
+    return {"added_p50_ms": {str(r["words"]): round(r["added_p50_ms"], 2) for r in rows},
+            "router_cpu_ms_per_request": {
+                str(r["words"]): round(r["router_cpu_ms_per_request"], 2) for r in rows}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,17 +196,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=60, help="timed requests per arm and size")
     ap.add_argument("--words", type=lambda s: [int(x) for x in s.split(",")],
                     default=[3000, 750], help="prompt sizes in words (comma-separated)")
+    ap.add_argument("--max-tokens", type=int, default=16,
+                    help="tokens per answer, each one SSE chunk the router relays")
+    ap.add_argument("--token-ms", type=float, default=0.0,
+                    help="milliseconds between an answer's tokens")
+    ap.add_argument("--peers", type=lambda s: [x for x in s.split(",") if x], default=[],
+                    help="peer routers measured beside ours (e.g. vllm-router:cache_aware)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router_overhead.json")
     args = ap.parse_args(argv)
-    if args.requests < 1 or any(w < 1 for w in args.words):
-        ap.error("--requests and --words must be positive")
+    if args.requests < 1 or args.max_tokens < 1 or any(w < 1 for w in args.words):
+        ap.error("--requests, --max-tokens and --words must be positive")
+    if args.token_ms < 0:
+        ap.error("--token-ms must not be negative")
     rows = run(args)
     doc = {"benchmark": "router_overhead", "rows": rows,
-           "summary": {"added_p50_ms": {str(r["words"]): round(r["added_p50_ms"], 2)
-                                        for r in rows},
-                       "router_cpu_ms_per_request": {
-                           str(r["words"]): round(r["router_cpu_ms_per_request"], 2)
-                           for r in rows}}}
+           "summary": {"max_tokens": args.max_tokens, "token_ms": args.token_ms,
+                       **per_size([r for r in rows if r["router"] == "kvcentric"]),
+                       "peers": {p: per_size([r for r in rows if r["router"] == p])
+                                 for p in dict.fromkeys(r["router"] for r in rows)
+                                 if p != "kvcentric"}}}
     rw.write(args.out, doc, table=table(rows), command=rw.command_line(__file__, argv))
     return 0
 

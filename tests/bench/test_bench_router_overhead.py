@@ -1,5 +1,7 @@
 """bench_router_overhead runs end to end (stub engines, a local store, the router process)
-and reports the router's added latency against the direct path measured in the same run."""
+and reports the router's added latency against the direct path measured in the same run;
+every request's stream is checked to carry one event per token (the stub streams
+``max_tokens`` of them) and ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ from benchmarks.serving import router_overhead
 
 def test_small_run_reports_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "ro.json"
-    assert router_overhead.main(["--requests", "3", "--words", "40,200",
-                                       "--out", str(out)]) == 0
+    assert router_overhead.main(["--requests", "3", "--words", "40,200", "--max-tokens", "5",
+                                 "--token-ms", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [r["words"] for r in doc["rows"]] == [40, 200]
     for r in doc["rows"]:
+        assert r["router"] == "kvcentric" and r["max_tokens"] == 5
         assert r["requests"] == 3
         assert r["direct_p50_ms"] > 0 and r["router_p50_ms"] > 0
         assert r["router_over_direct"] == r["router_p50_ms"] / r["direct_p50_ms"]
@@ -24,3 +27,5 @@ def test_small_run_reports_both_paths(tmp_path: Path) -> None:
         assert len(passes) == router_overhead.CPU_PASSES and all(x > 0 for x in passes)
         assert min(passes) <= r["router_cpu_ms_per_request"] <= max(passes)
     assert set(doc["summary"]["added_p50_ms"]) == {"40", "200"}
+    assert doc["summary"]["peers"] == {}  # none asked for
+    assert (doc["summary"]["max_tokens"], doc["summary"]["token_ms"]) == (5, 1.0)
