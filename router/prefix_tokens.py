@@ -66,9 +66,13 @@ class PrefixTokens:
     characters per chunk, then compares the few characters up to the boundary."""
 
     def __init__(self, encode: Callable[[str, bool], Encoded], max_chars: int,
-                 anchor_chars: int = 1024, verify_first: int = 16,
+                 anchor_chars: int = 256, verify_first: int = 16,
                  verify_every: int = 256) -> None:
-        """``encode(text, add_special_tokens)``: the tokenizer's encoding of ``text``."""
+        """``encode(text, add_special_tokens)``: the tokenizer's encoding of ``text``.
+        ``anchor_chars``: a chunk's least length. A prompt that repeats a known one with
+        something added re-tokenises its last chunk and one whole chunk of look-ahead
+        besides the new text, so short chunks cost less tokenising per request; they
+        cost more entries per character held and more steps per walk."""
         if max_chars <= 0 or anchor_chars <= 0:
             raise ValueError("max_chars and anchor_chars must be > 0")
         self._encode = encode

@@ -41,8 +41,8 @@ from kvcentric.router.tokenize import Plan, PromptTokenizer
 # PIECE_CHARS: most scans stop at once (the text past what the prompt token cache knows is
 # new, so its first block is held nowhere) and pay for a small piece only, while a long
 # held prefix the cache does not know takes a few steps (each one store lookup). The first
-# piece spans two of the cache's chunks (PrefixTokens' anchor_chars), so it ends past one
-# pre-token boundary the cache can vouch for
+# piece spans several of the cache's chunks (PrefixTokens' anchor_chars), so it ends past
+# a pre-token boundary the cache can vouch for
 FIRST_PIECE_CHARS = 2048
 PIECE_CHARS = 16384
 

@@ -200,3 +200,20 @@ def test_the_event_loop_tokenises_only_a_little_past_a_known_prefix() -> None:
     tok.prefix._verify_every = 1  # the next result is checked: never on the loop
     assert not tok.plan(doc + " a third question").inline
     assert not PromptTokenizer(bench(), cache_chars=0).plan(doc).inline
+
+
+def test_a_prompt_extending_a_known_one_retokenises_little_of_what_they_share() -> None:
+    """A conversation's next turn or a system prompt with a new question: past the last
+    reused anchor the default cache re-tokenises a partial chunk and one chunk of
+    look-ahead, a few hundred characters of an 8k-token prompt, not thousands."""
+    tok = PromptTokenizer(bench(), cache_chars=1 << 20)
+    assert tok.prefix is not None
+    rnd = random.Random(11)
+    shared = mixed_text(rnd, 6000)
+    for _ in range(3):
+        question = mixed_text(rnd, 40)
+        tok.prefix.tokenized_tokens = 0
+        ids = tok.encode(shared + question)
+        assert np.array_equal(ids, tok._whole(shared + question, True))
+    new = len(tok._whole(question, False))
+    assert tok.prefix.tokenized_tokens - new <= len(tok._whole(shared[-600:], False))
