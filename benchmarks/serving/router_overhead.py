@@ -1,7 +1,5 @@
 """What does the router add to a request's TTFT, next to going straight to the engine?
 
-What the router adds to a request: streamed TTFT through it vs straight to the engine.
-
     python -m benchmarks.serving.router_overhead [--requests 60] [--words 3000,750]
                                                [--max-tokens 16] [--token-ms 0]
                                                [--peers vllm-router:cache_aware,...]
@@ -22,7 +20,8 @@ requests (the median of ``CPU_PASSES``).
 
 ``--peers``: peer routers (:func:`benchmarks.serving.gateways.gateway_for` kinds, e.g.
 ``vllm-router:cache_aware``, ``smg:cache_aware``) in front of the same stubs, measured the
-same way in the same run, one after another: the baseline a router's hop is judged by.
+same way in the same run, taking turns with ours request by request (TTFT) and pass by pass
+(CPU): the baseline a router's hop is judged by.
 
 Engines here answer at once, so the difference is the router's own work (parse and
 validate, tokenise, hash, look up the store, decide, relay) plus one proxy hop. The ratio
@@ -83,40 +82,53 @@ def ttft_ms(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> fl
     return first
 
 
-def measure(name: str, router: subprocess.Popen[bytes], url: str, direct: str, words: int,
-            n: int, max_tokens: int, bar: tqdm) -> dict[str, Any]:
-    """One router (``name``, its process, its URL) at one prompt size: CPU passes, then
-    ``n`` requests alternating between ``direct`` (a stub) and the router."""
+Target = tuple[str, subprocess.Popen[bytes], str]  # a router: name, process, base URL
+
+
+def measure(targets: list[Target], direct: str, words: int, n: int, max_tokens: int,
+            bar: tqdm) -> list[dict[str, Any]]:
+    """Every router at one prompt size, a row each: ``CPU_PASSES`` passes of ``n``
+    requests per router, the routers taking turns within each pass, then ``n`` rounds of
+    one request to ``direct`` (a stub) and one to each router. Taking turns puts the
+    box's drift on every router alike, so the rows compare within the run."""
     rnd = random.Random(words)
     system = " ".join(rnd.choice(WORDS) for _ in range(words))
 
     def prompt() -> str:  # a shared prefix and a fresh question, as users send
         return system + " " + " ".join(rnd.choice(WORDS) for _ in range(40))
 
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in targets}
+    ttft: dict[str, list[float]] = {name: [] for name, _, _ in targets}
+    d: list[float] = []
     with httpx.Client(timeout=60) as c:
         for _ in range(5):  # connections, the tokenizer's and the store's first calls
-            ttft_ms(c, url, prompt(), max_tokens)
             ttft_ms(c, direct, prompt(), max_tokens)
-        cpu = []
-        for _ in range(CPU_PASSES):  # the box's noise moves one pass by tens of percent
-            c0 = group_cpu_seconds([router.pid])
-            for _ in range(n):
+            for _, _, url in targets:
                 ttft_ms(c, url, prompt(), max_tokens)
-            bar.update(n)
-            cpu.append((group_cpu_seconds([router.pid]) - c0) / n * 1000)
-        cpu_ms = statistics.median(cpu)
-        d, r = [], []
+        for _ in range(CPU_PASSES):  # the box's noise moves one pass by tens of percent
+            for name, proc, url in targets:
+                c0 = group_cpu_seconds([proc.pid])
+                for _ in range(n):
+                    ttft_ms(c, url, prompt(), max_tokens)
+                cpu[name].append((group_cpu_seconds([proc.pid]) - c0) / n * 1000)
+                bar.update(n)
         for _ in range(n):
             d.append(ttft_ms(c, direct, prompt(), max_tokens))
-            r.append(ttft_ms(c, url, prompt(), max_tokens))
-            bar.update()
-    dm, rm = statistics.median(d), statistics.median(r)
-    return {"router": name, "words": words, "requests": n, "max_tokens": max_tokens,
-            "direct_p50_ms": dm, "router_p50_ms": rm,
-            "added_p50_ms": rm - dm, "router_over_direct": rm / dm,
-            "direct_mean_ms": statistics.mean(d), "router_mean_ms": statistics.mean(r),
-            "router_cpu_ms_per_request": cpu_ms,
-            "router_cpu_ms_per_request_passes": [round(x, 3) for x in cpu]}
+            for name, _, url in targets:
+                ttft[name].append(ttft_ms(c, url, prompt(), max_tokens))
+            bar.update(len(targets))
+    dm = statistics.median(d)
+    rows = []
+    for name, _, _ in targets:
+        r = ttft[name]
+        rm = statistics.median(r)
+        rows.append({"router": name, "words": words, "requests": n, "max_tokens": max_tokens,
+                     "direct_p50_ms": dm, "router_p50_ms": rm,
+                     "added_p50_ms": rm - dm, "router_over_direct": rm / dm,
+                     "direct_mean_ms": statistics.mean(d), "router_mean_ms": statistics.mean(r),
+                     "router_cpu_ms_per_request": statistics.median(cpu[name]),
+                     "router_cpu_ms_per_request_passes": [round(x, 3) for x in cpu[name]]})
+    return rows
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -151,7 +163,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         str(cfg_path)], logs / "router-overhead.log")
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", router, logs / "router-overhead.log")
-        targets = [("kvcentric", router, url)]
+        targets: list[Target] = [("kvcentric", router, url)]
         for kind in args.peers:
             g = gateway_for(kind, [f"http://127.0.0.1:{p}" for p in ports], logs,
                             tokenizer=model)
@@ -162,9 +174,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             targets.append((g.name, g.proc, g.url))
         total = (1 + CPU_PASSES) * args.requests * len(args.words) * len(targets)
         with tqdm(total=total, desc="requests") as bar:
-            return [measure(name, proc, base, f"http://127.0.0.1:{ports[0]}", w,
-                            args.requests, args.max_tokens, bar)
-                    for name, proc, base in targets for w in args.words]
+            rows = [row for w in args.words
+                    for row in measure(targets, f"http://127.0.0.1:{ports[0]}", w,
+                                       args.requests, args.max_tokens, bar)]
+        # ours first, then each peer, each router's rows in --words order
+        return sorted(rows, key=lambda r: [t[0] for t in targets].index(r["router"]))
     finally:
         for g in peers:
             g.stop()
