@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -98,7 +99,10 @@ class PromptTokenizer:
             getattr(self.tok, "chat_template", None))
         # vLLM's bound on the characters of a prompt of n tokens: n times the longest token
         self.max_chars_per_token = max((len(t) for t in self.tok.get_vocab()), default=1)
+        self._counted = threading.Lock()
+        self._tokenized = 0
         self.prefix = self._prefix_cache(cache_chars) if cache_chars else None
+        self._tokenized = 0  # the prompt token cache's probes are not prompts
 
     def template_kwargs(self, allow_list: tuple[str, ...] | None) -> frozenset[str]:
         """The ``chat_template_kwargs`` keys a request may set (``allow_list``: the
@@ -196,15 +200,34 @@ class PromptTokenizer:
         self.prefix.disable()
         return whole
 
+    @property
+    def tokenized_tokens(self) -> int:
+        """Token ids this tokenizer has produced for prompts since it was made: whole
+        prompts, scan pieces and the prompt token cache's checks (what tokenising cost)."""
+        return self._tokenized
+
+    @property
+    def reused_tokens(self) -> int:
+        """Token ids taken from the prompt token cache instead of tokenised."""
+        return self.prefix.reused_tokens if self.prefix is not None else 0
+
+    def _count(self, n: int) -> None:
+        with self._counted:  # tokenising runs on several worker threads
+            self._tokenized += n
+
     def _whole(self, text: str, add_special_tokens: bool) -> np.ndarray:
         if self._rust is not None:
             enc = self._rust.encode_batch([text], add_special_tokens=add_special_tokens)
-            return np.asarray(enc[0].ids, dtype=np.uint32)
-        ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return np.asarray(ids, dtype=np.uint32)
+            out = np.asarray(enc[0].ids, dtype=np.uint32)
+        else:
+            ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+            out = np.asarray(ids, dtype=np.uint32)
+        self._count(len(out))
+        return out
 
     def _encoding(self, text: str, add_special_tokens: bool) -> Encoded:
         e = self._rust.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        self._count(len(e.ids))
         return e.ids, e.word_ids, e.offsets
 
     def _prefix_cache(self, max_chars: int) -> PrefixTokens | None:

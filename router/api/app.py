@@ -236,7 +236,7 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
         vocab_size=tokenizer.vocab_size, max_chars_per_token=tokenizer.max_chars_per_token,
         template_kwargs=tokenizer.template_kwargs(cfg.limits.chat_template_kwargs),
         salt_max=CLIENT_SALT_MAX if cfg.auth.enabled else SALT_MAX)
-    return RouterState(cfg, conductor, tokenizer, RouterMetrics(conductor),
+    return RouterState(cfg, conductor, tokenizer, RouterMetrics(conductor, tokenizer),
                        Authenticator(cfg.auth), limits.InFlight(cfg.limits), bounds,
                        api_models.completion_model(cfg.model, bounds),
                        api_models.chat_model(cfg.model, bounds),

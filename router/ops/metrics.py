@@ -10,12 +10,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvcentric.router.conductor import Conductor
     from kvcentric.router.cost.decision import Decision
+    from kvcentric.router.tokenize import PromptTokenizer
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -26,7 +27,9 @@ TOP_PREFIXES = 10
 
 
 class RouterMetrics:
-    def __init__(self, conductor: Conductor) -> None:
+    def __init__(self, conductor: Conductor, tokenizer: PromptTokenizer | None = None) -> None:
+        """The router's metrics over its own registry; ``tokenizer``: the prompt
+        tokenizer whose work is exported at scrape time (None: not exported)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvc_router_requests", "Requests answered, by endpoint and "
@@ -80,6 +83,8 @@ class RouterMetrics:
                                      "the periodic malloc_trim gave back to the system",
                                      registry=r)
         r.register(_StateCollector(conductor))
+        if tokenizer is not None:
+            r.register(_TokenizerCollector(tokenizer))
 
     def observe_ttft(self, predicted_s: float, actual_s: float) -> None:
         self.ttft_actual.observe(actual_s)
@@ -95,6 +100,23 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _TokenizerCollector(Collector):
+    """The prompt tokenizer's counts, read when scraped: most of the router's CPU for a
+    long prompt is tokenising it, and the prompt token cache is what spares it."""
+
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        t = self.tokenizer
+        yield CounterMetricFamily("kvc_router_tokenized_tokens", "Prompt tokens the router "
+                                  "tokenised (whole prompts, scan pieces, the prompt "
+                                  "token cache's checks)", value=t.tokenized_tokens)
+        yield CounterMetricFamily("kvc_router_reused_prompt_tokens", "Prompt tokens taken "
+                                  "from the prompt token cache instead of tokenised",
+                                  value=t.reused_tokens)
 
 
 def hit_tiers(d: Decision, n_tokens: int, block_size: int) -> tuple[int, int, int]:

@@ -558,3 +558,41 @@ def test_an_sglang_pair_whose_prefill_fails_is_retried_with_another_room(
 
     run(make_cfg(tiny_dir, insts, health={"interval_s": 30, "unhealthy_after": 1}),
         tokenizer, ups, fn)
+
+
+def counter(metrics: str, name: str) -> float:
+    """The value of the unlabelled counter ``name`` (its ``_total`` sample)."""
+    line = next(x for x in metrics.splitlines() if x.startswith(f"{name}_total "))
+    return float(line.split()[1])
+
+
+def test_metrics_count_prompt_tokens_tokenised_and_reused(tiny_dir: str) -> None:
+    """``kvc_router_tokenized_tokens`` counts what the router's tokenizer produced and
+    ``kvc_router_reused_prompt_tokens`` what the prompt token cache gave instead: a long
+    new prompt's scan tokenises a first piece (held nowhere: it stops there) and, as one
+    of the cache's first results, the whole prompt as a check; the same system prompt
+    with another question reuses that piece (and is checked whole too)."""
+    tok = PromptTokenizer(tiny_dir, cache_chars=1 << 20)
+    assert tok.prefix is not None and tok.tokenized_tokens == 0  # the probes not counted
+    ups = Upstreams()
+    system = " ".join(f"word{i % 97} of the system prompt" for i in range(400))
+
+    async def fn(c: httpx.AsyncClient) -> list[tuple[float, float]]:
+        seen = []
+        for question in ("What is the first word?", "And what is the last one?"):
+            r = await c.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                                      "prompt": system + " " + question})
+            assert r.status_code == 200
+            m = (await c.get("/metrics")).text
+            seen.append((counter(m, "kvc_router_tokenized_tokens"),
+                         counter(m, "kvc_router_reused_prompt_tokens")))
+        return seen
+
+    (tok1, reused1), (tok2, reused2) = run(make_cfg(tiny_dir, TWO), tok, ups, fn)
+    assert (tok2, reused2) == (tok.tokenized_tokens, tok.reused_tokens)
+    ref = PromptTokenizer(tiny_dir)  # counts of its own
+    whole = len(ref.encode(system + " What is the first word?"))
+    assert tok1 >= whole and reused1 == 0  # new: tokenised (and checked) whole
+    # the first piece reused; past it a piece and, still among the first results, a check
+    assert reused2 >= len(ref.encode(system[:1024], False))
+    assert tok2 - tok1 >= whole
