@@ -56,6 +56,7 @@ from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http
 
+PEER_KINDS = ("vllm-router:", "smg:", "sglang:")  # gateway_for's peer routers
 CPU_PASSES = 3  # passes of router-only requests whose CPU per request is the median
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta")
 
@@ -222,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--requests, --max-tokens and --words must be positive")
     if args.token_ms < 0:
         ap.error("--token-ms must not be negative")
+    unknown = [p for p in args.peers if not p.startswith(PEER_KINDS)]
+    if unknown:
+        ap.error(f"--peers {','.join(unknown)}: a peer is one of "
+                 f"{', '.join(k + 'POLICY' for k in PEER_KINDS)}")
     rows = run(args)
     doc = {"benchmark": "router_overhead", "rows": rows,
            "summary": {"max_tokens": args.max_tokens, "token_ms": args.token_ms,

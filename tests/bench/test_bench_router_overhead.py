@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.serving import router_overhead
 
 
@@ -29,3 +31,15 @@ def test_small_run_reports_both_paths(tmp_path: Path) -> None:
     assert set(doc["summary"]["added_p50_ms"]) == {"40", "200"}
     assert doc["summary"]["peers"] == {}  # none asked for
     assert (doc["summary"]["max_tokens"], doc["summary"]["token_ms"]) == (5, 1.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peers", "kvcentric"], "--peers kvcentric: a peer is one of vllm-router:POLICY"),
+    (["--max-tokens", "0"], "must be positive"),
+    (["--token-ms", "-1"], "must not be negative"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        router_overhead.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
