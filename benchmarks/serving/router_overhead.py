@@ -1,22 +1,22 @@
 """What does the router add to a request's TTFT, next to going straight to the engine?
 
     python -m benchmarks.serving.router_overhead [--requests 60] [--words 3000,750]
-                                               [--max-tokens 16] [--token-ms 0]
+                                               [--max-tokens 16] [--token-ms 0] [--engines 2]
                                                [--peers vllm-router:cache_aware,...]
                                                [--out FILE.json]
 
-Two stub engines (:mod:`benchmarks.lib.stub_engine`: instant answers, vLLM's ``/metrics``
-gauges, and the connector's saves into a local store, so the router's store view sees real
-residency) and the router in front of them (``kvcentric.router.cli serve``, its own
-process, a local store). Per prompt size (``--words`` words of text: the router tokenises
-them, as it does for every text prompt), requests alternate between the stub directly (the
-baseline, same run) and the router; each is a streamed ``/v1/completions`` of
-``--max-tokens`` tokens (one SSE chunk each, as vLLM streams: the router relays every
-one), ``--token-ms`` apart (an engine's time between tokens: at 0 the chunks leave together
-and the router reads several at once, which a real decode does not allow), and its TTFT is
-the time to the first SSE event. Also reported: the router's CPU time per request, from
-``/proc/PID/task/*/schedstat`` of its process group over separate passes of router-only
-requests (the median of ``CPU_PASSES``).
+``--engines`` stub engines (:mod:`benchmarks.lib.stub_engine`, one process: instant
+answers, vLLM's ``/metrics`` gauges, and the connector's saves into a local store, so the
+router's store view sees real residency) and the router in front of them
+(``kvcentric.router.cli serve``, its own process, a local store). Per prompt size
+(``--words`` words of text: the router tokenises them, as it does for every text prompt),
+requests alternate between the stub directly (the baseline, same run) and the router;
+each is a streamed ``/v1/completions`` of ``--max-tokens`` tokens (one SSE chunk each, as
+vLLM streams: the router relays every one), ``--token-ms`` apart (an engine's time between
+tokens: at 0 the chunks leave together and the router reads several at once, which a real
+decode does not allow), and its TTFT is the time to the first SSE event. Also reported:
+the router's CPU time per request, from ``/proc/PID/task/*/schedstat`` of its process
+group over separate passes of router-only requests (the median of ``CPU_PASSES``).
 
 ``--peers``: peer routers (:func:`benchmarks.serving.gateways.gateway_for` kinds, e.g.
 ``vllm-router:cache_aware``, ``smg:cache_aware``) in front of the same stubs, measured the
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     store = {"name": f"ro{uuid.uuid4().hex[:6]}", "capacity": "256mb", "runtime_dir": rt}
     store_cfg = StoreConfig.from_dict(store)
     launcher.ensure_running(store_cfg)
-    ports = [free_port(), free_port()]
+    ports = [free_port() for _ in range(args.engines)]
     port = free_port()
     lat = args.token_ms * args.max_tokens
     cfg = {"model": "bench", "tokenizer": model, "listen": {"port": port}, "store": store,
@@ -213,14 +213,17 @@ def main(argv: list[str] | None = None) -> int:
                     default=[3000, 750], help="prompt sizes in words (comma-separated)")
     ap.add_argument("--max-tokens", type=int, default=16,
                     help="tokens per answer, each one SSE chunk the router relays")
+    ap.add_argument("--engines", type=int, default=2,
+                    help="stub engines behind every router (their health and metrics "
+                         "polls, and the decision over them, are the router's work too)")
     ap.add_argument("--token-ms", type=float, default=0.0,
                     help="milliseconds between an answer's tokens")
     ap.add_argument("--peers", type=lambda s: [x for x in s.split(",") if x], default=[],
                     help="peer routers measured beside ours (e.g. vllm-router:cache_aware)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router_overhead.json")
     args = ap.parse_args(argv)
-    if args.requests < 1 or args.max_tokens < 1 or any(w < 1 for w in args.words):
-        ap.error("--requests, --max-tokens and --words must be positive")
+    if min(args.requests, args.max_tokens, args.engines, *args.words) < 1:
+        ap.error("--requests, --max-tokens, --engines and --words must be positive")
     if args.token_ms < 0:
         ap.error("--token-ms must not be negative")
     unknown = [p for p in args.peers if not p.startswith(PEER_KINDS)]
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     doc = {"benchmark": "router_overhead", "rows": rows,
            "summary": {"max_tokens": args.max_tokens, "token_ms": args.token_ms,
+                       "engines": args.engines,
                        **per_size([r for r in rows if r["router"] == "kvcentric"]),
                        "peers": {p: per_size([r for r in rows if r["router"] == p])
                                  for p in dict.fromkeys(r["router"] for r in rows)

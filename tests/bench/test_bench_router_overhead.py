@@ -16,7 +16,7 @@ from benchmarks.serving import router_overhead
 def test_small_run_reports_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "ro.json"
     assert router_overhead.main(["--requests", "3", "--words", "40,200", "--max-tokens", "5",
-                                 "--token-ms", "1", "--out", str(out)]) == 0
+                                 "--token-ms", "1", "--engines", "3", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [r["words"] for r in doc["rows"]] == [40, 200]
     for r in doc["rows"]:
@@ -30,12 +30,14 @@ def test_small_run_reports_both_paths(tmp_path: Path) -> None:
         assert min(passes) <= r["router_cpu_ms_per_request"] <= max(passes)
     assert set(doc["summary"]["added_p50_ms"]) == {"40", "200"}
     assert doc["summary"]["peers"] == {}  # none asked for
-    assert (doc["summary"]["max_tokens"], doc["summary"]["token_ms"]) == (5, 1.0)
+    s = doc["summary"]
+    assert (s["max_tokens"], s["token_ms"], s["engines"]) == (5, 1.0, 3)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--peers", "kvcentric"], "--peers kvcentric: a peer is one of vllm-router:POLICY"),
     (["--max-tokens", "0"], "must be positive"),
+    (["--engines", "0"], "must be positive"),
     (["--token-ms", "-1"], "must not be negative"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(
