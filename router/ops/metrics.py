@@ -103,8 +103,8 @@ class RouterMetrics:
 
 
 class _TokenizerCollector(Collector):
-    """The prompt tokenizer's counts, read when scraped: most of the router's CPU for a
-    long prompt is tokenising it, and the prompt token cache is what spares it."""
+    """The prompt tokenizer's counts, read when scraped: tokenising long prompts is
+    much of the router's CPU, and the prompt token cache is what spares it."""
 
     def __init__(self, tokenizer: PromptTokenizer) -> None:
         self.tokenizer = tokenizer
