@@ -6,15 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kvcentric.connector.vllm.affinity import (
     machine_cpus,
     parse_cpu_list,
-    pin_to,
-    spare_cpus,
     spare_thread,
 )
 
@@ -58,14 +55,28 @@ def test_threads_of_a_pinned_worker_move_to_the_spare_cpus() -> None:
     assert got["main"] == [0]  # the compute thread itself is left alone
 
 
+UNPINNED = """
+import os, json
+from concurrent.futures import ThreadPoolExecutor
+from kvcentric.connector.vllm.affinity import pin_to, spare_cpus, spare_thread
+with ThreadPoolExecutor(1, initializer=pin_to, initargs=(None,)) as pool:
+    pooled = pool.submit(os.sched_getaffinity, 0).result()
+print(json.dumps({"spare": spare_cpus() is None, "main": sorted(os.sched_getaffinity(0)),
+                  "thread": sorted(spare_thread(os.sched_getaffinity, 0)),
+                  "pooled": sorted(pooled)}))
+"""
+
+
 def test_unpinned_threads_are_left_alone() -> None:
-    before = os.sched_getaffinity(0)
-    if before != machine_cpus():
-        pytest.skip("this test process is pinned")
-    assert spare_cpus() is None
-    assert spare_thread(os.sched_getaffinity, 0) == before
-    with ThreadPoolExecutor(1, initializer=pin_to, initargs=(None,)) as pool:
-        assert pool.submit(os.sched_getaffinity, 0).result() == before
+    """In a process on every CPU of the machine (a fresh one: a test worker may have been
+    pinned by an earlier test), no thread is moved."""
+    every = machine_cpus()
+    out = subprocess.run([sys.executable, "-c", UNPINNED], capture_output=True, text=True,
+                         timeout=60, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, every))
+    got = json.loads(out.stdout)
+    assert got == {"spare": True, "main": sorted(every), "thread": sorted(every),
+                   "pooled": sorted(every)}
 
 
 def test_spare_thread_reraises() -> None:
