@@ -28,7 +28,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,17 +218,24 @@ def kvcentric_router(model: str, tokenizer: str, worker_urls: Sequence[str],
                    "/instances", "instances", len(cfg["instances"]))
 
 
+# the peer routers, by the name before ``:POLICY`` in a gateway kind:
+# (policy, worker URLs, logs folder, tokenizer folder or None) -> its gateway
+PEER_ROUTERS: dict[str, Callable[[str, Sequence[str], Path, str | None], Gateway]] = {
+    "vllm-router": lambda policy, urls, logs, tok: vllm_router(policy, urls, logs),
+    "smg": smg_router,
+    "sglang": lambda policy, urls, logs, tok: sglang_router(policy, urls, logs),
+}
+
+
 def gateway_for(kind: str, worker_urls: Sequence[str], logs: Path,
                 **router_kw: Any) -> Gateway | None:
-    """The gateway an :class:`~benchmarks.serving.fleet.Arm` names (None: client-side RR)."""
+    """The gateway an :class:`~benchmarks.serving.fleet.Arm` names (None: client-side RR):
+    ``client-rr``, ``kvcentric`` or ``NAME:POLICY`` of one of :data:`PEER_ROUTERS`."""
     if kind == "client-rr":
         return None
-    if kind.startswith("sglang:"):
-        return sglang_router(kind.split(":", 1)[1], worker_urls, logs)
-    if kind.startswith("smg:"):
-        return smg_router(kind.split(":", 1)[1], worker_urls, logs, router_kw.get("tokenizer"))
-    if kind.startswith("vllm-router:"):
-        return vllm_router(kind.split(":", 1)[1], worker_urls, logs)
+    name, colon, policy = kind.partition(":")
+    if colon and name in PEER_ROUTERS:
+        return PEER_ROUTERS[name](policy, worker_urls, logs, router_kw.get("tokenizer"))
     if kind == "kvcentric":
         return kvcentric_router(worker_urls=worker_urls, logs=logs, **router_kw)
     raise ValueError(f"unknown gateway {kind!r}")

@@ -50,13 +50,12 @@ from tqdm import tqdm
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, module_command
 from benchmarks.lib.procfs import group_cpu_seconds
-from benchmarks.serving.gateways import Gateway, gateway_for
+from benchmarks.serving.gateways import PEER_ROUTERS, Gateway, gateway_for
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from kvcentric.testing.servers import free_port, spawn, stop_group, wait_http
 
-PEER_KINDS = ("vllm-router:", "smg:", "sglang:")  # gateway_for's peer routers
 CPU_PASSES = 3  # passes of router-only requests whose CPU per request is the median
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta")
 
@@ -226,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--requests, --max-tokens, --engines and --words must be positive")
     if args.token_ms < 0:
         ap.error("--token-ms must not be negative")
-    unknown = [p for p in args.peers if not p.startswith(PEER_KINDS)]
+    unknown = [p for p in args.peers if p.partition(":")[0] not in PEER_ROUTERS
+               or not p.partition(":")[1]]
     if unknown:
         ap.error(f"--peers {','.join(unknown)}: a peer is one of "
-                 f"{', '.join(k + 'POLICY' for k in PEER_KINDS)}")
+                 f"{', '.join(k + ':POLICY' for k in PEER_ROUTERS)}")
     rows = run(args)
     doc = {"benchmark": "router_overhead", "rows": rows,
            "summary": {"max_tokens": args.max_tokens, "token_ms": args.token_ms,
