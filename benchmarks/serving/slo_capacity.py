@@ -42,7 +42,9 @@ prefill instances over one uncached prefill of the workload's mean prompt) and g
 an eighth of the first) while an arm misses at the lowest (up to ``--max-rates``); then
 ``--refine`` rounds each add, per arm, the geometric middle of the two rates around its
 crossing. Every arm runs every rate with seeds ``--seed + rep`` (workload and the
-simulator's noise), ``--reps`` repetitions; rows are medians with the range. The TTFT
+simulator's noise), ``--reps`` repetitions (``--sweep-reps`` fewer at the rates that
+decide no arm's capacity: the two around each arm's crossing get ``--reps``, re-checked
+until the crossings stand on them); rows are medians with the range. The TTFT
 CDF and Figure 5's ordering (random > load-balancing > local cache-aware > global
 cache-aware in mean TTFT, global >= 10% below local) are taken at 0.8x the best arm's
 capacity, one run per arm at seed ``--seed``.
@@ -192,20 +194,30 @@ class Sweep:
     until each arm's capacity is bracketed (or ``max_rates`` is reached)."""
 
     def __init__(self, engine: Engine, reps: int, fixed: bool, max_rates: int,
-                 progress: Callable[[str], None] = print) -> None:
+                 progress: Callable[[str], None] = print, sweep_reps: int | None = None
+                 ) -> None:
         self.engine = engine
         self.reps = reps
+        # repetitions of a rate that decides no capacity (confirm() brings the deciding
+        # ones up to ``reps``): the rates around each crossing are what the result rests on
+        self.sweep_reps = min(reps, sweep_reps or reps)
         self.fixed = fixed
         self.max_rates = max_rates
         self.progress = progress
         # (arm, rate) -> one row per repetition
         self.rows: dict[tuple[str, float], list[dict[str, Any]]] = {}
 
-    def measure(self, rate: float, arms: Sequence[str] | None = None) -> None:
-        """Every repetition of ``arms`` (default all) at ``rate``."""
+    def measure(self, rate: float, arms: Sequence[str] | None = None,
+                reps: int | None = None) -> None:
+        """``arms`` (default all) at ``rate`` until each has ``reps`` repetitions there
+        (default ``sweep_reps``); repetition ``k`` runs seed ``k`` whenever it runs."""
         arms = list(self.engine.arms if arms is None else arms)
-        for rep in range(self.reps):
-            for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # order rotated
+        want = self.sweep_reps if reps is None else reps
+        for rep in range(want):
+            todo = [a for a in arms if len(self.rows.get((a, rate), [])) == rep]
+            if not todo:
+                continue
+            for arm in todo[rep % len(todo):] + todo[:rep % len(todo)]:  # order rotated
                 row, _ = self.engine.point(arm, rate, rep)
                 self.rows.setdefault((arm, rate), []).append(row)
         line = ", ".join(f"{arm} {self.fraction(arm, rate):.2f}" for arm in arms)
@@ -236,6 +248,29 @@ class Sweep:
             for rate, arms in sorted(mids.items()):
                 self.measure(rate, arms)
 
+    def deciding(self, arm: str) -> list[float]:
+        """The rates ``arm``'s capacity rests on: the two around its first crossing of
+        the threshold (its highest rate when it holds at every one, its lowest when it
+        holds at none)."""
+        pts = [(r, self.fraction(arm, r)) for r in self.arm_rates(arm)]
+        for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
+            if f0 >= cap.THRESHOLD > f1:
+                return [r0, r1]
+        return [pts[-1][0] if pts[0][1] >= cap.THRESHOLD else pts[0][0]]
+
+    def confirm(self) -> None:
+        """Bring every arm's deciding rates to ``reps`` repetitions; repeat while that
+        moves a crossing onto rates measured fewer times (each round adds a
+        repetition somewhere, so this ends)."""
+        while True:
+            short = {(a, r) for a in self.engine.arms for r in self.deciding(a)
+                     if len(self.rows[(a, r)]) < self.reps}
+            if not short:
+                return
+            for rate in sorted({r for _, r in short}):
+                self.measure(rate, [a for a in self.engine.arms if (a, rate) in short],
+                             self.reps)
+
     def fraction(self, arm: str, rate: float) -> float:
         return statistics.median(r["effective_fraction"] for r in self.rows[(arm, rate)])
 
@@ -263,9 +298,16 @@ class Sweep:
                 self.measure(low / STEP)
 
     def arm(self, arm: str) -> dict[str, Any]:
-        reps = [[self.rows[(arm, r)][k] for r in self.arm_rates(arm)]
+        """``arm``'s capacity; a rate measured fewer than ``reps`` times lends its last
+        repetition to the missing ones in ``capacity_rps_reps`` (each row's ``reps``
+        says how many it has)."""
+        rates = self.arm_rates(arm)
+        reps = [[self.rows[(arm, r)][min(k, len(self.rows[(arm, r)]) - 1)] for r in rates]
                 for k in range(self.reps)]
-        return cap.arm_capacity(reps)
+        out = cap.arm_capacity(reps)
+        for row, r in zip(out["rows"], rates):
+            row["reps"] = len(self.rows[(arm, r)])
+        return out
 
 
 def at_load(engine: Engine, rate: float
@@ -313,9 +355,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nominal = engine.nominal_rps()
         rates = ([float(x) for x in args.rates.split(",")] if args.rates
                  else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])
-        sw = Sweep(engine, args.reps, bool(args.rates), args.max_rates)
+        sw = Sweep(engine, args.reps, bool(args.rates), args.max_rates,
+                   sweep_reps=args.sweep_reps)
         sw.run(rates)
         sw.refine(0 if args.rates else args.refine)  # given rates are swept as given
+        sw.confirm()
         arms = engine.arms
         out_arms = {a: sw.arm(a) for a in arms}
         top, top_cap = best(out_arms, arms)
@@ -330,6 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "workload": args.workload, "instances": args.instances, "engine": args.engine,
         **info["summary"], "warmup_share": args.warmup, "reps": args.reps,
+        "sweep_reps": sw.sweep_reps,
         "slo_ttft_s": slo.ttft_s, "slo_tbt_s": slo.tbt_s, "nominal_rps": nominal,
         "rates": sw.rates, "best_baseline": b_name, "best_baseline_capacity_rps": b_cap,
         "best_ours": o_name, "best_ours_capacity_rps": o_cap,
@@ -353,9 +398,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "rows": out_arms[a]["rows"], "at_figure5_load": at[a]} for a in arms],
            "config": info["config"],
            "notes": [*info["notes"],
-                     "Rows: medians over repetitions (seed = --seed + rep), ranges of the "
-                     "effective fraction and TTFT mean; capacity_rps from the median rows, "
-                     "capacity_rps_reps from each repetition alone."]}
+                     "Rows: medians over repetitions (seed = --seed + rep; a row's reps "
+                     "says how many), ranges of the effective fraction and TTFT mean; "
+                     "capacity_rps from the median rows, capacity_rps_reps from each "
+                     "repetition alone (a rate measured fewer times lends its last)."]}
     kind = "sim" if args.engine == "sim" else "emulated"
     stem = (f"slo_capacity_{args.workload}_{args.instances}_{kind}"
             f"{'_quick' if args.quick else ''}{args.tag}")
@@ -463,7 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("workload", choices=WORKLOADS)
     ap.add_argument("--instances", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions at the rates that decide each arm's capacity")
+    ap.add_argument("--sweep-reps", type=int, default=None,
+                    help="repetitions at the other rates (default --reps)")
     ap.add_argument("--requests", type=int, default=3000, help="requests per rate point")
     ap.add_argument("--warmup", type=float, default=0.2,
                     help="share of each run's first requests served but not counted")
@@ -507,8 +556,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.instances < (2 if args.engine == "sim" else 1):
         ap.error("--instances must be >= 2 in the simulator (a prefill and a decode "
                  "instance), >= 1 emulated")
+    if args.reps < 1 or (args.sweep_reps is not None and args.sweep_reps < 1):
+        ap.error("--reps and --sweep-reps must be >= 1")
     if args.quick:
-        args.requests, args.reps = min(args.requests, 1000), 1
+        args.requests, args.reps, args.sweep_reps = min(args.requests, 1000), 1, 1
     args.cfg = config(args)
     args.trace_cache = None
     args.cmdline = rw.command_line(__file__, argv)

@@ -315,6 +315,39 @@ def test_an_arm_that_never_holds_does_not_stop_the_sweep_going_up() -> None:
     assert sw.arm("strong")["capacity_found"] == "interpolated"
 
 
+class _Flaky:
+    """An arm that holds up to 5 req/s, except that at 4 req/s only its first repetition
+    holds; records every (rate, rep) it runs."""
+
+    arms = ["a"]
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[float, int]] = []
+
+    def point(self, arm: str, rate: float, rep: int
+              ) -> tuple[dict[str, Any], list[cap.Served]]:
+        self.ran.append((rate, rep))
+        holds = rate <= 5.0 and not (rate == 4.0 and rep > 0)
+        return {"offered_rps": rate, "effective_fraction": 1.0 if holds else 0.5}, []
+
+
+def test_the_rates_that_decide_a_capacity_get_every_repetition_the_others_fewer() -> None:
+    eng = _Flaky()
+    sw = slo_capacity.Sweep(eng, reps=3, fixed=True, max_rates=14,
+                            progress=lambda _: None, sweep_reps=1)
+    sw.run([1.0, 2.0, 4.0, 8.0, 16.0])
+    assert sorted(eng.ran) == [(r, 0) for r in (1.0, 2.0, 4.0, 8.0, 16.0)]
+    sw.confirm()
+    # 4 and 8 decided it after one repetition; their medians moved the crossing to 2-4
+    counts = {r: sum(1 for x, _ in eng.ran if x == r) for r in sw.rates}
+    assert counts == {1.0: 1, 2.0: 3, 4.0: 3, 8.0: 3, 16.0: 1}
+    assert len(set(eng.ran)) == len(eng.ran)  # no repetition ran twice
+    out = sw.arm("a")
+    assert [row["reps"] for row in out["rows"]] == [1, 3, 3, 3, 1]
+    assert sw.deciding("a") == [2.0, 4.0]
+    assert out["capacity_rps"] is not None and 2.0 <= out["capacity_rps"] < 4.0
+
+
 def test_our_router_is_given_the_engines_context_not_the_tokenizers() -> None:
     """The bench model's config.json names 32768 tokens; engines emulating Llama-3.1-8B
     serve 131072. Without the engines' context our router alone refused the trace's
