@@ -27,11 +27,14 @@ LAYOUT_SIG = "e0a1e0a1e0a1e0a1"  # any 16 hex digits: the router discovers it (l
 
 
 class StoreHits:
-    """One process's connector stand-in over ``store`` (shared by its engines)."""
+    """One process's connector stand-in over ``store`` (shared by its engines).
+    ``enabled`` False: no lookups, no saves (engine caches only, as with no connector),
+    until it is set again (``POST /emulator/store``)."""
 
     def __init__(self, store: KVStore, model_id: str, page_size: int,
                  object_bytes: int = 256) -> None:
         self.store = store
+        self.enabled = True
         self.model_id = model_id
         self.block_size = stored_block_size(page_size)
         self.keys = KeySpace(model_id, LAYOUT_SIG)
@@ -46,6 +49,8 @@ class StoreHits:
 
     def lookup(self, tokens: Sequence[int], salt: str | None) -> int:
         """Prompt tokens the store can give the engine (at most ``len(tokens) - 1``)."""
+        if not self.enabled:
+            return 0
         arr, seed, hashes = self._chain(tokens, salt)
         self.lookups += 1
         try:
@@ -63,6 +68,8 @@ class StoreHits:
     def save(self, tokens: Sequence[int], salt: str | None, with_tail: bool) -> None:
         """Put the full blocks of ``tokens`` the store lacks (and, ``with_tail``, the
         partial last block), each chained to its parent as the connector does."""
+        if not self.enabled:
+            return
         arr, seed, hashes = self._chain(tokens, salt)
         try:
             keys = self.keys.keys(hashes)

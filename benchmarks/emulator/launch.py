@@ -139,6 +139,17 @@ class EmulatedFleet:
         """Every finished request of every engine (``/emulator/requests``)."""
         return [r for recs in self._get("/emulator/requests") for r in recs]
 
+    def use_store(self, enabled: bool) -> None:
+        """Whether the engines look up and save in the fleet's store from now on
+        (``POST /emulator/store``); without a store only ``False`` is accepted."""
+        if self.spec.store is None:
+            if enabled:
+                raise ValueError("this fleet runs without a store")
+            return
+        with httpx.Client(timeout=30) as c:
+            for u in self.urls:
+                c.post(u + "/emulator/store", json={"enabled": enabled}).raise_for_status()
+
     def reset(self, timeout_s: float = 60.0) -> None:
         """Empty every engine's prefix cache (retried while requests still hold pages),
         then step each engine once with a one-token request (id ``flush/<i>``).

@@ -10,11 +10,13 @@ Each engine answers like vLLM's OpenAI server: ``GET /health``, ``/v1/models`` (
 ``/v1/chat/completions`` (token-id or text prompts, tokenised with the model's own
 tokenizer and chat template; streamed with ``stream_options.include_usage`` or not;
 ``usage.prompt_tokens_details.cached_tokens``), ``POST /reset_prefix_cache``, plus
-``GET /emulator/stats`` (steps, busy time, event-loop lag) and ``GET /emulator/requests``
+``GET /emulator/stats`` (steps, busy time, event-loop lag), ``GET /emulator/requests``
 (every finished request: hits, queueing, TTFT; ``x-request-id`` when the client sent
-one). Each publishes vLLM's KV events (:mod:`.events`) on its own ``tcp://*:PORT`` with
-a replay endpoint. Timing follows the profile (:mod:`.profile`), scheduling vLLM's
-(:mod:`.engine`); engines on one ``--compute`` group share a processor
+one) and ``POST /emulator/store`` (``{"enabled": false}``: the process's engines stop
+looking up and saving in ``--store``, caching in their own pages only, until enabled
+again; 404 without a store). Each publishes vLLM's KV events (:mod:`.events`) on its own
+``tcp://*:PORT`` with a replay endpoint. Timing follows the profile (:mod:`.profile`),
+scheduling vLLM's (:mod:`.engine`); engines on one ``--compute`` group share a processor
 (:mod:`.processors`, ``--discipline``), or with ``--host-interference`` have one each
 and slow each other by the profile's measured host interference.
 
@@ -320,6 +322,20 @@ def build_app(fleet: Fleet) -> Starlette:
     async def records(request: HttpRequest) -> Response:
         return JSONResponse(engine(request).records())
 
+    async def store(request: HttpRequest) -> Response:
+        conn = engine(request).core.connector
+        if conn is None:
+            return _err(404, "this emulator runs without a store (--store)")
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        enabled = body.get("enabled") if isinstance(body, dict) else None
+        if not isinstance(enabled, bool):
+            return _err(400, 'the body must be {"enabled": true|false}')
+        conn.enabled = enabled
+        return JSONResponse({"enabled": enabled})
+
     async def completion(request: HttpRequest) -> Response:
         arrival = time.monotonic()
         e = engine(request)
@@ -446,6 +462,7 @@ def build_app(fleet: Fleet) -> Starlette:
         Route("/server_info", server_info),
         Route("/reset_prefix_cache", reset, methods=["POST"]),
         Route("/emulator/stats", stats), Route("/emulator/requests", records),
+        Route("/emulator/store", store, methods=["POST"]),
         Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/chat/completions", completion, methods=["POST"])])
 

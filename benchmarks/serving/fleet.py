@@ -32,6 +32,9 @@ class Arm:
     :mod:`benchmarks.serving.gateways`; ``"kvcentric"``: our router, with
     ``gateway_opts`` for its config). ``retry_429``: the arm's clients resend a refused
     request after its ``Retry-After``, up to this many times (TTFT counts the waits).
+    ``shared_store`` False (emulated fleets only, :mod:`.fleet_runs`): for this arm the
+    engines keep KV in their own caches only, and our router is told of no store (the
+    Mooncake paper's Figure 5 baselines, which have no global pool).
     """
 
     name: str
@@ -40,6 +43,7 @@ class Arm:
     gateway: str = "client-rr"
     gateway_opts: dict[str, Any] = field(default_factory=dict)
     retry_429: int = 0
+    shared_store: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ def warm_up(servers: Sequence[VllmServer], seed: str) -> None:
 @contextlib.contextmanager
 def fleet(spec: FleetSpec, arm: Arm, logs: Path) -> Iterator[list[VllmServer]]:
     """Start ``spec.instances`` servers for ``arm``, warm each up, stop them on exit."""
+    if not arm.shared_store:
+        raise ValueError(f"arm {arm.name}: shared_store=False is for emulated fleets; a "
+                         "vLLM arm without a store has no kv_transfer")
     servers = [VllmServer(spec.model, SERVED_NAME, arm.kv_transfer, spec.dtype,
                           spec.max_model_len, spec.args, spec.env_of(i),
                           logs / f"{arm.name}-{i}.log") for i in range(spec.instances)]

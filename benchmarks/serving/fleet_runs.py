@@ -156,7 +156,8 @@ class FleetRun:
         if arm.gateway == "kvcentric":
             opts = dict(arm.gateway_opts)
             sections = {**opts.pop("extra", {}), **(extra or {})}  # the arm's, then the call's
-            kw = {"model": s.emulator.model, "store": self.store,
+            kw = {"model": s.emulator.model,
+                  "store": self.store if arm.shared_store else None,
                   "slo_ttft_ms": s.slo_ttft_ms * s.dilation,
                   "slo_tpot_ms": s.slo_tpot_ms * s.dilation,
                   "profile": self.router_profile(), "dtype": "bfloat16",
@@ -180,6 +181,8 @@ class FleetRun:
         (``done`` is set when the workload ends; its result is ``res["during"]``)."""
         s = self.setup
         self.reset()
+        if self.store is not None:
+            self.fleet.use_store(arm.shared_store)
         gws = gateways(arm) if gateways else [g for g in [self.gateway(arm)] if g]
         side: dict[str, Any] = {}
         try:

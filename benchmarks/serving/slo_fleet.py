@@ -5,11 +5,13 @@ capacity sweep through :class:`FleetEngine`: ``--instances`` emulated engines
 (:mod:`benchmarks.emulator`, profile ``--profile``, default ``h100_llama8b``; each its own
 processor, all sharing one local store, engine caches of ``--pages`` pages) and, per arm,
 the router in front of them (:mod:`.fleet_runs`: round robin in the client, the peer
-routers' cache-aware policies, ours, ours running a baseline policy, ours over a P/D
-split: ``kvcentric-pd50`` and ``kvcentric-pd75`` make the first half or three quarters of
-the instances prefill-only and the rest decode-only, each request's KV handed over through
-the store), caches emptied before every run. In a P/D run TBT comes from the decode pool
-and the hit shares from the prefill pool (a decode instance loading what its prefill just
+routers' cache-aware policies, ours, ours running a baseline policy (``*-nostore``: the
+engines cache in their own pages only for that run, no store lookups or saves, as the
+Mooncake paper's Figure 5 baselines without a global pool), ours over a P/D split:
+``kvcentric-pd50`` and ``kvcentric-pd75`` make the first half or three quarters of the
+instances prefill-only and the rest decode-only, each request's KV handed over through the
+store), caches emptied before every run. In a P/D run TBT comes from the decode pool and
+the hit shares from the prefill pool (a decode instance loading what its prefill just
 computed is the hand-over, not reuse; ``pd_transfer_share`` is the share of the decode
 pool's prompt tokens it loaded rather than recomputed). The workloads are
 :mod:`kvcentric.bench_serving`'s at each offered rate: the Mooncake traces (their first
@@ -55,20 +57,25 @@ from kvcentric.testing.models import build_model
 ABLATIONS = [Arm("kvcentric-ttft_only", gateway="kvcentric",
                  gateway_opts={**OUR_ROUTER.gateway_opts,
                                "extra": {"cost": {"stall_weight": 0.0}}})]
+# Figure 5's baselines have no global pool: each instance reuses its own cache only
+LOCAL_ARMS = [replace(a, name=f"{a.name}-nostore", shared_store=False)
+              for a in POLICY_ARMS if a.name != "kvcentric-round_robin"]
 # Mooncake's architecture: a prefill pool and a decode pool, each request's KV handed from
 # one to the other through the store; ``pd`` is the prefill pool's share of the instances
 PD_ARMS = [Arm(f"kvcentric-pd{round(100 * share)}", gateway="kvcentric",
                gateway_opts={**OUR_ROUTER.gateway_opts, "pd": share})
            for share in (0.5, 0.75)]
 ARMS = {a.name: a for a in [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS, *POLICY_ARMS,
-                            *ABLATIONS, *PD_ARMS]}
+                            *ABLATIONS, *PD_ARMS, *LOCAL_ARMS]}
 DEFAULT_ARMS = ("round-robin", "vllm-router-cache_aware", "smg-cache_aware",
                 "kvcentric-router", "kvcentric-admission")
 OURS = tuple(a.name for a in [*OUR_ARMS, *PD_ARMS])
 PEERS = tuple(a.name for a in PEER_CACHE_AWARE)
-# Figure 5's schedulers, each our router running that policy over the same fleet
-FIGURE5 = ("kvcentric-random", "kvcentric-least_loaded", "kvcentric-engine_cache",
-           "kvcentric-router")
+# Figure 5's schedulers, each our router running that policy over the same fleet: random,
+# load-balancing and local cache-aware with engine caches only, global cache-aware
+# (Algorithm 1) over engine caches and the store
+FIGURE5 = ("kvcentric-random-nostore", "kvcentric-least_loaded-nostore",
+           "kvcentric-engine_cache-nostore", "kvcentric-router")
 # hot prefix and the coding agent, in tokens (a trace brings its own lengths)
 HOT = {"groups": 16, "prefix": 8192, "question": 512}
 AGENT = {"system": 20480, "first": 10240, "turn": 2048, "turns_mean": 12.0,

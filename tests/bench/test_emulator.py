@@ -37,6 +37,7 @@ from kvcentric.config import StoreConfig
 from kvcentric.hashing import block_hashes, hash_seed
 from kvcentric.router.fleet.kv_events import EventListener, EventTranslator, decode_batch
 from kvcentric.store import open_store
+from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
 from tests.helpers.virtual_time import VirtualClock
 from tests.helpers.virtual_time import run as vrun
@@ -391,6 +392,21 @@ def test_store_hits_come_from_the_real_store_and_cost_their_load(
         assert b.counters.external_prefix_cache_hits == 199
 
 
+def test_a_connector_turned_off_neither_looks_up_nor_saves(store_cfg: StoreConfig) -> None:
+    with open_store(store_cfg) as st:
+        hits = StoreHits(st, "bench", 16)
+        prompt = toks(31, 200)
+        hits.enabled = False
+        hits.save(prompt, None, with_tail=True)
+        assert hits.puts == 0
+        hits.enabled = True
+        assert hits.lookup(prompt, None) == 0  # nothing was saved
+        hits.save(prompt, None, with_tail=True)
+        assert hits.lookup(prompt, None) == 199
+        hits.enabled = False
+        assert hits.lookup(prompt, None) == 0
+
+
 # ------------------------------------------------------------------------------- HTTP
 
 @pytest.fixture(scope="module")
@@ -449,6 +465,40 @@ def test_http_streams_counts_hits_and_reports_as_vllm(emulator: EmulatedFleet) -
                       timeout=30).status_code == 404
     assert httpx.post(url + "/reset_prefix_cache").status_code == 200
     assert stream(url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_fleet_run_without_the_store_keeps_kv_in_each_engines_own_cache(
+        tmp_path: Path, runtime_dir: Path, store_cfg: StoreConfig,
+        emulator: EmulatedFleet) -> None:
+    """``use_store(False)`` (Figure 5's baselines): another engine misses what one
+    computed; turned back on, the store serves it again. A storeless fleet refuses to
+    turn a store on, and its engines answer 404."""
+    with pytest.raises(ValueError, match="without a store"):
+        emulator.use_store(True)
+    emulator.use_store(False)  # nothing to turn off
+    assert httpx.post(emulator.urls[0] + "/emulator/store", json={"enabled": False},
+                      timeout=30).status_code == 404
+    prof = tmp_path / "p.json"
+    PROF.with_(page_size=128, max_num_batched_tokens=2048).save(prof)
+    tok = str(build_model("bench", Path.cwd() / ".models" / "bench"))
+    store = {"name": store_cfg.name, "runtime_dir": str(runtime_dir),
+             "capacity_bytes": 64 << 20}  # store_cfg's store: stopped at its teardown
+    launcher.ensure_running(StoreConfig.from_dict(store))
+    spec = EmulatorSpec(2, tok, profile=str(prof), pages=32, store=store)
+    with EmulatedFleet(spec, tmp_path) as f:
+        prompt = toks(43, 300)
+
+        def cached(url: str) -> int:
+            return int(stream(url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        f.use_store(False)
+        assert cached(f.urls[0]) == 0
+        assert cached(f.urls[1]) == 0  # engine 0 saved nothing
+        f.use_store(True)
+        assert cached(f.urls[0]) == 256  # its own pages; its prefill saves the prompt
+        assert cached(f.urls[1]) == 299  # now from the store
+        bad = httpx.post(f.urls[0] + "/emulator/store", json={"enabled": "no"}, timeout=30)
+        assert bad.status_code == 400 and "enabled" in bad.text
 
 
 def test_the_context_is_what_one_engines_cache_holds(emulator: EmulatedFleet) -> None:

@@ -348,6 +348,23 @@ def test_the_rates_that_decide_a_capacity_get_every_repetition_the_others_fewer(
     assert out["capacity_rps"] is not None and 2.0 <= out["capacity_rps"] < 4.0
 
 
+def test_figure5s_baselines_have_no_global_pool_and_only_an_emulated_fleet_runs_them(
+        tmp_path: Path) -> None:
+    """The paper's random, load-balancing and local cache-aware schedulers reuse each
+    instance's own cache; global cache-aware (Algorithm 1) has the store."""
+    from benchmarks.serving import slo_fleet
+    from benchmarks.serving.fleet import FleetSpec, fleet
+
+    *local, global_ = slo_fleet.FIGURE5
+    assert all(not slo_fleet.ARMS[a].shared_store for a in local)
+    assert slo_fleet.ARMS[global_].shared_store
+    assert {slo_fleet.ARMS[a].gateway_opts["policy"] for a in local} == {
+        "random", "least_loaded", "engine_cache"}
+    with pytest.raises(ValueError, match="emulated fleets"):
+        with fleet(FleetSpec("m"), slo_fleet.ARMS[local[0]], tmp_path):
+            pass
+
+
 def test_our_router_is_given_the_engines_context_not_the_tokenizers() -> None:
     """The bench model's config.json names 32768 tokens; engines emulating Llama-3.1-8B
     serve 131072. Without the engines' context our router alone refused the trace's
