@@ -7,7 +7,8 @@ processor, all sharing one local store, engine caches of ``--pages`` pages) and,
 the router in front of them (:mod:`.fleet_runs`: round robin in the client, the peer
 routers' cache-aware policies, ours, ours running a baseline policy (``*-nostore``: the
 engines cache in their own pages only for that run, no store lookups or saves, as the
-Mooncake paper's Figure 5 baselines without a global pool), ours over a P/D split:
+Mooncake paper's Figure 5 baselines without a global pool; ``kvcentric-router-nostore``:
+Algorithm 1 so, over engine caches alone), ours over a P/D split:
 ``kvcentric-pd50`` and ``kvcentric-pd75`` make the first half or three quarters of the
 instances prefill-only and the rest decode-only, each request's KV handed over through the
 store), caches emptied before every run. In a P/D run TBT comes from the decode pool and
@@ -60,16 +61,18 @@ ABLATIONS = [Arm("kvcentric-ttft_only", gateway="kvcentric",
 # Figure 5's baselines have no global pool: each instance reuses its own cache only
 LOCAL_ARMS = [replace(a, name=f"{a.name}-nostore", shared_store=False)
               for a in POLICY_ARMS if a.name != "kvcentric-round_robin"]
+# Algorithm 1 over the engines' caches alone (what the store adds to it)
+OUR_LOCAL = replace(OUR_ROUTER, name="kvcentric-router-nostore", shared_store=False)
 # Mooncake's architecture: a prefill pool and a decode pool, each request's KV handed from
 # one to the other through the store; ``pd`` is the prefill pool's share of the instances
 PD_ARMS = [Arm(f"kvcentric-pd{round(100 * share)}", gateway="kvcentric",
                gateway_opts={**OUR_ROUTER.gateway_opts, "pd": share})
            for share in (0.5, 0.75)]
 ARMS = {a.name: a for a in [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS, *POLICY_ARMS,
-                            *ABLATIONS, *PD_ARMS, *LOCAL_ARMS]}
+                            *ABLATIONS, *PD_ARMS, *LOCAL_ARMS, OUR_LOCAL]}
 DEFAULT_ARMS = ("round-robin", "vllm-router-cache_aware", "smg-cache_aware",
                 "kvcentric-router", "kvcentric-admission")
-OURS = tuple(a.name for a in [*OUR_ARMS, *PD_ARMS])
+OURS = tuple(a.name for a in [*OUR_ARMS, *PD_ARMS, OUR_LOCAL])
 PEERS = tuple(a.name for a in PEER_CACHE_AWARE)
 # Figure 5's schedulers, each our router running that policy over the same fleet: random,
 # load-balancing and local cache-aware with engine caches only, global cache-aware

@@ -358,6 +358,9 @@ def test_figure5s_baselines_have_no_global_pool_and_only_an_emulated_fleet_runs_
     *local, global_ = slo_fleet.FIGURE5
     assert all(not slo_fleet.ARMS[a].shared_store for a in local)
     assert slo_fleet.ARMS[global_].shared_store
+    ours_local = slo_fleet.ARMS["kvcentric-router-nostore"]  # Algorithm 1, engine caches
+    assert not ours_local.shared_store and "kvcentric-router-nostore" in slo_fleet.OURS
+    assert ours_local.gateway_opts == slo_fleet.ARMS[global_].gateway_opts
     assert {slo_fleet.ARMS[a].gateway_opts["policy"] for a in local} == {
         "random", "least_loaded", "engine_cache"}
     with pytest.raises(ValueError, match="emulated fleets"):
