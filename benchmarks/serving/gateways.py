@@ -227,15 +227,23 @@ PEER_ROUTERS: dict[str, Callable[[str, Sequence[str], Path, str | None], Gateway
 }
 
 
+def peer_name(kind: str) -> str | None:
+    """The peer router a gateway kind names (``NAME:POLICY``, NAME in
+    :data:`PEER_ROUTERS`), else None."""
+    name, colon, _ = kind.partition(":")
+    return name if colon and name in PEER_ROUTERS else None
+
+
 def gateway_for(kind: str, worker_urls: Sequence[str], logs: Path,
                 **router_kw: Any) -> Gateway | None:
     """The gateway an :class:`~benchmarks.serving.fleet.Arm` names (None: client-side RR):
     ``client-rr``, ``kvcentric`` or ``NAME:POLICY`` of one of :data:`PEER_ROUTERS`."""
     if kind == "client-rr":
         return None
-    name, colon, policy = kind.partition(":")
-    if colon and name in PEER_ROUTERS:
-        return PEER_ROUTERS[name](policy, worker_urls, logs, router_kw.get("tokenizer"))
+    peer = peer_name(kind)
+    if peer is not None:
+        return PEER_ROUTERS[peer](kind.partition(":")[2], worker_urls, logs,
+                                  router_kw.get("tokenizer"))
     if kind == "kvcentric":
         return kvcentric_router(worker_urls=worker_urls, logs=logs, **router_kw)
     raise ValueError(f"unknown gateway {kind!r}")

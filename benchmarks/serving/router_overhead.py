@@ -50,7 +50,7 @@ from tqdm import tqdm
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, module_command
 from benchmarks.lib.procfs import group_cpu_seconds
-from benchmarks.serving.gateways import PEER_ROUTERS, Gateway, gateway_for
+from benchmarks.serving.gateways import PEER_ROUTERS, Gateway, gateway_for, peer_name
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
 from kvcentric.testing.models import build_model
@@ -225,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--requests, --max-tokens, --engines and --words must be positive")
     if args.token_ms < 0:
         ap.error("--token-ms must not be negative")
-    unknown = [p for p in args.peers if p.partition(":")[0] not in PEER_ROUTERS
-               or not p.partition(":")[1]]
+    unknown = [p for p in args.peers if peer_name(p) is None]
     if unknown:
         ap.error(f"--peers {','.join(unknown)}: a peer is one of "
                  f"{', '.join(k + ':POLICY' for k in PEER_ROUTERS)}")

@@ -240,23 +240,29 @@ class Sweep:
         for _ in range(rounds):
             mids: dict[float, list[str]] = {}
             for arm in self.engine.arms:
-                pts = [(r, self.fraction(arm, r)) for r in self.arm_rates(arm)]
-                for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
-                    if f0 >= cap.THRESHOLD > f1:
-                        mids.setdefault(math.sqrt(r0 * r1), []).append(arm)
-                        break
+                pair = self.crossing(arm)
+                if pair is not None:
+                    mids.setdefault(math.sqrt(pair[0] * pair[1]), []).append(arm)
             for rate, arms in sorted(mids.items()):
                 self.measure(rate, arms)
 
-    def deciding(self, arm: str) -> list[float]:
-        """The rates ``arm``'s capacity rests on: the two around its first crossing of
-        the threshold (its highest rate when it holds at every one, its lowest when it
-        holds at none)."""
+    def crossing(self, arm: str) -> tuple[float, float] | None:
+        """The two rates around ``arm``'s first crossing of the threshold (median
+        fractions), None when it has none."""
         pts = [(r, self.fraction(arm, r)) for r in self.arm_rates(arm)]
         for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
             if f0 >= cap.THRESHOLD > f1:
-                return [r0, r1]
-        return [pts[-1][0] if pts[0][1] >= cap.THRESHOLD else pts[0][0]]
+                return r0, r1
+        return None
+
+    def deciding(self, arm: str) -> list[float]:
+        """The rates ``arm``'s capacity rests on: its :meth:`crossing` (its highest rate
+        when it holds at every one, its lowest when it holds at none)."""
+        pair = self.crossing(arm)
+        if pair is not None:
+            return list(pair)
+        rates = self.arm_rates(arm)
+        return [rates[-1] if self.fraction(arm, rates[0]) >= cap.THRESHOLD else rates[0]]
 
     def confirm(self) -> None:
         """Bring every arm's deciding rates to ``reps`` repetitions; repeat while that

@@ -409,13 +409,17 @@ def test_a_connector_turned_off_neither_looks_up_nor_saves(store_cfg: StoreConfi
 
 # ------------------------------------------------------------------------------- HTTP
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedFleet]:
-    logs = tmp_path_factory.mktemp("emu")
+def two_engines(logs: Path, store: dict[str, Any] | None = None) -> EmulatedFleet:
+    """Two emulated engines of 32 pages of 128 tokens (optionally over ``store``)."""
     prof = logs / "p.json"
     PROF.with_(page_size=128, max_num_batched_tokens=2048).save(prof)
     tok = str(build_model("bench", Path.cwd() / ".models" / "bench"))
-    with EmulatedFleet(EmulatorSpec(2, tok, profile=str(prof), pages=32), logs) as f:
+    return EmulatedFleet(EmulatorSpec(2, tok, profile=str(prof), pages=32, store=store), logs)
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedFleet]:
+    with two_engines(tmp_path_factory.mktemp("emu")) as f:
         yield f
 
 
@@ -478,14 +482,10 @@ def test_a_fleet_run_without_the_store_keeps_kv_in_each_engines_own_cache(
     emulator.use_store(False)  # nothing to turn off
     assert httpx.post(emulator.urls[0] + "/emulator/store", json={"enabled": False},
                       timeout=30).status_code == 404
-    prof = tmp_path / "p.json"
-    PROF.with_(page_size=128, max_num_batched_tokens=2048).save(prof)
-    tok = str(build_model("bench", Path.cwd() / ".models" / "bench"))
     store = {"name": store_cfg.name, "runtime_dir": str(runtime_dir),
              "capacity_bytes": 64 << 20}  # store_cfg's store: stopped at its teardown
     launcher.ensure_running(StoreConfig.from_dict(store))
-    spec = EmulatorSpec(2, tok, profile=str(prof), pages=32, store=store)
-    with EmulatedFleet(spec, tmp_path) as f:
+    with two_engines(tmp_path, store) as f:
         prompt = toks(43, 300)
 
         def cached(url: str) -> int:
