@@ -7,7 +7,12 @@ requests in arrival order (FCFS; a request is admitted when ``max_num_seqs`` and
 prompt's pages allow, else it and everything behind it wait). Admitting a request looks
 up its prompt in the engine's page cache (:mod:`.pages`) and, with a connector, in the
 store (:mod:`.connector`); a store hit beyond the engine's own pages adds its load time
-to the step. :meth:`EngineCore.finish` applies a step: computed pages are cached (KV
+to the step, or, with :attr:`EngineCore.async_loads` (the connector's asynchronous loads,
+as a P/D decode instance runs them), is loaded beside the steps: the request holds its
+pages and computes from the first step planned after its load is done, the engine's loads
+one after another at the profile's bandwidth, the running batch's steps never waiting
+for them (a GPU's copy engines move them while its SMs compute).
+:meth:`EngineCore.finish` applies a step: computed pages are cached (KV
 events), a request whose last prompt token was computed emits its first token (and its
 blocks go to the store), decoding requests emit one token each, finished ones free
 their pages. The step lasts :meth:`EngineProfile.step_time` on the engine's processor.
@@ -49,6 +54,7 @@ class Request:
     local_hit: int = 0
     external_hit: int = 0
     load_s: float = 0.0
+    ready_at: float = 0.0  # an asynchronous load's end (engine clock)
     output: int = 0
     t_admit: float | None = None
     t_first: float | None = None
@@ -130,6 +136,9 @@ class EngineCore:
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.async_loads = False
+        self.loading: list[Request] = []  # admitted, their KV still arriving (async loads)
+        self._loads_free = 0.0  # when this engine's load of the last such request ends
         self.counters = Counters()
         self.finished: deque[Finished] = deque(maxlen=20000)  # for per-request reports
 
@@ -144,17 +153,25 @@ class EngineCore:
         self.counters.aborted += 1
         if req in self.waiting:
             self.waiting.remove(req)
-        elif req in self.running:
-            self.running.remove(req)
+        elif req in self.running or req in self.loading:
+            (self.running if req in self.running else self.loading).remove(req)
             self.cache.release(req.seq)
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.loading
+
+    def next_load_s(self, now: float) -> float | None:
+        """Seconds from ``now`` until an asynchronous load ends (None: none under way):
+        an engine with nothing else to do plans its next step then."""
+        return max(0.0, min(r.ready_at for r in self.loading) - now) if self.loading else None
 
     def plan(self, now: float) -> Step | None:
         """The next step's batch (admissions applied), or None when there is no work."""
         p = self.p
+        if self.loading and any(r.ready_at <= now for r in self.loading):
+            self.running += [r for r in self.loading if r.ready_at <= now]
+            self.loading = [r for r in self.loading if r.ready_at > now]
         decodes = [r for r in self.running if r.prefilled]
         budget = p.max_num_batched_tokens - len(decodes)
         chunks: list[tuple[Request, int]] = []
@@ -176,18 +193,22 @@ class EngineCore:
             if not self.cache.admit(r.seq, hit_pages, r.n):
                 break
             self.waiting.popleft()
-            self.running.append(r)
             admitted.append(r)
             r.t_admit = now
             r.local_hit = local
             r.external_hit = max(0, stored - local)
             r.computed = local + r.external_hit
             r.load_s = p.load_s(r.external_hit)
+            self._count_admission(r)
+            if self.async_loads and r.load_s > 0:
+                r.ready_at = self._loads_free = max(now, self._loads_free) + r.load_s
+                self.loading.append(r)
+                continue
+            self.running.append(r)
             load += r.load_s
             c = min(r.n - r.computed, budget)
             chunks.append((r, c))
             budget -= c
-            self._count_admission(r)
         if not chunks and not decodes:
             return None
         work = p.step_time([(c, r.computed) for r, c in chunks],

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,15 @@ class EmulatedFleet:
         with httpx.Client(timeout=30) as c:
             for u in self.urls:
                 c.post(u + "/emulator/store", json={"enabled": enabled}).raise_for_status()
+
+    def async_loads(self, flags: Sequence[bool]) -> None:
+        """Which engines load store hits beside their steps from now on (one flag per
+        engine, in order; ``POST /emulator/loads``)."""
+        if len(flags) != len(self.urls):
+            raise ValueError(f"{len(flags)} flags for {len(self.urls)} engines")
+        with httpx.Client(timeout=30) as c:
+            for u, on in zip(self.urls, flags, strict=True):
+                c.post(u + "/emulator/loads", json={"async": on}).raise_for_status()
 
     def reset(self, timeout_s: float = 60.0) -> None:
         """Empty every engine's prefix cache (retried while requests still hold pages),

@@ -14,7 +14,9 @@ tokenizer and chat template; streamed with ``stream_options.include_usage`` or n
 (every finished request: hits, queueing, TTFT; ``x-request-id`` when the client sent
 one) and ``POST /emulator/store`` (``{"enabled": false}``: the process's engines stop
 looking up and saving in ``--store``, caching in their own pages only, until enabled
-again; 404 without a store). Each publishes vLLM's KV events (:mod:`.events`) on its own
+again; 404 without a store) and ``POST /emulator/loads`` (``{"async": true}``: this engine
+loads store hits beside its steps, as the connector's ``async_loads`` does on a P/D decode
+instance; :mod:`.engine`). Each publishes vLLM's KV events (:mod:`.events`) on its own
 ``tcp://*:PORT`` with a replay endpoint. Timing follows the profile (:mod:`.profile`),
 scheduling vLLM's (:mod:`.engine`); engines on one ``--compute`` group share a processor
 (:mod:`.processors`, ``--discipline``), or with ``--host-interference`` have one each
@@ -106,10 +108,13 @@ class EmulatedEngine:
     async def _run(self) -> None:
         core = self.core
         while True:
-            step = core.plan(time.monotonic())
+            now = time.monotonic()
+            step = core.plan(now)
             if step is None:
                 self.wake.clear()
-                await self.wake.wait()
+                loaded = core.next_load_s(now)  # a request's asynchronous load ends then
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), loaded)
                 continue
             t0 = time.monotonic()
             await self.proc.run(step.work_s, self.name)
@@ -322,6 +327,17 @@ def build_app(fleet: Fleet) -> Starlette:
     async def records(request: HttpRequest) -> Response:
         return JSONResponse(engine(request).records())
 
+    async def loads(request: HttpRequest) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        on = body.get("async") if isinstance(body, dict) else None
+        if not isinstance(on, bool):
+            return _err(400, 'the body must be {"async": true|false}')
+        engine(request).core.async_loads = on
+        return JSONResponse({"async": on})
+
     async def store(request: HttpRequest) -> Response:
         conn = engine(request).core.connector
         if conn is None:
@@ -463,6 +479,7 @@ def build_app(fleet: Fleet) -> Starlette:
         Route("/reset_prefix_cache", reset, methods=["POST"]),
         Route("/emulator/stats", stats), Route("/emulator/requests", records),
         Route("/emulator/store", store, methods=["POST"]),
+        Route("/emulator/loads", loads, methods=["POST"]),
         Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/chat/completions", completion, methods=["POST"])])
 

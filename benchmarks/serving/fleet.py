@@ -35,6 +35,9 @@ class Arm:
     ``shared_store`` False (emulated fleets only, :mod:`.fleet_runs`): for this arm the
     engines keep KV in their own caches only, and our router is told of no store (the
     Mooncake paper's Figure 5 baselines, which have no global pool).
+    ``sync_decode_loads`` (emulated P/D fleets): the decode-only instances load each
+    request's KV inside their steps (the connector's ``async_loads: false``) instead of
+    beside them (its default for a ``kv_consumer``): an ablation.
     """
 
     name: str
@@ -44,6 +47,7 @@ class Arm:
     gateway_opts: dict[str, Any] = field(default_factory=dict)
     retry_429: int = 0
     shared_store: bool = True
+    sync_decode_loads: bool = False
 
 
 @dataclass(frozen=True)

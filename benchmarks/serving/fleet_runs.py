@@ -183,6 +183,9 @@ class FleetRun:
         self.reset()
         if self.store is not None:
             self.fleet.use_store(arm.shared_store)
+        # as the connector loads: beside the steps on a P/D decode instance (kv_consumer)
+        self.fleet.async_loads([s.role(i) == "decode" and not arm.sync_decode_loads
+                                for i in range(len(self.fleet.urls))])
         gws = gateways(arm) if gateways else [g for g in [self.gateway(arm)] if g]
         side: dict[str, Any] = {}
         try:

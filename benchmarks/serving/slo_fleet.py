@@ -9,9 +9,11 @@ routers' cache-aware policies, ours, ours running a baseline policy (``*-nostore
 engines cache in their own pages only for that run, no store lookups or saves, as the
 Mooncake paper's Figure 5 baselines without a global pool; ``kvcentric-router-nostore``:
 Algorithm 1 so, over engine caches alone), ours over a P/D split:
-``kvcentric-pd50`` and ``kvcentric-pd75`` make the first half or three quarters of the
-instances prefill-only and the rest decode-only, each request's KV handed over through the
-store), caches emptied before every run. In a P/D run TBT comes from the decode pool and
+``kvcentric-pd50``, ``-pd62``, ``-pd75`` and ``-pd81`` make the first half, 5/8, 3/4 or
+13/16 of the instances prefill-only and the rest decode-only, each request's KV handed over
+through the store, which the decode instances load beside their steps as the connector
+does on a ``kv_consumer``; ``-syncload`` variants load inside the steps), caches emptied
+before every run. In a P/D run TBT comes from the decode pool and
 the hit shares from the prefill pool (a decode instance loading what its prefill just
 computed is the hand-over, not reuse; ``pd_transfer_share`` is the share of the decode
 pool's prompt tokens it loaded rather than recomputed). The workloads are
@@ -67,12 +69,14 @@ OUR_LOCAL = replace(OUR_ROUTER, name="kvcentric-router-nostore", shared_store=Fa
 # one to the other through the store; ``pd`` is the prefill pool's share of the instances
 PD_ARMS = [Arm(f"kvcentric-pd{round(100 * share)}", gateway="kvcentric",
                gateway_opts={**OUR_ROUTER.gateway_opts, "pd": share})
-           for share in (0.5, 0.75)]
+           for share in (0.5, 0.625, 0.75, 0.8125)]
+# the decode instances loading inside their steps (connector async_loads: false)
+PD_SYNC = [replace(a, name=f"{a.name}-syncload", sync_decode_loads=True) for a in PD_ARMS]
 ARMS = {a.name: a for a in [Arm("round-robin"), *PEER_CACHE_AWARE, *OUR_ARMS, *POLICY_ARMS,
-                            *ABLATIONS, *PD_ARMS, *LOCAL_ARMS, OUR_LOCAL]}
+                            *ABLATIONS, *PD_ARMS, *PD_SYNC, *LOCAL_ARMS, OUR_LOCAL]}
 DEFAULT_ARMS = ("round-robin", "vllm-router-cache_aware", "smg-cache_aware",
                 "kvcentric-router", "kvcentric-admission")
-OURS = tuple(a.name for a in [*OUR_ARMS, *PD_ARMS, OUR_LOCAL])
+OURS = tuple(a.name for a in [*OUR_ARMS, *PD_ARMS, *PD_SYNC, OUR_LOCAL])
 PEERS = tuple(a.name for a in PEER_CACHE_AWARE)
 # Figure 5's schedulers, each our router running that policy over the same fleet: random,
 # load-balancing and local cache-aware with engine caches only, global cache-aware

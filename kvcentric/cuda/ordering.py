@@ -45,7 +45,9 @@ class CopyOrdering:
     thread), :meth:`wait_layer` per layer (compute thread, after ``run_load`` returned
     for that layer), :meth:`loads_done` before releasing leases. Save calls:
     :meth:`run_save` per layer (compute thread), :meth:`saves_enqueued` once at the end
-    of the step; the returned event is what a commit waits for.
+    of the step; the returned event is what a commit waits for. Asynchronous loads (their
+    requests compute in a later step): :meth:`after_compute` (compute thread), then
+    :meth:`load_now` per transfer (load thread).
     """
 
     LANES = 2
@@ -55,6 +57,9 @@ class CopyOrdering:
             raise ValueError(f"CopyOrdering needs a CUDA device, got {device}")
         self.device = device
         self.lanes = [torch.cuda.Stream(device) for _ in range(self.LANES)]
+        # asynchronous loads: a stream of their own, so that no save's event (which the
+        # compute stream waits for) is ever recorded behind a load spanning steps
+        self.background = torch.cuda.Stream(device)
         self._loaded: list[torch.cuda.Event | None] = []
         self._saves = 0  # packs enqueued this step (picks the lane)
         self._loads = 0  # unpacks enqueued this step (picks the lane)
@@ -62,11 +67,13 @@ class CopyOrdering:
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def _after_compute(self) -> None:
-        """Every lane waits for what the compute stream has enqueued so far."""
+    def after_compute(self) -> None:
+        """Every lane waits for what the compute stream has enqueued so far (compute
+        thread): before an asynchronous load into pages vLLM freed, which kernels still
+        queued may read."""
         event = torch.cuda.Event()
         event.record(self._compute())
-        for lane in self.lanes:
+        for lane in (*self.lanes, self.background):
             lane.wait_event(event)
 
     def begin_loads(self, num_layers: int) -> None:
@@ -75,7 +82,7 @@ class CopyOrdering:
         and now hands to the loading requests."""
         self._loaded = [None] * num_layers
         self._loads = 0
-        self._after_compute()
+        self.after_compute()
 
     def run_load(self, layer: int, enqueue: Callable[[], None], count: int = 1) -> None:
         """Enqueue the unpack (``enqueue``) of layers ``layer .. layer + count - 1`` on a
@@ -89,6 +96,17 @@ class CopyOrdering:
             event.record(lane)
         for i in range(layer, layer + count):
             self._loaded[i] = event
+
+    def load_now(self, enqueue: Callable[[], None]) -> None:
+        """Enqueue an unpack (``enqueue``) on the background stream and wait (host) until
+        it has run: an asynchronous load, on its load thread, after :meth:`after_compute`;
+        the compute stream never waits for it (its request computes in a later step,
+        after this returned)."""
+        with torch.cuda.stream(self.background):
+            enqueue()
+            event = torch.cuda.Event()
+            event.record(self.background)
+        event.synchronize()
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait for layer ``layer``'s unpack (no host wait)."""

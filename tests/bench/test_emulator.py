@@ -392,6 +392,53 @@ def test_store_hits_come_from_the_real_store_and_cost_their_load(
         assert b.counters.external_prefix_cache_hits == 199
 
 
+def _gaps_beside_a_load(async_loads: bool) -> tuple[list[float], Request, Request]:
+    """One request decoding while two more arrive whose KV a P/D prefill handed over (a
+    load of 299 tokens each, 0.299 s at this profile's bandwidth): the decoding one's
+    token gaps, and the two loaded requests."""
+    prof = PROF.with_(kv_bytes_per_token=1000, store_bandwidth_bps=1e6)
+    core = EngineCore(prof, 256)
+    core.async_loads = async_loads
+    dec = Request("d", toks(40, 100), 40)
+    core.add(dec)
+    loaded = [Request(f"l{i}", toks(41 + i, 300), 2, transferred=299) for i in range(2)]
+    t, last, gaps = 0.0, 0.0, []
+    while not core.idle:
+        if dec.output == 1 and not loaded[0].arrival:  # arriving as the first token left
+            for r in loaded:
+                r.arrival = t
+                core.add(r)
+        s = core.plan(t)
+        if s is None:  # only loads under way: the engine waits for the first to end
+            wait = core.next_load_s(t)
+            assert wait is not None
+            t += wait
+            continue
+        t += s.work_s
+        emitted = dec.output
+        core.finish(s, t)
+        if dec.output > emitted:
+            if emitted:
+                gaps.append(t - last)
+            last = t
+    return gaps, loaded[0], loaded[1]
+
+
+def test_an_asynchronous_load_runs_beside_the_steps_and_its_request_computes_after_it(
+        ) -> None:
+    sync_gaps, _, _ = _gaps_beside_a_load(False)
+    gaps, a, b = _gaps_beside_a_load(True)
+    # inside the step, the two loads stall the decoding request's tokens; beside it, never
+    assert max(sync_gaps) >= 0.299
+    assert max(gaps) < 0.05
+    # each loaded request computes its last prompt token only once its load is done, and
+    # the engine's loads run one after another at its bandwidth
+    assert a.t_admit is not None and b.t_admit == a.t_admit
+    assert a.t_first is not None and a.t_first >= a.t_admit + 0.299
+    assert b.t_first is not None and b.t_first >= a.t_admit + 2 * 0.299
+    assert a.external_hit == b.external_hit == 299 and a.load_s == pytest.approx(0.299)
+
+
 def test_a_connector_turned_off_neither_looks_up_nor_saves(store_cfg: StoreConfig) -> None:
     with open_store(store_cfg) as st:
         hits = StoreHits(st, "bench", 16)
@@ -475,8 +522,9 @@ def test_a_fleet_run_without_the_store_keeps_kv_in_each_engines_own_cache(
         tmp_path: Path, runtime_dir: Path, store_cfg: StoreConfig,
         emulator: EmulatedFleet) -> None:
     """``use_store(False)`` (Figure 5's baselines): another engine misses what one
-    computed; turned back on, the store serves it again. A storeless fleet refuses to
-    turn a store on, and its engines answer 404."""
+    computed; turned back on, the store serves it again, also to an engine loading
+    beside its steps. A storeless fleet refuses to turn a store on, and its engines
+    answer 404."""
     with pytest.raises(ValueError, match="without a store"):
         emulator.use_store(True)
     emulator.use_store(False)  # nothing to turn off
@@ -497,8 +545,28 @@ def test_a_fleet_run_without_the_store_keeps_kv_in_each_engines_own_cache(
         f.use_store(True)
         assert cached(f.urls[0]) == 256  # its own pages; its prefill saves the prompt
         assert cached(f.urls[1]) == 299  # now from the store
+        # an idle engine loading beside its steps (a P/D decode's way) waits for the load
+        # to end, then computes the rest: same hit, the answer comes
+        f.async_loads([False, True])
+        prompt = toks(44, 300)
+        assert cached(f.urls[0]) == 0 and cached(f.urls[1]) == 299
         bad = httpx.post(f.urls[0] + "/emulator/store", json={"enabled": "no"}, timeout=30)
         assert bad.status_code == 400 and "enabled" in bad.text
+
+
+def test_which_engines_load_beside_their_steps_is_set_over_http(emulator: EmulatedFleet
+                                                                  ) -> None:
+    url = emulator.urls[0]
+    for bad in ({"async": "yes"}, {"enabled": True}, [True]):
+        r = httpx.post(url + "/emulator/loads", json=bad, timeout=10)
+        assert r.status_code == 400 and "async" in r.json()["message"]
+    with pytest.raises(ValueError, match="2 engines"):
+        emulator.async_loads([True])
+    emulator.async_loads([True, False])
+    try:  # the engine serves as before: a request without a store hit loads nothing
+        assert len(stream(url, toks(60, 40))["texts"]) == 3
+    finally:
+        emulator.async_loads([False, False])
 
 
 def test_the_context_is_what_one_engines_cache_holds(emulator: EmulatedFleet) -> None:

@@ -47,6 +47,7 @@ from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.integrity import ObjectRef
 from kvcentric.store import KVStore, open_store
 from tests.connector.test_worker_bounds import BOUND_S, SLACK_S, HungFetches
+from tests.helpers.kv_worker import transfers
 from tests.helpers.waiting import wait_until
 
 BS, H, D, NB, WINDOW = 16, 2, 32, 40, 32  # page tokens, KV heads, head dim, blocks, window
@@ -195,7 +196,7 @@ def test_hybrid_objects_load_bit_exact_into_the_pages_each_group_holds(
         r.start_load(StepPlan(loads=[TransferSpec("r", objs, pages)],
                               state_loads=[TransferSpec("r", [state], [state_page])]))
         r.finish_step()
-        assert r.take_transfer_results() == ({"r"}, set()) and r.take_load_errors() == set()
+        assert transfers(r, {"r"}) == ({"r"}, set()) and r.take_load_errors() == set()
         assert r.stats.data["graph_steps"] == 0  # a hooked step, loaded before its forward
     finally:
         r.close()
@@ -239,7 +240,7 @@ def test_failed_hybrid_loads_are_reported_per_request(store: StoreConfig) -> Non
                          TransferSpec("nowhere", [ObjectRef(objs[1].digest, 1, BS, state=True)],
                                       [[SKIP]])]))
         r.finish_step()
-        done, failed = r.take_transfer_results()
+        done, failed = transfers(r, {"blocks", "forged", "absent", "nowhere"})
         assert done == failed == {"blocks", "forged", "absent", "nowhere"}
         assert r.take_load_errors() == set() and r.stats.data["integrity_errors"] == 1
     finally:
@@ -347,8 +348,8 @@ def test_a_hung_hybrid_load_fails_its_request_in_time_and_keeps_its_lease(
         r.start_load(StepPlan(loads=[TransferSpec(
             "r", objs, g.load_pages([[21, 22], [23, 24], [0, 29]], 0, 2, 1, 0, 2, 32))]))
         r.finish_step()
+        assert transfers(r, {"r"}) == ({"r"}, {"r"}) and r.take_load_errors() == set()
         assert time.monotonic() - t0 < BOUND_S + SLACK_S
-        assert r.take_transfer_results() == ({"r"}, {"r"}) and r.take_load_errors() == set()
         assert hung.fetching.is_set() and hung.released == []  # the job still runs
         hung.go.set()
         # released only once every job of the step returned: the late job is done

@@ -20,6 +20,7 @@ from kvcentric.hashing import KeySpace
 from kvcentric.integrity import ObjectRef
 from kvcentric.store import open_store
 from kvcentric.stored_layout import KVLayout
+from tests.helpers.waiting import wait_until
 
 LAYERS, NB, BS, H, D, K = 3, 24, 16, 2, 32, 2  # layers, blocks, page tokens, heads, dim, k
 SHAPES = {  # vLLM's per-layer KV cache shapes (and block dim)
@@ -99,6 +100,23 @@ def load(w: KVCentricWorker, kv: dict[str, torch.Tensor], plan: StepPlan) -> set
         w.wait_for_layer(name)
     w.finish_step()
     return w.take_load_errors()
+
+
+def transfers(w: KVCentricWorker, want: set[str], timeout: float = 10.0
+              ) -> tuple[set[str], set[str]]:
+    """``w``'s asynchronous load results, taken as vLLM takes them once per step, until
+    every request in ``want`` is reported done: (done, failed as requests), accumulated."""
+    done: set[str] = set()
+    failed: set[str] = set()
+
+    def step() -> bool:
+        d, f = w.take_transfer_results()
+        done.update(d)
+        failed.update(f)
+        return want <= done
+
+    assert wait_until(step, timeout), f"{want - done} not reported done in {timeout} s"
+    return done, failed
 
 
 def same_pages(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], layout: str,

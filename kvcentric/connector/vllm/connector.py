@@ -85,7 +85,7 @@ def _call(fn: Any, *args: Any) -> Any:
 def _describe_groups(layout: Any) -> str:
     groups = layout.groups
     if groups is None:
-        return ""
+        return ", async loads" if layout.async_loads else ""
     kinds = ", ".join(f"{g.kind}{'/' + str(g.window) if g.window else ''}: {len(g.layers)}"
                       for g in (*groups.attention, *groups.states))
     return f", KV cache groups ({kinds}), {'async' if layout.async_loads else 'sync'} loads"
@@ -121,6 +121,8 @@ class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
                                     self.settings.stored_block_size(page), model_id,
                                     _tp_rank(role),
                                     model_revision(vllm_config, self.settings.model_revision))
+        if self.settings.loads_async(str(tcfg.kv_role)):
+            self.layout = replace(self.layout, load_async=True)
         # a cache never stops vLLM (required=False); a worker opens it on a spare CPU, so
         # the store client's own threads inherit that CPU, not the compute cores
         opener = spare_thread if role != KVConnectorRole.SCHEDULER and \
@@ -147,7 +149,8 @@ class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
                  self.layout.stored_block_size, self.layout.pages_per_object,
                  self.layout.geometry.object_bytes, self.layout.keyspace.prefix,
                  _describe_groups(self.layout))
-        if self.layout.async_loads and "get_transfer_results" not in vars(KVConnectorBase_V1):
+        if self.layout.failures_by_request and \
+                "get_transfer_results" not in vars(KVConnectorBase_V1):
             # without it a failed load of a multi-group model could not be reported
             raise ValueError("kvcentric serves hybrid models (several KV cache groups) on "
                              "vLLM versions with KVConnectorBase_V1.get_transfer_results")
@@ -238,8 +241,9 @@ class KVCentricConnector(KVConnectorBase_V1, SupportsHMA):
         return None, done or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Hybrid models' asynchronous loads, finished in this step (failed ones too: vLLM
-        recomputes them; block ids cannot name a request with several KV cache groups)."""
+        """The asynchronous loads done since the last step (failed ones too: a hybrid
+        model's are named here, vLLM recomputes them; block ids cannot name a request
+        with several KV cache groups; any other model's failed pages are block ids)."""
         done, failed = self.worker.take_transfer_results()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 

@@ -33,7 +33,8 @@ FIELDS = {
                    "finished before it, saves ran after it)",
     "loaded_states": "Recurrent states (hybrid models) loaded into the engine",
     "saved_states": "Recurrent states (hybrid models) written to the store",
-    "failed_requests": "Asynchronous loads (hybrid models) that failed: vLLM recomputed "
+    "failed_requests": "Asynchronous loads that failed as a whole (any failure of a hybrid "
+                       "model's, another model's from its first block): vLLM recomputed "
                        "those requests",
 }
 

@@ -36,6 +36,8 @@ class EngineLayout:
     None: one full-attention group, the layers given to the worker).
     ``state_geometry``: the shape of a hybrid model's state objects (None: no recurrent
     group, or one that cannot be served).
+    ``load_async``: loads were asked to run beside the steps (the connector's
+    ``async_loads``; :attr:`async_loads` is also true when vLLM requires it).
     """
 
     layout: KVLayout
@@ -45,6 +47,7 @@ class EngineLayout:
     writer: bool = True
     groups: GroupPlan | None = None
     state_geometry: ObjectGeometry | None = None
+    load_async: bool = False
 
     @property
     def stored_block_size(self) -> int:
@@ -72,9 +75,18 @@ class EngineLayout:
 
     @property
     def async_loads(self) -> bool:
-        """Loads of this engine complete between steps (vLLM's asynchronous load): with
-        several KV cache groups vLLM takes a failed load only as a failed request, which
-        it then recomputes from scratch (block ids are not unique across groups)."""
+        """Loads of this engine run beside its steps and complete between them (vLLM's
+        asynchronous load: the request waits in ``WAITING_FOR_REMOTE_KVS`` and computes
+        nothing until its load is reported done): asked for (:attr:`load_async`), or
+        required by :attr:`failures_by_request`."""
+        return self.load_async or self.failures_by_request
+
+    @property
+    def failures_by_request(self) -> bool:
+        """A failed load is reported as a failed request, never as block ids: with
+        several KV cache groups block ids are not unique, so vLLM takes a failed load
+        only as a failed request (which it recomputes from scratch), and only from an
+        asynchronous load."""
         return self.groups is not None and self.groups.hybrid
 
     @property

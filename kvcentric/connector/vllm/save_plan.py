@@ -58,6 +58,8 @@ class ReqState:
     loaded: SaveTracker | None = None  # what this step loads from the store (not re-saved)
     unkeyable: bool = False  # its KV depends on inputs keys cannot name: neither loaded nor saved
     load_failed: bool = False  # an async load of it failed: recomputed, never reloaded
+    # its preemption count when an asynchronous load was planned for it (None: none)
+    async_load: int | None = None
 
     @property
     def request(self) -> Any:

@@ -128,6 +128,12 @@ class KVCentricScheduler:
         s, n = self.layout.stored_block_size, request.num_tokens
         full, first = n // s, num_computed_tokens // s
         st = self._state(request)
+        if st.async_load == request.num_preemptions and not st.load_failed:
+            # looked up again without a preemption: vLLM sent it back after its
+            # asynchronous load failed (a first block that failed leaves nothing
+            # computed); a corrupt object would fail every retry, so it recomputes
+            st.load_failed = True
+            self.stats.add(failed_requests=1)
         if st.unkeyable or st.load_failed:
             return 0, False
         try:
@@ -179,6 +185,8 @@ class KVCentricScheduler:
         pages = self._load_pages(tables, lk.first_block, len(refs), lk.num_computed // page,
                                  -(-end // page), end)
         self._pending_loads.append(TransferSpec(request.request_id, refs, pages))
+        if self.layout.async_loads:
+            st.async_load = request.num_preemptions
         if lk.state is not None:
             groups = self.layout.groups
             assert groups is not None and end % self.layout.stored_block_size == 0

@@ -66,6 +66,17 @@ class ConnectorSettings:
         pin_host_memory: on a CUDA worker, register the store's host memory with CUDA so
             copies run as asynchronous DMA (refusals are logged and counted; the copies
             then go through the driver's staging, synchronously).
+        async_loads: load a request's KV beside the engine's steps (vLLM's asynchronous
+            load): the request waits, holding its pages, while its objects are copied in
+            on a load thread (on CUDA, copy streams), and computes from the step after
+            its load is done. The running batch's steps never wait for it: what a P/D
+            decode instance needs, whose every request loads a whole prompt with nothing
+            to compute beside it (a synchronous load stalls every decode in the batch for
+            the transfer). A synchronous load instead overlaps the request's own prefill
+            layer by layer and costs no extra step: better where the uncached rest of the
+            prompt is long. ``None``: asynchronous on a ``kv_consumer`` (a P/D decode
+            instance), synchronous otherwise. Models with several KV cache groups load
+            asynchronously whatever this says (vLLM requires it).
         full_cudagraphs: keep vLLM's full CUDA graphs (``FULL_AND_PIECEWISE``): a step
             that replays one runs no layer hooks, so its loads finish before the forward
             and its saves run after it. ``False`` asks vLLM for PIECEWISE graphs (layer
@@ -87,6 +98,7 @@ class ConnectorSettings:
     copy_impl: str = "auto"
     pin_host_memory: bool = True
     full_cudagraphs: bool = True
+    async_loads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:
@@ -107,6 +119,10 @@ class ConnectorSettings:
         kw = parse_fields(cls, extra, "kvcentric connector options", sizes={"min_fetch_bytes"})
         kw["store"] = StoreConfig.from_dict(kw.get("store"))
         return cls(**kw)
+
+    def loads_async(self, kv_role: str) -> bool:
+        """Whether an engine in ``kv_role`` loads asynchronously (``async_loads``)."""
+        return kv_role == "kv_consumer" if self.async_loads is None else self.async_loads
 
     def stored_block_size(self, page_size: int) -> int:
         """Tokens per stored object for an engine with ``page_size``-token pages

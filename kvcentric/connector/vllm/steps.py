@@ -69,7 +69,9 @@ class LoadStep:
     released). ``futs[l]``: layer ``l``'s copy job. ``group``: layers per ranged fetch.
     ``wait_left``: seconds the step may still wait for its jobs (one budget for the
     layer waits and ``finish_step``). ``failed``: the step gave up its loads (every page
-    reported for recompute; waits return at once)."""
+    reported for recompute; waits return at once). ``background``: an asynchronous step
+    (its requests compute in a later step, once ``deadline``, ``time.monotonic()``, has
+    not passed before its jobs are done); ``req_ids``: the requests it loads for."""
 
     plans: list[LoadPlan] = field(default_factory=list)
     leases: list[ReadLease] = field(default_factory=list)
@@ -78,6 +80,9 @@ class LoadStep:
     group: int = 1
     wait_left: float = 0.0
     failed: bool = False
+    background: bool = False
+    deadline: float = 0.0
+    req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -41,12 +41,20 @@ what a late job may still use: its jobs stop touching the KV cache (a
 aborted only once its jobs are done (a done-callback). Each step's state is an object of
 its own (:mod:`kvcentric.connector.vllm.steps`), so a late job only ever sees its step's.
 
+Asynchronous loads (``layout.async_loads``: a P/D decode instance, or asked for; always
+for hybrid models): ``start_load`` only leases and queues a step's loads, on a load thread
+of their own (saves never queue behind them; on CUDA each copy is waited for on that
+thread, never on the compute stream), and returns. The requests compute nothing until
+their load is done: each step's :meth:`take_transfer_results` (vLLM's ``get_finished``)
+reports the requests whose step of loads completed, or overran its bound (then failed,
+as a late synchronous load), after the lapsed-lease check; their failed pages go out in
+the same step's :meth:`take_load_errors`, which vLLM reads after ``get_finished``.
+
 Hybrid models (:mod:`kvcentric.connector.vllm.groups`): each layer moves its own group's
 pages; recurrent states are objects of their own (:mod:`kvcentric.connector.vllm.states`),
-loaded before and saved after the forward. Their loads complete within ``start_load`` of
-a step in which the request does not compute (vLLM's asynchronous load) and are reported
-per request (:meth:`take_transfer_results`), never as block ids: vLLM cannot map those
-back to a request when there are several groups.
+loaded before and saved after the forward. Their loads are asynchronous and a failure is
+reported per request (:meth:`take_transfer_results`), never as block ids: vLLM cannot
+map those back to a request when there are several groups.
 """
 
 from __future__ import annotations
@@ -95,12 +103,18 @@ class KVCentricWorker:
         self._layer_groups = groups.layer_group if groups is not None else None
         self._states = StateObjects(layout, store, self.stats) \
             if layout.state_geometry is not None else None
-        self._recving: set[str] = set()  # async loads finished in this step (hybrids)
-        self._failed: set[str] = set()  # ... of which these failed
+        self._recving: set[str] = set()  # async loads done, until taken
+        self._failed: set[str] = set()  # requests whose async load failed (hybrids)
+        self._inflight: list[LoadStep] = []  # async loads under way, oldest first
         self._kv: list[torch.Tensor] = []
         spare = spare_cpus() if settings.spare_cpu_threads else None  # affinity.py
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-copy", initializer=pin_to,
                                         initargs=(spare,)) if settings.async_copy else None
+        # asynchronous loads get a thread of their own: a step's saves never wait behind
+        # a load that spans steps (without async_copy they run within start_load)
+        self._load_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="kvc-load", initializer=pin_to, initargs=(spare,)) \
+            if settings.async_copy and layout.async_loads else None
         self._ld = LoadStep()  # this step's loads (a fresh object per step)
         self._sv = SaveStep()  # this step's saves (a fresh object per step)
         self._load_errors: set[int] = set()  # pages to recompute, until taken
@@ -126,11 +140,14 @@ class KVCentricWorker:
         (e.g. one sharing another layer's KV)."""
         return self._layer_index.get(layer_name)
 
-    def _run(self, fn: Any, *args: Any) -> Future[None]:
-        """Run ``fn`` on the copy thread, or now without one; failures land in the future
-        either way (a failed fetch must become a recompute, never an exception in vLLM)."""
-        if self._pool is not None:
-            return self._pool.submit(fn, *args)
+    def _run(self, fn: Any, *args: Any, pool: ThreadPoolExecutor | None = None
+             ) -> Future[None]:
+        """Run ``fn`` on ``pool`` (default: the copy thread), or now without one; failures
+        land in the future either way (a failed fetch must become a recompute, never an
+        exception in vLLM)."""
+        pool = pool or self._pool
+        if pool is not None:
+            return pool.submit(fn, *args)
         return self._now(fn, *args)
 
     @staticmethod
@@ -159,16 +176,18 @@ class KVCentricWorker:
         on CUDA, ordered before the compute stream's next work) before this returns."""
         if not hooks_run:
             self.stats.add(graph_steps=1)
-        if self.layout.async_loads:  # its requests do not compute in this step: load all
-            hooks_run = False
-            self._recving |= {spec.req_id for spec in (*meta.loads, *meta.state_loads)}
+        background = self.layout.async_loads
+        ld = LoadStep(background=True) if background else self._ld
+        ld.req_ids = {spec.req_id for spec in (*meta.loads, *meta.state_loads)}
         if self._asleep is not None:  # cannot happen in vLLM's order; never touch the cache
             for spec in (*meta.loads, *meta.state_loads):
                 self._fail(spec.req_id, spec.page_ids)
+            self._recving |= ld.req_ids if background else set()
             return
         if meta.state_loads and self._states is not None:
             self._failed |= self._states.load(meta.state_loads)
-        ld = self._ld
+        if background and ld.req_ids:
+            self._inflight.append(ld)  # reported done by take_transfer_results
         for spec in meta.loads:
             self._timed("fetch_seconds", self._lease_and_plan, ld, spec)
         if ld.plans:
@@ -179,11 +198,20 @@ class KVCentricWorker:
             # (Mooncake over TCP: ~5 ms), which small per-layer ranges would pay L times
             ld.group = max(1, -(-self.settings.min_fetch_bytes // per_layer))
             ld.wait_left = self._bound_s(per_layer * len(self._kv))
-            if self._path.ordering is not None:
-                self._path.ordering.begin_loads(len(self._kv))
+            ld.deadline = time.monotonic() + ld.wait_left
+            ordering = self._path.ordering
+            if ordering is not None:
+                if background:  # the copies follow what compute enqueued on freed pages
+                    ordering.after_compute()
+                else:
+                    ordering.begin_loads(len(self._kv))
+            pool = self._load_pool if background else None
             # each job gets its step's object: a late job never sees the next step's
-            ld.futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer, ld)
+            ld.futs = [self._run(self._timed, "load_seconds", self._unpack_layer, layer, ld,
+                                 pool=pool)
                        for layer in range(len(self._kv))]
+            if background:
+                return
             if not hooks_run:
                 for layer in range(len(self._kv)):
                     self._wait_layer(layer)
@@ -224,9 +252,9 @@ class KVCentricWorker:
 
     def _fail(self, req_id: str, page_ids: list[list[int]], objects: int | None = None) -> None:
         """Report a failed load of ``objects`` objects (default: one per page list): its
-        pages (vLLM recomputes them), or with async loads its request (vLLM recomputes
+        pages (vLLM recomputes them), or for a hybrid model its request (vLLM recomputes
         it)."""
-        if self.layout.async_loads:
+        if self.layout.failures_by_request:
             self._failed.add(req_id)
         else:
             self._load_errors.update(p for pages in page_ids for p in pages if p != SKIP)
@@ -262,6 +290,8 @@ class KVCentricWorker:
             if ordering is None:
                 for lp in ld.plans:
                     lp.plan.unpack_layer(layer, self._kv[layer])
+            elif first and ld.background:  # done when the copy is: no compute waits on it
+                ordering.load_now(lambda: self._unpack_group(ld, layer, count))
             elif first:  # the bytes are in host memory: the GPU copies them on a copy lane
                 ordering.run_load(layer, lambda: self._unpack_group(ld, layer, count), count)
 
@@ -316,13 +346,43 @@ class KVCentricWorker:
         return errors
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
-        """The requests whose asynchronous loads completed since the last call, and those
-        of them that failed (hybrid models; empty otherwise)."""
-        done, failed = self._recving, self._failed & self._recving
-        self._recving, self._failed = set(), set()
+        """The requests whose asynchronous loads are done since the last call (failed or
+        not: their failed pages are in :meth:`take_load_errors` from now on), and those of
+        them that failed as requests (hybrid models; empty otherwise). Called once per
+        step (vLLM's ``get_finished``), before :meth:`take_load_errors`."""
+        self._poll_loads()
+        done = self._recving
+        failed = self._failed & done
+        self._recving, self._failed = set(), self._failed - done
         if failed:
             self.stats.add(failed_requests=len(failed))
         return done, failed
+
+    def _poll_loads(self, wait: bool = False) -> None:
+        """End every asynchronous step of loads whose jobs are done, or whose bound ran
+        out (its loads fail, as a late synchronous step's); ``wait``: wait for each
+        within its bound first (draining). Oldest first: a step's jobs queue behind the
+        steps before it on the load thread."""
+        left = []
+        for ld in self._inflight:
+            if wait and ld.futs and not ld.failed:
+                ld.wait_left = ld.deadline - time.monotonic()
+                for fut in ld.futs:
+                    if not self._wait_job(ld, fut):
+                        break
+            if not ld.failed and not all(f.done() for f in ld.futs):
+                if time.monotonic() <= ld.deadline:
+                    left.append(ld)
+                    continue
+                log.error("an asynchronous load overran its bound; recomputing its blocks")
+                self._fail_loads(ld)
+            elif not ld.failed and any(f.exception() is not None for f in ld.futs):
+                log.error("an asynchronous load failed (%s); recomputing its blocks",
+                          next(f.exception() for f in ld.futs if f.exception() is not None))
+                self._fail_loads(ld)
+            self._end_loads(ld)
+            self._recving |= ld.req_ids
+        self._inflight = left
 
     # ---- saves ----
     def plan_saves(self, meta: StepPlan) -> None:
@@ -418,6 +478,11 @@ class KVCentricWorker:
                 break
         if self._path.ordering is not None:
             self._path.ordering.loads_done()  # the GPU may still read the leased bytes
+        self._end_loads(ld)
+
+    def _end_loads(self, ld: LoadStep) -> None:
+        """After step ``ld``'s copies (or its failure): report the pages of leases that
+        lapsed meanwhile, and release its leases once no job of it runs."""
         for lp in ld.plans:
             if not ld.failed and not self.store.lease_valid(lp.lease):
                 # the store reclaimed the lease (its connection dropped) while we copied:
@@ -483,6 +548,7 @@ class KVCentricWorker:
         if self._asleep is not None:
             return
         self.finish_step()  # vLLM drains transfers first: then this is a no-op
+        self._poll_loads(wait=True)
         self._committer.drain()
         self._asleep, self._kv = self._kv, []
 
@@ -493,8 +559,10 @@ class KVCentricWorker:
             self._kv, self._asleep = self._asleep, None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._poll_loads(wait=True)
+        for pool in (self._pool, self._load_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self._committer.close()  # pending commits land before the store closes
         self._path.close()  # unpins the store's memory before the store unmaps it
         self.store.close()
