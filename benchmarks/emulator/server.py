@@ -327,13 +327,18 @@ def build_app(fleet: Fleet) -> Starlette:
     async def records(request: HttpRequest) -> Response:
         return JSONResponse(engine(request).records())
 
-    async def loads(request: HttpRequest) -> Response:
+    async def flag(request: HttpRequest, key: str) -> bool | None:
+        """The body's ``{key: true|false}``, or None when it is not that."""
         try:
             body = await request.json()
         except ValueError:
-            body = None
-        on = body.get("async") if isinstance(body, dict) else None
-        if not isinstance(on, bool):
+            return None
+        value = body.get(key) if isinstance(body, dict) else None
+        return value if isinstance(value, bool) else None
+
+    async def loads(request: HttpRequest) -> Response:
+        on = await flag(request, "async")
+        if on is None:
             return _err(400, 'the body must be {"async": true|false}')
         engine(request).core.async_loads = on
         return JSONResponse({"async": on})
@@ -342,12 +347,8 @@ def build_app(fleet: Fleet) -> Starlette:
         conn = engine(request).core.connector
         if conn is None:
             return _err(404, "this emulator runs without a store (--store)")
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        enabled = body.get("enabled") if isinstance(body, dict) else None
-        if not isinstance(enabled, bool):
+        enabled = await flag(request, "enabled")
+        if enabled is None:
             return _err(400, 'the body must be {"enabled": true|false}')
         conn.enabled = enabled
         return JSONResponse({"enabled": enabled})

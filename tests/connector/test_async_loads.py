@@ -29,29 +29,14 @@ from tests.helpers.kv_worker import (
     engine,
     refs,
     same_pages,
-    save,
     spec,
+    stored,
     transfers,
     untouched,
-    worker,
 )
 from tests.helpers.waiting import wait_until
 
 LAYOUT = "flash_attn"
-
-
-def stored(cfg: StoreConfig, tag: str, n: int, device: str) -> tuple[dict[str, torch.Tensor],
-                                                                     list[list[int]]]:
-    """Save ``n`` objects of ``tag`` from a random cache: (that cache, its pages)."""
-    kv = caches(LAYOUT, device, seed=7)
-    pages = [[2 * i + 1, 2 * i + 2] for i in range(n)]
-    w = worker(cfg, LAYOUT, kv)
-    try:
-        save(w, kv, StepPlan(saves=[spec("src", refs(tag, n), pages)], commit_now=True))
-        assert w.stats.data["saved_blocks"] == n
-    finally:
-        w.close()
-    return kv, pages
 
 
 def async_worker(cfg: StoreConfig, kv: dict[str, torch.Tensor]
@@ -68,7 +53,7 @@ def async_worker(cfg: StoreConfig, kv: dict[str, torch.Tensor]
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_load_runs_beside_the_steps_and_is_done_only_once_its_pages_hold_it(
         store_cfg: StoreConfig, device: str) -> None:
-    src, src_pages = stored(store_cfg, "beside", 3, device)
+    src, src_pages = stored(store_cfg, LAYOUT, "beside", 3, device)
     kv = caches(LAYOUT, device, seed=None)
     w, store = async_worker(store_cfg, kv)
     dst = [[10, 11], [12, 13], [14, 15]]
@@ -98,7 +83,7 @@ def test_a_load_runs_beside_the_steps_and_is_done_only_once_its_pages_hold_it(
 
 def test_a_load_past_its_bound_is_recomputed_and_its_lease_kept_until_the_job_returns(
         store_cfg: StoreConfig) -> None:
-    stored(store_cfg, "late", 2, "cpu")
+    stored(store_cfg, LAYOUT, "late", 2)
     kv = caches(LAYOUT, "cpu", seed=None)
     w, store = async_worker(store_cfg, kv)
     dst = [[4, 5], [6, 7]]
@@ -119,7 +104,7 @@ def test_a_load_past_its_bound_is_recomputed_and_its_lease_kept_until_the_job_re
 
 
 def test_a_missing_object_is_reported_with_the_pages_after_it(store_cfg: StoreConfig) -> None:
-    stored(store_cfg, "half", 1, "cpu")
+    stored(store_cfg, LAYOUT, "half", 1)
     kv = caches(LAYOUT, "cpu", seed=None)
     w, store = async_worker(store_cfg, kv)
     store.go.set()
@@ -136,7 +121,7 @@ def test_a_missing_object_is_reported_with_the_pages_after_it(store_cfg: StoreCo
 
 def test_suspending_waits_for_loads_in_flight(store_cfg: StoreConfig) -> None:
     """vLLM's sleep mode remaps the cache after ``suspend``: no copy may still run."""
-    src, src_pages = stored(store_cfg, "sleep", 2, "cpu")
+    src, src_pages = stored(store_cfg, LAYOUT, "sleep", 2)
     kv = caches(LAYOUT, "cpu", seed=None)
     w, store = async_worker(store_cfg, kv)
     dst = [[8, 9], [10, 11]]

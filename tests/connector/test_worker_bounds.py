@@ -21,7 +21,7 @@ from kvcentric.connector.vllm.steps import when_done
 from kvcentric.connector.vllm.transfers import StepPlan
 from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.store import ReadLease, open_store
-from tests.helpers.kv_worker import caches, engine, refs, save, spec, untouched, worker
+from tests.helpers.kv_worker import caches, engine, refs, spec, stored, untouched
 from tests.helpers.waiting import wait_until
 
 LAYOUT = "cpu"
@@ -59,21 +59,8 @@ def hung_worker(cfg: StoreConfig, kv: dict[str, torch.Tensor]) -> tuple[KVCentri
     return w, store
 
 
-def stored(cfg: StoreConfig, tag: str, n: int) -> list[list[int]]:
-    """Save ``n`` objects of ``tag`` from a random cache; returns their source pages."""
-    kv = caches(LAYOUT, "cpu", seed=3)
-    pages = [[2 * i, 2 * i + 1] for i in range(n)]
-    w = worker(cfg, LAYOUT, kv)
-    try:
-        save(w, kv, StepPlan(saves=[spec("src", refs(tag, n), pages)], commit_now=True))
-        assert w.stats.data["saved_blocks"] == n
-    finally:
-        w.close()
-    return pages
-
-
 def test_a_hung_fetch_fails_the_step_in_time_and_keeps_its_lease(store_cfg: StoreConfig) -> None:
-    stored(store_cfg, "hung", 3)
+    stored(store_cfg, LAYOUT, "hung", 3)
     kv = caches(LAYOUT, "cpu", seed=None)
     w, store = hung_worker(store_cfg, kv)
     dst = [[10, 11], [12, 13], [14, 15]]
@@ -103,7 +90,7 @@ def test_a_hung_fetch_fails_the_step_in_time_and_keeps_its_lease(store_cfg: Stor
 
 
 def test_saves_behind_a_hung_load_are_aborted_never_committed(store_cfg: StoreConfig) -> None:
-    stored(store_cfg, "old", 2)
+    stored(store_cfg, LAYOUT, "old", 2)
     kv = caches(LAYOUT, "cpu", seed=5)
     w, store = hung_worker(store_cfg, kv)
     new = refs("new", 2)

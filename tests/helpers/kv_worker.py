@@ -84,6 +84,21 @@ def spec(req: str, objs: list[ObjectRef], pages: list[list[int]]) -> TransferSpe
     return TransferSpec(req, objs, pages, [None, *objs[:-1]])
 
 
+def stored(cfg: StoreConfig, layout: str, tag: str, n: int, device: str = "cpu",
+           seed: int = 3) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """Save ``n`` objects of ``tag`` from a random cache (``seed``) of ``layout``, pages
+    ``[2i + 1, 2i + 2]``: (that cache, those pages)."""
+    kv = caches(layout, device, seed=seed)
+    pages = [[2 * i + 1, 2 * i + 2] for i in range(n)]
+    w = worker(cfg, layout, kv)
+    try:
+        save(w, kv, StepPlan(saves=[spec("src", refs(tag, n), pages)], commit_now=True))
+        assert w.stats.data["saved_blocks"] == n
+    finally:
+        w.close()
+    return kv, pages
+
+
 def save(w: KVCentricWorker, kv: dict[str, torch.Tensor], plan: StepPlan,
          before_save: Any = None) -> None:
     w.plan_saves(plan)
