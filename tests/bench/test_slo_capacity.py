@@ -351,18 +351,21 @@ def test_the_rates_that_decide_a_capacity_get_every_repetition_the_others_fewer(
 def test_figure5s_baselines_have_no_global_pool_and_only_an_emulated_fleet_runs_them(
         tmp_path: Path) -> None:
     """The paper's random, load-balancing and local cache-aware schedulers reuse each
-    instance's own cache; global cache-aware (Algorithm 1) has the store."""
+    instance's own cache; global cache-aware (Algorithm 1) has the store; local
+    cache-aware is Algorithm 1 without it."""
     from benchmarks.serving import slo_fleet
     from benchmarks.serving.fleet import FleetSpec, fleet
 
     *local, global_ = slo_fleet.FIGURE5
     assert all(not slo_fleet.ARMS[a].shared_store for a in local)
     assert slo_fleet.ARMS[global_].shared_store
-    ours_local = slo_fleet.ARMS["kvcentric-router-nostore"]  # Algorithm 1, engine caches
-    assert not ours_local.shared_store and "kvcentric-router-nostore" in slo_fleet.OURS
+    assert local[-1] == "kvcentric-router-nostore"  # Algorithm 1, engine caches only
+    ours_local = slo_fleet.ARMS[local[-1]]
+    assert not ours_local.shared_store and local[-1] in slo_fleet.OURS
     assert ours_local.gateway_opts == slo_fleet.ARMS[global_].gateway_opts
-    assert {slo_fleet.ARMS[a].gateway_opts["policy"] for a in local} == {
-        "random", "least_loaded", "engine_cache"}
+    assert {slo_fleet.ARMS[a].gateway_opts["policy"] for a in local[:-1]} == {
+        "random", "least_loaded"}
+    assert not slo_fleet.ARMS["kvcentric-engine_cache-nostore"].shared_store
     with pytest.raises(ValueError, match="emulated fleets"):
         with fleet(FleetSpec("m"), slo_fleet.ARMS[local[0]], tmp_path):
             pass
