@@ -182,7 +182,8 @@ class KVCentricWorker:
         if self._asleep is not None:  # cannot happen in vLLM's order; never touch the cache
             for spec in (*meta.loads, *meta.state_loads):
                 self._fail(spec.req_id, spec.page_ids)
-            self._recving |= ld.req_ids if background else set()
+            if background:
+                self._recving |= ld.req_ids
             return
         if meta.state_loads and self._states is not None:
             self._failed |= self._states.load(meta.state_loads)
@@ -376,9 +377,9 @@ class KVCentricWorker:
                     continue
                 log.error("an asynchronous load overran its bound; recomputing its blocks")
                 self._fail_loads(ld)
-            elif not ld.failed and any(f.exception() is not None for f in ld.futs):
-                log.error("an asynchronous load failed (%s); recomputing its blocks",
-                          next(f.exception() for f in ld.futs if f.exception() is not None))
+            elif not ld.failed and (err := next(
+                    (e for f in ld.futs if (e := f.exception()) is not None), None)):
+                log.error("an asynchronous load failed (%s); recomputing its blocks", err)
                 self._fail_loads(ld)
             self._end_loads(ld)
             self._recving |= ld.req_ids
