@@ -68,6 +68,21 @@ def group_cpu_seconds(pgids: Sequence[int]) -> float:
     return total
 
 
+def pin_group(pgid: int, cpus: set[int]) -> None:
+    """Bind every thread of every live process in process group ``pgid`` to ``cpus``;
+    the threads and processes they make later inherit it."""
+    for pid in group_pids(pgid):
+        try:
+            tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a process that ended meanwhile
+        for tid in tasks:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass  # a thread that ended meanwhile
+
+
 def quiesce(pgids: Sequence[int], window_s: float = 0.1, busy_share: float = 0.05,
             timeout_s: float = 5.0) -> float:
     """Wait until the process groups ``pgids`` together use less than ``busy_share`` of

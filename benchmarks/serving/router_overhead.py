@@ -2,7 +2,7 @@
 
     python -m benchmarks.serving.router_overhead [--requests 60] [--words 3000,750]
                                                [--max-tokens 16] [--token-ms 0] [--engines 2]
-                                               [--peers vllm-router:cache_aware,...]
+                                               [--peers vllm-router:cache_aware,...] [--no-pin]
                                                [--out FILE.json]
 
 ``--engines`` stub engines (:mod:`benchmarks.lib.stub_engine`, one process: instant
@@ -23,6 +23,12 @@ group over separate passes of router-only requests (the median of ``CPU_PASSES``
 same way in the same run, taking turns with ours request by request (TTFT) and pass by pass
 (CPU): the baseline a router's hop is judged by.
 
+``--pin`` (default with two or more CPUs): the router being measured runs alone on the
+last CPU this process may use, and everything else (the client, the stubs, the store) on
+the others. Unpinned, where the scheduler put the router beside the client or a stub moved
+its CPU per request by tens of percent from one run to the next (caches, wake-ups), so
+two runs of the same commit differed more than the changes being measured.
+
 Engines here answer at once, so the difference is the router's own work (parse and
 validate, tokenise, hash, look up the store, decide, relay) plus one proxy hop. The ratio
 ``router_p50 / direct_p50`` and the added milliseconds are what to compare across commits.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -49,7 +56,7 @@ from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, module_command
-from benchmarks.lib.procfs import group_cpu_seconds
+from benchmarks.lib.procfs import group_cpu_seconds, pin_group
 from benchmarks.serving.gateways import PEER_ROUTERS, Gateway, gateway_for, peer_name
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
@@ -131,7 +138,26 @@ def measure(targets: list[Target], direct: str, words: int, n: int, max_tokens: 
     return rows
 
 
+def split_cpus(pin: bool) -> tuple[set[int], set[int]] | None:
+    """``(routers, rest)``: the last CPU this process may use, and the others; None
+    unpinned (``pin`` off, or a single CPU)."""
+    own = sorted(os.sched_getaffinity(0))
+    return ({own[-1]}, set(own[:-1])) if pin and len(own) > 1 else None
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cpus = split_cpus(args.pin)
+    if cpus is None:
+        return _run(args, None)
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus[1])  # the store, stubs and client inherit it
+    try:
+        return _run(args, cpus[0])
+    finally:
+        os.sched_setaffinity(0, own)
+
+
+def _run(args: argparse.Namespace, router_cpus: set[int] | None) -> list[dict[str, Any]]:
     model = str(build_model("bench", Path.cwd() / ".models" / "bench"))
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -163,6 +189,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         str(cfg_path)], logs / "router-overhead.log")
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", router, logs / "router-overhead.log")
+        if router_cpus is not None:
+            pin_group(router.pid, router_cpus)
         targets: list[Target] = [("kvcentric", router, url)]
         for kind in args.peers:
             g = gateway_for(kind, [f"http://127.0.0.1:{p}" for p in ports], logs,
@@ -171,6 +199,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             peers.append(g)
             g.start().wait_ready()
             assert g.proc is not None
+            if router_cpus is not None:
+                pin_group(g.proc.pid, router_cpus)
             targets.append((g.name, g.proc, g.url))
         total = (1 + CPU_PASSES) * args.requests * len(args.words) * len(targets)
         with tqdm(total=total, desc="requests") as bar:
@@ -219,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="milliseconds between an answer's tokens")
     ap.add_argument("--peers", type=lambda s: [x for x in s.split(",") if x], default=[],
                     help="peer routers measured beside ours (e.g. vllm-router:cache_aware)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="the measured router alone on one CPU, the rest on the others "
+                         "(with two or more CPUs)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router_overhead.json")
     args = ap.parse_args(argv)
     if min(args.requests, args.max_tokens, args.engines, *args.words) < 1:
@@ -233,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "router_overhead", "rows": rows,
            "summary": {"max_tokens": args.max_tokens, "token_ms": args.token_ms,
                        "engines": args.engines,
+                       "router_cpus": sorted(cpus[0]) if (cpus := split_cpus(args.pin))
+                       else None,
                        **per_size([r for r in rows if r["router"] == "kvcentric"]),
                        "peers": {p: per_size([r for r in rows if r["router"] == p])
                                  for p in dict.fromkeys(r["router"] for r in rows)

@@ -176,6 +176,13 @@ class KVStore(ABC):
         nothing on disk."""
         return Residency(self.batch_exists(keys) if keys else 0)
 
+    def residency_nowait(self, keys: Sequence[str]) -> Residency | None:
+        """:meth:`batch_residency`'s answer when this client can give it from memory it
+        maps, with no call to another process (so without blocking: an event loop may
+        call it), else None: the caller then asks :meth:`batch_residency`, off its loop.
+        Never raises. Default: None (every answer is a call)."""
+        return None
+
     def lease_valid(self, lease: ReadLease) -> bool:
         """False when ``lease`` lapsed (e.g. the store reclaimed it after a dropped
         connection): bytes read through it may be torn. Default: leases never lapse."""

@@ -20,7 +20,10 @@ With a :class:`~kvcentric.router.fleet.store_events.StoreFeed` (the store's own 
 call, no cache, no discovery (the feed learns the layout from the events).
 
 Thread use: store calls run on one worker thread so a slow store never blocks the event
-loop; callers wait at most ``wait_s`` and otherwise use what the cache knows.
+loop; callers wait at most ``wait_s`` and otherwise use what the cache knows. A store whose
+client answers from memory it maps (the local store's shared index, without a disk tier:
+:meth:`~kvcentric.store.base.KVStore.residency_nowait`) is asked on the loop instead: a
+hand-off to the thread cost the router more CPU than the lookup.
 """
 
 from __future__ import annotations
@@ -198,6 +201,9 @@ class StoreView:
             return Residency(*self.feed.residency(hashes))
         run, final = self.cached_run(hashes)
         if not final:
+            nowait = self._nowait(hashes, run)
+            if nowait is not None:
+                return nowait
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-router-store")
             loop = asyncio.get_running_loop()
@@ -206,6 +212,21 @@ class StoreView:
                 run = await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
             except TimeoutError:
                 pass  # the answer still lands in the cache for the next request
+        return Residency(run, self.cached_disk(hashes, run))
+
+    def _nowait(self, hashes: Sequence[bytes | TailRef], start: int) -> Residency | None:
+        """The answer from what the store's client maps (:meth:`KVStore.residency_nowait`,
+        recorded in the cache), or None: the store is not open or its key layout not yet
+        known (both take calls), or it cannot answer without one."""
+        store, ks = self._store, self._keyspace
+        if store is None or ks is None:
+            return None
+        res = store.residency_nowait([ks.key_of(h) for h in hashes[start:]])
+        if res is None:
+            return None
+        self.queries += 1
+        self.record(hashes, start, res.run, self._clock(), res.disk_only)
+        run = start + res.run
         return Residency(run, self.cached_disk(hashes, run))
 
     async def leading_run(self, hashes: Sequence[bytes | TailRef]) -> int:

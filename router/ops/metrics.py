@@ -178,7 +178,7 @@ class _StateCollector(Collector):
             reps.add_metric([label], float(c.replicas(key)))
         yield heat
         yield reps
-        st = GaugeMetricFamily("kvc_router_store_queries", "batch_residency calls made "
-                               "(TTL cache misses)")
+        st = GaugeMetricFamily("kvc_router_store_queries", "store lookups made (TTL cache "
+                               "misses: the shared index or a batch_residency call)")
         st.add_metric([], float(c.store.queries))
         yield st

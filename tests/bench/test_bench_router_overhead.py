@@ -6,10 +6,14 @@ every request's stream is checked to carry one event per token (the stub streams
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.lib.procfs import pin_group
 from benchmarks.serving import router_overhead
 
 
@@ -32,6 +36,26 @@ def test_small_run_reports_both_paths(tmp_path: Path) -> None:
     assert doc["summary"]["peers"] == {}  # none asked for
     s = doc["summary"]
     assert (s["max_tokens"], s["token_ms"], s["engines"]) == (5, 1.0, 3)
+    own = sorted(os.sched_getaffinity(0))
+    assert s["router_cpus"] == (own[-1:] if len(own) > 1 else None)
+
+
+def test_pin_group_binds_every_thread_of_the_group() -> None:
+    """The router is pinned after it started its threads: each of them moves."""
+    target = {sorted(os.sched_getaffinity(0))[-1]}
+    code = ("import threading, time; threading.Thread(target=time.sleep, args=(60,)).start();"
+            " print('up', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        tasks = [int(t) for t in os.listdir(f"/proc/{p.pid}/task")]
+        assert len(tasks) == 2
+        pin_group(p.pid, target)
+        assert all(os.sched_getaffinity(t) == target for t in tasks)
+    finally:
+        p.kill()
+        p.wait()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -308,6 +308,7 @@ def test_store_view_leading_run_with_ttl(store_cfg: StoreConfig) -> None:
         clock[0] += 3.0
         assert view.cached_run(hashes) == (0, False)
         assert asyncio.run(view.leading_run(hashes)) == 2 and view.queries == 2
+        assert view._pool is None  # answered from the shared index, on the loop
         view.close()
     finally:
         store.close()
@@ -351,6 +352,7 @@ def test_store_view_caches_each_blocks_tier(store_cfg: StoreConfig, tmp_path: Pa
         clock[0] += 3.0
         assert asyncio.run(view.residency(hashes)) == Residency(3, (1, 2))
         assert asyncio.run(view.leading_run(hashes)) == 3 and view.queries == 2
+        assert view._pool is not None  # tiers take a call: on the view's thread
     finally:
         view.close()
         store.close()

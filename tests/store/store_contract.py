@@ -54,6 +54,12 @@ class StoreContract:
         assert store.batch_exists(["e/2", "e/0"]) == 0
         assert store.batch_exists([]) == 0
 
+    def test_residency_nowait_is_batch_residency_or_none(self, store: KVStore) -> None:
+        put(store, ["n/0", "n/1", "n/3"])
+        for keys in (["n/0", "n/1", "n/2", "n/3"], ["n/2", "n/0"], ["n/0"]):
+            got = store.residency_nowait(keys)
+            assert got is None or got == store.batch_residency(keys)
+
     def test_missing_get_is_an_error_not_data(self, store: KVStore) -> None:
         buf = np.zeros(4096, np.uint8)
         (code,) = store.batch_get_into(["nope"], [buf.ctypes.data], [buf.nbytes])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvcentric.config import StoreConfig
-from kvcentric.store import open_store
+from kvcentric.store import Residency, open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.client import LocalStore
 from kvcentric.store.local.index import ObjectIndex
@@ -171,8 +171,13 @@ def test_lookups_answer_from_shared_memory(store_cfg: StoreConfig) -> None:
         assert [s.batch_exists(keys[:n]) for n in (64, 10, 0)] == [64, 10, 0]
         assert s.batch_exists([*keys[:5], "nope"]) == 5
         assert s.batch_exists(keys[7:]) == 57  # a chain that starts mid-way
+        # what the router asks on its event loop: the same answers, no call either
+        assert [s.residency_nowait(keys[:n]) for n in (64, 10, 0)] == [
+            Residency(64), Residency(10), Residency(0)]
+        assert s.residency_nowait([*keys[:5], "nope"]) == Residency(5)
         assert s.stats()["lookups"] == before and s.stats()["shared_index"] == 1
     with open_store(store_cfg.with_(shared_index=False)) as s:
+        assert s.residency_nowait(keys) is None  # only a call can answer
         assert s.batch_exists(keys) == 64
         assert s.stats()["lookups"] == before + 1
 
@@ -193,6 +198,7 @@ def test_hung_coordinator_turns_lookups_into_misses(store_cfg: StoreConfig) -> N
         index = s._link.session.index if s._link.session else None
         assert index is not None and index.leading_run(keys) == 8
         assert wait_until(lambda: index.leading_run(keys) is None, STALE_AFTER_MS / 1000 + 10)
+        assert s.residency_nowait(keys) is None  # a frozen index answers nothing
         t0 = time.monotonic()
         assert s.batch_exists(keys) == 0
         assert time.monotonic() - t0 < 3.0
@@ -211,6 +217,7 @@ def test_killed_coordinator_is_not_trusted(store_cfg: StoreConfig) -> None:
     pid = s.stats()["pid"]
     os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: not launcher.pid_alive(pid), 10)  # it is dead
+    assert s.residency_nowait(["a", "b"]) is None
     assert s.batch_exists(["a", "b"]) == 0  # a restarted store is empty
     s.close()
 

@@ -91,17 +91,24 @@ class LocalStore(KVStore):
         if s is None:
             self._link.kick()
             return 0
-        if s.index is not None and s.peer_alive():
-            try:
-                n = s.index.leading_run(keys)  # None: stale heartbeat, writer busy...
-            except ValueError:  # the session closed under us: its index is unmapped
-                n = None
-            if n is not None:
-                return n
+        n = _indexed_run(s, keys)
+        if n is not None:
+            return n
         try:
             return int(self._link.hot(s, "exists", list(keys)))
         except StoreUnavailable:
             return 0
+
+    def residency_nowait(self, keys: Sequence[str]) -> Residency | None:
+        """From the shared index when the store has no disk tier (whose tiers the index
+        does not record) and its coordinator is alive; else None."""
+        if not keys:
+            return Residency(0)
+        s = self._link.session
+        if s is None or s.disk_tier:
+            return None
+        n = _indexed_run(s, keys)
+        return None if n is None else Residency(n)
 
     def batch_residency(self, keys: Sequence[str]) -> Residency:
         """With a disk tier: the coordinator's exact answer, one round trip (the shared
@@ -407,3 +414,15 @@ class LocalStore(KVStore):
             self._read_pool.shutdown(wait=False, cancel_futures=True)
             self._read_pool = None
         self._link.close()
+
+
+def _indexed_run(s: Session, keys: Sequence[str]) -> int | None:
+    """The leading run of ``keys`` from ``s``'s shared index (no round trip), or None:
+    no index, a dead or stale coordinator, a write in progress, or the session closed
+    under us (its index unmapped)."""
+    if s.index is None or not s.peer_alive():
+        return None
+    try:
+        return s.index.leading_run(keys)
+    except ValueError:
+        return None
