@@ -130,30 +130,6 @@ def checksum(ptr: int, size: int) -> int:
     return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(ptr))
 
 
-# objects above this many bytes are copied and hashed piece by piece (copy_checksum);
-# smaller ones stay in the core's cache between a whole copy and a whole hash, where one
-# call of each costs less than a streaming hash's calls
-FUSED_ABOVE = 512 << 10
-FUSED_PIECE = 256 << 10
-
-
-def copy_checksum(dst: int, src: int, size: int) -> int:
-    """Copy ``size`` bytes from ``src`` to ``dst`` (caller's memory, not overlapping) and
-    return :func:`checksum` of the copy at ``dst``. Above :data:`FUSED_ABOVE` bytes each
-    :data:`FUSED_PIECE` is hashed right after it is copied, while it is still in the
-    core's cache: a whole copy and then a whole hash read an object that outgrew the
-    caches from memory twice."""
-    if size <= FUSED_ABOVE:
-        ctypes.memmove(dst, src, size)
-        return checksum(dst, size)
-    h = xxhash.xxh3_64()
-    for off in range(0, size, FUSED_PIECE):
-        n = min(FUSED_PIECE, size - off)
-        ctypes.memmove(dst + off, src + off, n)
-        h.update((ctypes.c_char * n).from_address(dst + off))
-    return h.intdigest()
-
-
 class KVStore(ABC):
     """Abstract KV block store. See the module docstring for the contract."""
 

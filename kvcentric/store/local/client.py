@@ -38,7 +38,6 @@ from kvcentric.store.base import (
     StoreUnavailable,
     WriteSlot,
     checksum,
-    copy_checksum,
 )
 from kvcentric.store.local import disk, replies
 from kvcentric.store.local.disk_reads import READ_THREADS, DiskReads
@@ -181,21 +180,13 @@ class LocalStore(KVStore):
     def batch_commit(self, slots: Sequence[WriteSlot], pin_s: float = 0.0) -> list[int]:
         """Publish written slots. Slots of a dead session (the connection dropped since
         their reserve: the coordinator reclaimed them) are ``ERR_UNAVAILABLE``."""
-        return self._commit(slots, pin_s, None)
-
-    def _commit(self, slots: Sequence[WriteSlot], pin_s: float,
-                sums: list[int | None] | None) -> list[int]:
-        """:meth:`batch_commit` with the slots' checksums when the caller has them (made
-        as it wrote them), else computed here."""
         if not slots:
             return []
         s = self._link.session
         if s is None or any(x.handle is not s for x in slots):
             self._end_slots(slots)
             return [ERR_UNAVAILABLE] * len(slots)
-        if sums is None:
-            sums = [checksum(x.ptr, x.size) if self.cfg.verify_checksums else None
-                    for x in slots]
+        sums = [checksum(x.ptr, x.size) if self.cfg.verify_checksums else None for x in slots]
         try:
             if pin_s > s.max_pin_s and not s.admin:
                 pin_s = self._long_pin(s, pin_s)
@@ -248,15 +239,10 @@ class LocalStore(KVStore):
         except StoreUnavailable:
             return [ERR_UNAVAILABLE] * len(keys)
         live = [s for s in slots if s is not None]
-        sums: list[int | None] | None = None
-        if self.cfg.verify_checksums:  # the copy and its checksum in one pass
-            sums = [copy_checksum(s.ptr, src, s.size)
-                    for s, src in zip(slots, ptrs) if s is not None]
-        else:
-            for s, src in zip(slots, ptrs):
-                if s is not None:
-                    ctypes.memmove(s.ptr, src, s.size)
-        committed = iter(self._commit(live, 0.0, sums))
+        for s, src in zip(slots, ptrs):
+            if s is not None:
+                ctypes.memmove(s.ptr, src, s.size)
+        committed = iter(self.batch_commit(live))
         # a key already stored (or being stored by another writer) counts as stored
         return [next(committed) if s is not None else (OK if c == ERR_EXISTS else c)
                 for s, c in zip(slots, codes)]
@@ -380,27 +366,27 @@ class LocalStore(KVStore):
         except StoreUnavailable:
             return [ERR_UNAVAILABLE] * len(keys)
         out = [ERR_NOT_FOUND] * len(keys)
-        verify = self.cfg.verify_checksums
         try:
             for i, (src, size) in enumerate(zip(lease.ptrs, lease.sizes)):
                 if size > sizes[i]:
                     out[i] = ERR_INVALID
                     continue
-                want = lease.checksums[i] if verify and i < len(lease.checksums) else None
-                if want is None:
-                    ctypes.memmove(ptrs[i], src, size)
-                    out[i] = size
-                elif copy_checksum(ptrs[i], src, size) == want:  # one pass: copy, check
-                    out[i] = size
-                else:
-                    log.warning("checksum mismatch for %s: treating as missing",
-                                lease.keys[i])
-                    out[i] = ERR_CORRUPT
+                ctypes.memmove(ptrs[i], src, size)
+                out[i] = size
+            self._verify(lease, ptrs, out)
             if not self.lease_valid(lease):
                 return [ERR_UNAVAILABLE] * len(keys)  # copied without a lease: can't trust it
         finally:
             self.release(lease)
         return out
+
+    def _verify(self, lease: ReadLease, ptrs: Sequence[int], out: list[int]) -> None:
+        if not self.cfg.verify_checksums:
+            return
+        for i, want in enumerate(lease.checksums):
+            if out[i] > 0 and want is not None and not lease.verified(i, ptrs[i]):
+                log.warning("checksum mismatch for %s: treating as missing", lease.keys[i])
+                out[i] = ERR_CORRUPT
 
     def remove(self, key: str, force: bool = False) -> int:
         return int(self._link.call("remove", key, force))
