@@ -145,8 +145,9 @@ def split_cpus(pin: bool) -> tuple[set[int], set[int]] | None:
     return ({own[-1]}, set(own[:-1])) if pin and len(own) > 1 else None
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cpus = split_cpus(args.pin)
+def run(args: argparse.Namespace, cpus: tuple[set[int], set[int]] | None
+        ) -> list[dict[str, Any]]:
+    """Every router measured; ``cpus``: :func:`split_cpus`'s answer (None: unpinned)."""
     if cpus is None:
         return _run(args, None)
     own = os.sched_getaffinity(0)
@@ -262,12 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--peers {','.join(unknown)}: a peer is one of "
                  f"{', '.join(k + ':POLICY' for k in PEER_ROUTERS)}")
-    rows = run(args)
+    cpus = split_cpus(args.pin)
+    rows = run(args, cpus)
     doc = {"benchmark": "router_overhead", "rows": rows,
            "summary": {"max_tokens": args.max_tokens, "token_ms": args.token_ms,
                        "engines": args.engines,
-                       "router_cpus": sorted(cpus[0]) if (cpus := split_cpus(args.pin))
-                       else None,
+                       "router_cpus": sorted(cpus[0]) if cpus else None,
                        **per_size([r for r in rows if r["router"] == "kvcentric"]),
                        "peers": {p: per_size([r for r in rows if r["router"] == p])
                                  for p in dict.fromkeys(r["router"] for r in rows)
