@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -53,6 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
     level = (args.log_level or cfg.log_level).lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s")
     app = build_app(cfg)
+    # What startup made (modules, the tokenizer's Python side, config) lives as long as
+    # the process: out of the collector's generations, no full collection visits it again
+    gc.freeze()
     uvicorn.run(app, host=listen.host, port=listen.port, log_level=level,
                 access_log=level == "debug")
     return 0

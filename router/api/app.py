@@ -46,7 +46,12 @@ from kvcentric.router.cost.cost_model import Profile, kv_bytes_per_token
 from kvcentric.router.fleet import instances as inst_mod
 from kvcentric.router.fleet.instance_spec import InstanceSpec
 from kvcentric.router.fleet.instances import Instance
-from kvcentric.router.fleet.kv_events import EventListener, EventTranslator, router_binds
+from kvcentric.router.fleet.kv_events import (
+    EventListener,
+    EventTranslator,
+    apply_events,
+    router_binds,
+)
 from kvcentric.router.fleet.peers import PeerSync
 from kvcentric.router.fleet.replication import Replicator
 from kvcentric.router.fleet.store_events import StoreFeed
@@ -127,15 +132,7 @@ class RouterState:
         index, slot = self.conductor.index, inst.slot
 
         def on_events(events: list[dict[str, Any]]) -> None:
-            for ev in events:
-                kind = ev.get("type")
-                if kind == "BlockStored":
-                    index.add(slot, tr.stored(ev))
-                elif kind == "BlockRemoved":
-                    index.remove(slot, tr.removed(ev))
-                elif kind == "AllBlocksCleared":
-                    tr.cleared()
-                    index.clear(slot)
+            apply_events(tr, index, slot, events)
 
         inst.translator = tr
         # "tcp://*:PORT": the engine binds every interface; the router reaches it by its host

@@ -38,6 +38,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvcentric.hashing import extend_chain, hash_seed, root_hash, tokens_le_u32
+from kvcentric.router.fleet.prefix_index import PrefixIndex
 
 log = logging.getLogger("router.fleet.kv_events")
 MAX_MESSAGE_BYTES = 64 << 20  # far above any step's batch; bounds a hostile peer's memory
@@ -57,13 +58,20 @@ class _Page:
     run: tuple[Any, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Span:
     """One ``BlockStored`` event's pages, translated once as a whole: ``buf`` is the
     pending bytes before the event (``p0`` of them) and its tokens; ``completed`` our
     blocks completed within ``buf``; a page's own state and blocks are computed from
-    these when asked (a child event, a removal), not stored per page. ``later``: blocks
-    completed by later events that contain one of these pages (its last pending run)."""
+    these when asked (a child event, a removal), not stored per page. ``pos``: each of
+    the event's engine hashes to its page's position. ``later``: blocks completed by
+    later events that contain one of these pages (its last pending run).
+
+    A page is remembered as a reference to its span, its position in ``pos``: a dict of
+    hashes and ints, which the garbage collector does not track, so the router's live
+    pages add one tracked object per event, not one per page (each tracked object is
+    visited by every full collection, and full collections run more often the more
+    long-lived objects are made)."""
 
     chain: bytes
     buf: bytes
@@ -73,6 +81,7 @@ class _Span:
     completed: list[bytes]
     hashes: list[Any]
     parent_run: tuple[Any, ...]
+    pos: dict[Any, int]
     later: dict[int, list[bytes]] = field(default_factory=dict)
 
     def state(self, i: int) -> _Page:
@@ -92,7 +101,9 @@ class _Span:
         """Our blocks that contain page ``i``."""
         s = self.p0 + i * self.step
         last = min(len(self.completed) - 1, (s + self.step - 1) // self.block)
-        return [*self.completed[s // self.block:last + 1], *self.later.get(i, ())]
+        blocks = self.completed[s // self.block:last + 1]
+        later = self.later.get(i)
+        return blocks + later if later else blocks
 
 
 MAX_PAGES = 1 << 18  # pages remembered per engine until its cache size is known
@@ -119,7 +130,7 @@ class EventTranslator:
     def __init__(self, model_id: str, block_size: int | None,
                  max_pages: int = MAX_PAGES) -> None:
         self.model_id = model_id
-        self._pages: OrderedDict[Any, tuple[_Span, int]] = OrderedDict()
+        self._pages: OrderedDict[Any, _Span] = OrderedDict()  # engine hash -> its span
         self.skipped = 0  # events we could not translate (unknown parent, LoRA, multimodal)
         self.other_media = 0  # events of a tier other than the GPU cache (left out)
         self.forgotten = 0  # pages dropped by the bound
@@ -176,20 +187,20 @@ class EventTranslator:
         buf = state.pending + raw
         completed, _ = extend_chain(state.chain, buf, self.block_bytes // 4)
         span = _Span(state.chain, buf, len(state.pending), page * 4, self.block_bytes,
-                     completed, hashes, state.run)
+                     completed, hashes, state.run, dict(zip(hashes, range(len(hashes)))))
         if completed and state.pending:  # the parent's pending pages are in the first
             for prev in state.run:
-                ref = self._pages.get(prev)
-                if ref is not None:
-                    later = ref[0].later.setdefault(ref[1], [])
+                owner = self._pages.get(prev)
+                if owner is not None:
+                    later = owner.later.setdefault(owner.pos[prev], [])
                     later.append(completed[0])
                     if len(later) > MAX_BLOCKS_PER_PAGE:
                         del later[:len(later) - MAX_BLOCKS_PER_PAGE]
         pages = self._pages
-        for i, vh in enumerate(hashes):
+        for vh in hashes:
             if vh in pages:
                 pages.move_to_end(vh)
-            pages[vh] = (span, i)
+            pages[vh] = span
         while len(pages) > self.max_pages:
             pages.popitem(last=False)
             self.forgotten += 1
@@ -199,8 +210,8 @@ class EventTranslator:
         if parent is None:
             salt = next((x for x in (first_extra or ()) if isinstance(x, str)), None)
             return _Page(root_hash(hash_seed(self.model_id, salt)), b"", ())
-        ref = self._pages.get(parent)
-        return ref[0].state(ref[1]) if ref is not None else None
+        span = self._pages.get(parent)
+        return span.state(span.pos[parent]) if span is not None else None
 
     def _on_gpu(self, ev: dict[str, Any]) -> bool:
         """False (counted) for an event of another tier than the engine's GPU cache."""
@@ -219,23 +230,57 @@ class EventTranslator:
         if not _hash_list(hashes):
             self.skipped += 1
             return gone
+        pop = self._pages.pop
         for vh in hashes:
-            ref = self._pages.pop(vh, None)
-            if ref is not None:
-                gone.extend(ref[0].blocks(ref[1]))
+            span = pop(vh, None)
+            if span is not None:
+                gone += span.blocks(span.pos[vh])
         return gone
 
     def cleared(self) -> None:
         self._pages.clear()
 
 
+def apply_events(tr: EventTranslator, index: PrefixIndex, slot: int,
+                 events: list[dict[str, Any]]) -> None:
+    """Apply one batch's events, in order, to ``index``'s ``slot`` through ``tr``.
+
+    vLLM sends one ``BlockRemoved`` per evicted page: a run of them is one removal from
+    the index, naming each of our blocks once (every page of a block names it); a store
+    or a clear after the run is applied after it, as the engine ordered them."""
+    gone: set[bytes] = set()
+    for ev in events:
+        kind = ev.get("type")
+        if kind == "BlockRemoved":
+            gone.update(tr.removed(ev))
+            continue
+        if gone:
+            index.remove(slot, gone)
+            gone = set()
+        if kind == "BlockStored":
+            index.add(slot, tr.stored(ev))
+        elif kind == "AllBlocksCleared":
+            tr.cleared()
+            index.clear(slot)
+    if gone:
+        index.remove(slot, gone)
+
+
+_HASH_TYPES = frozenset((int, bytes, str))  # what msgpack decodes a hash to; not bool
+
+
 def _is_hash(value: Any) -> bool:
     """vLLM block hashes are ints or bytes (None: no parent); anything else is not one."""
-    return value is None or isinstance(value, (int, bytes, str)) and not isinstance(value, bool)
+    return value is None or type(value) in _HASH_TYPES
 
 
 def _hash_list(values: Any) -> bool:
-    return isinstance(values, list) and all(v is not None and _is_hash(v) for v in values)
+    if type(values) is not list:
+        return False
+    for v in values:  # a loop, not all() over a generator: one-page removals are the bulk
+        if type(v) not in _HASH_TYPES:
+            return False
+    return True
 
 
 def decode_batch(payload: bytes) -> list[dict[str, Any]]:

@@ -4,8 +4,10 @@ store view (a real local store), prefix heat."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
@@ -27,6 +29,7 @@ from kvcentric.router.fleet.instance_spec import InstanceSpec
 from kvcentric.router.fleet.kv_events import (
     EventListener,
     EventTranslator,
+    apply_events,
     decode_batch,
     router_binds,
 )
@@ -213,6 +216,54 @@ def test_translator_recomputes_our_block_hashes_from_pages() -> None:
     assert set(tr.removed({"type": "BlockRemoved", "block_hashes": [13]})) == \
         {want[1], block_hashes(fork, 256, hash_seed("tiny"))[1]}
     assert tr.stored(_stored([20], 999, t[:128])) == [] and tr.skipped == 1  # unknown parent
+
+
+class _Removals(PrefixIndex):
+    """A prefix index that records each removal it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.removals: list[list[bytes]] = []
+
+    def remove(self, slot: int, hashes: Iterable[bytes]) -> None:
+        self.removals.append(list(hashes))
+        super().remove(slot, hashes)
+
+
+def test_a_run_of_page_removals_is_one_removal_in_the_engines_order() -> None:
+    """vLLM sends one BlockRemoved per page: a run of them reaches the index as one
+    removal naming each of our blocks once; what the batch does after the run (the
+    pages stored again, the cache cleared) is applied after it."""
+    t = toks(9, 128 * 4)
+    want = block_hashes(t, 256, hash_seed("tiny"))  # block 0: pages 1-2, block 1: 3-4
+    tr, index = EventTranslator("tiny", 256), _Removals()
+    index.add_slot(0, 64)
+    apply_events(tr, index, 0, [_stored([1, 2, 3, 4], None, t)])
+    assert index.match(want, 1) == {0: 2}
+    gone = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in (4, 3, 2)]
+    apply_events(tr, index, 0, [*gone, _stored([2, 3, 4], 1, t[128:])])
+    assert index.match(want, 1) == {0: 2}  # removed, then stored again
+    assert len(index.removals) == 1 and sorted(index.removals[0]) == sorted(want)
+    apply_events(tr, index, 0, [_stored([5], 4, toks(10, 128)), *gone])
+    assert index.match(want, 1) == {0: 0} and len(index.removals) == 2
+    apply_events(tr, index, 0, [_stored([1, 2], None, t[:256]), {"type": "AllBlocksCleared"}])
+    assert index.resident(0) == 0 and len(tr) == 0
+
+
+def test_the_translators_live_pages_are_not_one_tracked_object_each() -> None:
+    """Every full collection visits every object the collector tracks, and full
+    collections come more often the more long-lived ones are made: a router holds
+    hundreds of thousands of engine pages, which must not be one tracked object each."""
+    gc.collect()
+    before = len(gc.get_objects())
+    tr, parent = EventTranslator("tiny", 256), None
+    for e in range(16):
+        hashes = list(range(e * 256 + 1, e * 256 + 257))
+        assert len(tr.stored(_stored(hashes, parent, toks(e, 128 * 256)))) == 128
+        parent = hashes[-1]
+    gc.collect()
+    assert len(tr) == 4096
+    assert len(gc.get_objects()) - before < 4096 // 8
 
 
 def test_translator_uses_the_cache_salt_like_the_connector() -> None:
