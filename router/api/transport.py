@@ -63,8 +63,9 @@ class _Body(httpx.AsyncByteStream):
         self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        readany = self._resp.content.readany  # iter_any() without its iterator's layer
         try:
-            async for chunk in self._resp.content.iter_any():
+            while chunk := await readany():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise mapped(exc, self._request) from exc
