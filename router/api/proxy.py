@@ -290,10 +290,7 @@ class Proxy:
             await up.aclose()
             self.conductor.finished(d, rid)
             return Response(content, up.status_code, media_type=up.headers.get("content-type"))
-        # the transport's own stream, not httpx's aiter_raw over it: every streamed token
-        # passes here, and each layer of async generator is paid per token
-        assert isinstance(up.stream, httpx.AsyncByteStream)
-        chunks = aiter(up.stream)
+        chunks = up.aiter_raw()
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:

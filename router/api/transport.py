@@ -63,9 +63,8 @@ class _Body(httpx.AsyncByteStream):
         self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        readany = self._resp.content.readany  # iter_any() without its iterator's layer
         try:
-            while chunk := await readany():
+            async for chunk in self._resp.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise mapped(exc, self._request) from exc
