@@ -226,8 +226,8 @@ class _Removals(PrefixIndex):
         self.removals: list[list[bytes]] = []
 
     def remove(self, slot: int, hashes: Iterable[bytes]) -> None:
-        self.removals.append(list(hashes))
-        super().remove(slot, hashes)
+        self.removals.append(list(hashes))  # consumed once: an iterator passes on intact
+        super().remove(slot, self.removals[-1])
 
 
 def test_a_run_of_page_removals_is_one_removal_in_the_engines_order() -> None:
