@@ -149,7 +149,11 @@ class LimitsConfig:
     room for a token). ``max_prompt_chars``: the rendered prompt's size, checked before it
     is tokenised; ``None``: prompt tokens times the tokenizer's longest token (vLLM's
     bound). ``max_tokens``: ``None``: the context; a request naming no budget gets this one
-    when set. ``max_concurrency_per_key``: requests in flight per key (``None``: no bound).
+    when set. Requests in flight per key (without keys: in all): at most
+    ``max_concurrency_per_key`` and at most ``max_concurrency_per_instance`` times the
+    instances the router knows (``None``: no such bound). The second scales with the
+    fleet, as the engines' own sequence slots do: a fixed bound sized for one engine
+    refused requests that a fleet of them had room for.
     ``max_n``, ``max_logprobs`` (vLLM's ``--max-logprobs``), ``min_priority`` ..
     ``max_priority`` (0 .. 0 unless the engines schedule by priority and tenants may use
     it): bounds on those request fields. ``chat_template_kwargs``: the keys a chat may set
@@ -162,7 +166,8 @@ class LimitsConfig:
     max_prompt_tokens: int | None = None
     max_prompt_chars: int | None = None
     max_tokens: int | None = None
-    max_concurrency_per_key: int | None = 256
+    max_concurrency_per_key: int | None = None
+    max_concurrency_per_instance: int | None = 256
     retry_after_s: int = 1
     max_n: int = 4
     max_logprobs: int = 20
@@ -173,7 +178,7 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         check_positive(self, "max_body_bytes", "retry_after_s", "max_n")
         for name in ("max_model_len", "max_prompt_tokens", "max_prompt_chars", "max_tokens",
-                     "max_concurrency_per_key"):
+                     "max_concurrency_per_key", "max_concurrency_per_instance"):
             if getattr(self, name) is not None:
                 check_positive(self, name)
         if self.max_model_len is not None and self.max_model_len < 2:

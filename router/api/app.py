@@ -234,7 +234,8 @@ def build_state(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None
         template_kwargs=tokenizer.template_kwargs(cfg.limits.chat_template_kwargs),
         salt_max=CLIENT_SALT_MAX if cfg.auth.enabled else SALT_MAX)
     return RouterState(cfg, conductor, tokenizer, RouterMetrics(conductor, tokenizer),
-                       Authenticator(cfg.auth), limits.InFlight(cfg.limits), bounds,
+                       Authenticator(cfg.auth),
+                       limits.InFlight(cfg.limits, lambda: len(conductor.registry)), bounds,
                        api_models.completion_model(cfg.model, bounds),
                        api_models.chat_model(cfg.model, bounds),
                        StandardIndexer(cfg.indexer), transport)

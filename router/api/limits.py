@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,18 +145,32 @@ async def read_body(chunks: AsyncIterator[bytes], headers: Mapping[str, str],
 
 
 class InFlight:
-    """Requests in flight per budget (an API key's tenant, or one shared budget)."""
+    """Requests in flight per budget (an API key's tenant, or one shared budget).
 
-    def __init__(self, cfg: LimitsConfig) -> None:
-        self.limit = cfg.max_concurrency_per_key
+    ``fleet``: how many instances the router knows now, read at each admission, so the
+    per-instance bound follows instances added or dropped at run time."""
+
+    def __init__(self, cfg: LimitsConfig, fleet: Callable[[], int]) -> None:
+        self.per_key = cfg.max_concurrency_per_key
+        self.per_instance = cfg.max_concurrency_per_instance
+        self.fleet = fleet
         self.retry_after_s = cfg.retry_after_s
         self.counts: Counter[str] = Counter()
 
+    def limit(self) -> int | None:
+        """The bound on one budget now: the smaller of the two configured, ``None`` when
+        neither is set."""
+        bounds = [] if self.per_key is None else [self.per_key]
+        if self.per_instance is not None:
+            bounds.append(self.per_instance * max(1, self.fleet()))
+        return min(bounds) if bounds else None
+
     def acquire(self, budget: str) -> None:
         """Count one more request of ``budget``, or raise 429 when it is at its limit."""
-        if self.limit is not None and self.counts[budget] >= self.limit:
+        limit = self.limit()
+        if limit is not None and self.counts[budget] >= limit:
             raise Refused(429, f"too many requests in flight for this key (limit "
-                          f"{self.limit}); retry later",
+                          f"{limit}); retry later",
                           {"Retry-After": str(self.retry_after_s)})
         self.counts[budget] += 1
 

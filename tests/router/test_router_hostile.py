@@ -163,9 +163,11 @@ def test_oversize_prompts_are_refused_before_tokenising(
 def test_limits_are_on_by_default_and_follow_the_engines_context(
         tiny_dir: str, tokenizer: PromptTokenizer) -> None:
     """No limits configured: the context is the model's (config.json: 16384) until the
-    engines report theirs (/v1/models: 100 here), and 256 requests per key in flight."""
+    engines report theirs (/v1/models: 100 here), and 256 requests per known instance in
+    flight, no fixed bound per key."""
     cfg = make_cfg(tiny_dir, TWO)
-    assert cfg.limits.max_concurrency_per_key == 256 and cfg.limits.max_prompt_tokens is None
+    assert cfg.limits.max_concurrency_per_key is None and cfg.limits.max_prompt_tokens is None
+    assert cfg.limits.max_concurrency_per_instance == 256
     ups = Upstreams()
     handler = ups.handler
 
@@ -288,6 +290,31 @@ def test_in_flight_bound_refuses_before_reading_the_body(tiny_dir: str,
         assert r.status_code == 200 and read == [1]  # the slot came back
 
     run(make_cfg(tiny_dir, TWO, limits={"max_concurrency_per_key": 1}), tokenizer, ups, fn)
+
+
+def test_in_flight_bound_per_instance_scales_with_the_fleet(tiny_dir: str,
+                                                            tokenizer: PromptTokenizer) -> None:
+    """One request per instance: with two instances two are held at the engines at once,
+    the third is refused naming the bound the fleet makes (2), and a slot coming back
+    admits one again."""
+    ups = HeldUpstreams()
+
+    async def fn(c: httpx.AsyncClient) -> None:
+        held = [asyncio.create_task(c.post("/v1/completions", json=COMPLETION))
+                for _ in range(2)]
+        deadline = asyncio.get_running_loop().time() + 30
+        while ups.arrived < 2:  # both reached an engine: both slots are taken
+            assert asyncio.get_running_loop().time() < deadline, "the two never arrived"
+            await asyncio.sleep(0.01)
+        r = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 30)
+        assert r.status_code == 429 and "(limit 2)" in error(r)["message"]
+        assert ups.release is not None
+        ups.release.set()
+        assert [(await t).status_code for t in held] == [200, 200]
+        assert (await c.post("/v1/completions", json=COMPLETION)).status_code == 200
+
+    run(make_cfg(tiny_dir, TWO, limits={"max_concurrency_per_instance": 1}), tokenizer, ups,
+        fn)
 
 
 # ---- item 3: instances added at run time ----

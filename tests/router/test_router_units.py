@@ -19,6 +19,9 @@ import zmq.asyncio
 from kvcentric.config import StoreConfig
 from kvcentric.hashing import KeySpace, TailRef, block_hashes, hash_seed
 from kvcentric.router import cli as router_cli
+from kvcentric.router.api.access_config import LimitsConfig
+from kvcentric.router.api.errors import Refused
+from kvcentric.router.api.limits import InFlight
 from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import RouterConfig, load_config
 from kvcentric.router.cost.cost_model import Profile, fit, kv_bytes_per_token
@@ -541,3 +544,31 @@ def test_store_view_sweeps_expired_answers_so_its_memory_stays_bounded() -> None
     view.record([b"new", b"next"], 0, 1, now=5 * 2.0 + 0.1)  # five TTLs later: a sweep
     assert set(view._present) == {b"new"} and set(view._absent) == {b"next"}
     assert not view._disk  # disk marks go with their answers
+
+
+def test_in_flight_bound_is_the_smaller_of_per_key_and_per_instance_times_the_fleet() -> None:
+    """The per-instance bound is read at each admission, so it follows the fleet; a
+    per-key bound caps it; neither set: no bound."""
+    fleet = [3]
+    inflight = InFlight(LimitsConfig(max_concurrency_per_instance=2), lambda: fleet[0])
+    for _ in range(6):
+        inflight.acquire("k")
+    with pytest.raises(Refused, match=r"\(limit 6\)"):
+        inflight.acquire("k")
+    inflight.acquire("other")  # each budget its own
+    fleet[0] = 4  # an instance joined: two more slots
+    inflight.acquire("k")
+    inflight.acquire("k")
+    with pytest.raises(Refused):
+        inflight.acquire("k")
+    fleet[0] = 0  # no instance known yet: one instance's worth, not nothing
+    assert inflight.limit() == 2
+    capped = InFlight(LimitsConfig(max_concurrency_per_key=5,
+                                   max_concurrency_per_instance=2), lambda: 16)
+    assert capped.limit() == 5
+    free = InFlight(LimitsConfig(max_concurrency_per_instance=None), lambda: 16)
+    for _ in range(10_000):
+        free.acquire("k")
+    assert free.limit() is None
+    with pytest.raises(ValueError, match="max_concurrency_per_instance"):
+        LimitsConfig(max_concurrency_per_instance=0)
