@@ -43,10 +43,14 @@ decoding there: each of its chunked steps is a long gap in their token streams, 
 prefill placed beside them costs each about its compute time (the TBT that the paper's
 SLO counts). The choice therefore minimises a pair's *score*: its TTFT plus
 ``stall_weight`` times this router's requests on ``p`` (all of them decode while it runs:
-those still prefilling are ahead of it in the queue) times the prefill's compute on
-``p``; the request's own wait plus the wait it inflicts. A long uncached prefill goes
-where no decode waits on it, and one mostly cached (little compute) still goes to its
-prefix. Only pairs that meet the TTFT SLO compete on the score when any does; when none
+those still prefilling are ahead of it in the queue) times the prefill's compute and
+load on ``p`` (a colocated instance loads store hits inside the step, the connector's
+default there); the request's own wait plus the wait it inflicts. A long uncached
+prefill goes where no decode waits on it, and one mostly cached (little compute) still
+goes to its prefix; one whose prefix is in the store goes where it is already resident
+rather than load it beside decodes of an engine a little less busy (counting compute
+alone spread a hot prefix's requests over engines that each loaded it, and their decodes
+missed the TBT SLO). Only pairs that meet the TTFT SLO compete on the score when any does; when none
 does the lowest TTFT is taken. ``stall_weight`` 0 is the TTFT alone; the emulated
 capacity sweeps compare the two (``kvcentric-ttft_only``, benchmarks/results/).
 A prompt that would break the TTFT SLO even on an idle instance is
@@ -247,11 +251,12 @@ class Pairing(NamedTuple):
     score_s: float
 
 
-def stall_s(decoding: int, prefill_s: float, params: CostParams) -> float:
-    """The wait a prefill of ``prefill_s`` seconds of compute inflicts on the ``decoding``
-    sequences that decode on its processor while it runs (:func:`decoding_beside`),
-    weighted by ``params.stall_weight``."""
-    return params.stall_weight * decoding * prefill_s
+def stall_s(decoding: int, step_s: float, params: CostParams) -> float:
+    """The wait a prefill taking ``step_s`` seconds of the engine's steps (its compute, and
+    on a colocated instance its synchronous load) inflicts on the ``decoding`` sequences
+    that decode on its processor meanwhile (:func:`decoding_beside`), weighted by
+    ``params.stall_weight``."""
+    return params.stall_weight * decoding * step_s
 
 
 def decoding_beside(instances: Sequence[Instance]) -> dict[int, int]:
@@ -337,8 +342,11 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
     for p, pc in zip(prefill, costs):
         if p.spec.role == "both":
             tbt = params.profile.tbt_s(p.batch() + 1, p.stats.kv_usage)
+            # a colocated instance loads inside the step (the connector's default there):
+            # its decodes wait for the load as for the compute
             pair = Pairing(pc.ttft_s, tbt, p, p, pc,
-                           pc.ttft_s + stall_s(beside.get(id(p), 0), pc.prefill_s, params))
+                           pc.ttft_s + stall_s(beside.get(id(p), 0), pc.load_s + pc.prefill_s,
+                                               params))
         elif (best_d := best_by_kind.get(p.spec.kind)) is not None:
             ttft = pc.ttft_s + best_d.extra_s
             pair = Pairing(ttft, best_d.cost.tbt_s, p, best_d.instance, pc, ttft)

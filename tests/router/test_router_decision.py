@@ -617,3 +617,24 @@ def test_a_decoder_running_far_more_than_the_least_loaded_is_not_a_candidate() -
     for d in ds:
         d.decodes = 0
     assert decode_in_turn(12, p, ds, runs, PARAMS, ROOMY) == ["d0"] * 12
+
+
+def test_a_colocated_load_stalls_the_decodes_beside_it_as_compute_does() -> None:
+    """A prompt whose prefix is resident on ``a`` and in the store: ``b`` runs fewer of
+    this router's decodes but must load the prefix, inside the step its decodes share.
+    Weighing compute alone sent the request to ``b``; with the load the stall there is
+    larger and it stays on ``a``. On a P/D prefill instance no decode waits on the load."""
+    bw = 32 * 4096 * BS / 0.02  # the 32 stored blocks load in 20 ms
+    params = replace(PARAMS, bandwidth_bps=bw)
+    a, b = inst("a", 0), inst("b", 1)
+    a.decodes, b.decodes = 6, 2  # within the balance bound
+    d = choose([a, b], [a, b], {0: 32}, 32, N, params, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a
+    costs = {c.name: c for c in d.candidates}
+    assert costs["b"].load_s == pytest.approx(0.02) and costs["a"].load_s == 0
+    compute_only = {n: c.ttft_s + {"a": 6, "b": 2}[n] * c.prefill_s for n, c in costs.items()}
+    assert compute_only["b"] < compute_only["a"] / (1 + params.tie_tolerance)
+    # no decodes beside b: the load stalls nobody, the lower TTFT wins
+    b.decodes = 0
+    d = choose([a, b], [a, b], {0: 32}, 32, N, params, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b
