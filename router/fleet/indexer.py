@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 GPU = "gpu"
 STANDARD_MEDIA = ("gpu", "cpu", "disk")
@@ -66,16 +67,56 @@ class Match:
         return out
 
 
-_Entry = tuple[Scope, int, Owner]
+T = TypeVar("T")
+
+
+class _Interned(Generic[T]):
+    """Values by int id, each counted by the index entries that hold it and forgotten when
+    none does. Ids are never reused, so a stale id can name no other value."""
+
+    def __init__(self) -> None:
+        self.ids: dict[T, int] = {}
+        self.values: dict[int, T] = {}
+        self._refs: dict[int, int] = {}
+        self._next = 0
+
+    def intern(self, value: T) -> int:
+        """``value``'s id, a new one (held by nothing yet) when it has none."""
+        i = self.ids.get(value)
+        if i is None:
+            i = self.ids[value] = self._next
+            self._next += 1
+            self.values[i] = value
+            self._refs[i] = 0
+        return i
+
+    def hold(self, i: int, n: int) -> None:
+        """``n`` more (or fewer) entries hold ``i``; at none it is forgotten."""
+        left = self._refs[i] + n
+        if left > 0:
+            self._refs[i] = left
+            return
+        del self._refs[i]
+        del self.ids[self.values.pop(i)]
+
+
+_Entry = tuple[int, int, int]  # (scope id, sequence hash, owner id)
 
 
 class TierIndex:
-    """Owners of each ``(scope, sequence hash)``, with a bounded LRU per publisher."""
+    """Owners of each ``(scope, sequence hash)``, with a bounded LRU per publisher.
+
+    Scopes and owners are interned to ints and a block's owners kept as a tuple of them:
+    every per-block key, entry and owner list is a tuple of ints, which the garbage
+    collector stops tracking once it has seen it. With a scope object and a set of owners
+    in each, every full collection visited every block the fleet holds."""
 
     def __init__(self) -> None:
-        self._holders: dict[tuple[Scope, int], set[Owner]] = {}
+        self._holders: dict[tuple[int, int], tuple[int, ...]] = {}
         self._entries: dict[str, OrderedDict[_Entry, None]] = {}
         self._capacity: dict[str, int] = {}
+        self._scopes: _Interned[Scope] = _Interned()
+        self._owners: _Interned[Owner] = _Interned()
         self.forgotten = 0  # entries dropped by a publisher's bound
 
     def add_publisher(self, key: str, capacity: int) -> None:
@@ -99,13 +140,20 @@ class TierIndex:
     def store(self, key: str, scope: Scope, hashes: Iterable[int], owner: Owner) -> None:
         """Publisher ``key`` says ``owner`` holds these blocks of ``scope`` now."""
         lru = self._entries[key]
+        sid, oid = self._scopes.intern(scope), self._owners.intern(owner)
+        added = 0
         for h in hashes:
-            entry = (scope, h, owner)
+            entry = (sid, h, oid)
             if entry in lru:
                 lru.move_to_end(entry)
                 continue
             lru[entry] = None
-            self._holders.setdefault((scope, h), set()).add(owner)
+            added += 1
+            holders = self._holders.get((sid, h), ())
+            if oid not in holders:
+                self._holders[(sid, h)] = (*holders, oid)
+        self._scopes.hold(sid, added)
+        self._owners.hold(oid, added)
         while len(lru) > self._capacity[key]:
             old, _ = lru.popitem(last=False)
             self._unset(old)
@@ -114,8 +162,11 @@ class TierIndex:
     def remove(self, key: str, scope: Scope, hashes: Iterable[int], owner: Owner) -> None:
         """Publisher ``key`` says ``owner`` no longer holds these blocks."""
         lru = self._entries[key]
+        sid, oid = self._scopes.ids.get(scope), self._owners.ids.get(owner)
+        if sid is None or oid is None:
+            return  # nothing of that scope or owner is held
         for h in hashes:
-            entry = (scope, h, owner)
+            entry = (sid, h, oid)
             if entry in lru:
                 del lru[entry]
                 self._unset(entry)
@@ -123,18 +174,23 @@ class TierIndex:
     def clear(self, key: str, medium: str | None = None) -> None:
         """Publisher ``key`` dropped everything (on ``medium`` only, when given)."""
         lru = self._entries[key]
-        gone = [e for e in lru if medium is None or e[2].medium == medium]
+        owners = self._owners.values
+        gone = [e for e in lru if medium is None or owners[e[2]].medium == medium]
         for entry in gone:
             del lru[entry]
             self._unset(entry)
 
     def _unset(self, entry: _Entry) -> None:
-        scope, h, owner = entry
-        holders = self._holders.get((scope, h))
-        if holders is not None:
-            holders.discard(owner)
-            if not holders:
-                del self._holders[(scope, h)]
+        sid, h, oid = entry
+        holders = self._holders.get((sid, h), ())
+        if oid in holders:
+            rest = tuple(o for o in holders if o != oid)
+            if rest:
+                self._holders[(sid, h)] = rest
+            else:
+                del self._holders[(sid, h)]
+        self._scopes.hold(sid, -1)
+        self._owners.hold(oid, -1)
 
     def blocks(self) -> int:
         """Distinct ``(scope, hash)`` blocks held by anyone."""
@@ -142,10 +198,10 @@ class TierIndex:
 
     def scopes(self) -> dict[Scope, int]:
         """Blocks per scope (the debug view)."""
-        out: dict[Scope, int] = {}
-        for scope, _ in self._holders:
-            out[scope] = out.get(scope, 0) + 1
-        return out
+        per_id: dict[int, int] = {}
+        for sid, _ in self._holders:
+            per_id[sid] = per_id.get(sid, 0) + 1
+        return {self._scopes.values[sid]: n for sid, n in per_id.items()}
 
     def match(self, scope: Scope, hashes: Sequence[int],
               instances: Mapping[str, Iterable[int]]) -> dict[str, Match]:
@@ -157,10 +213,13 @@ class TierIndex:
         # alive dimensions per instance: None = any medium and rank, "m:<medium>", "dp:<r>"
         alive: dict[str, set[str | None]] = {i: {None, *(f"dp:{r}" for r in m.dp)}
                                              for i, m in out.items()}
+        sid = self._scopes.ids.get(scope)
+        owners = self._owners.values
         for depth, h in enumerate(hashes):
-            holders = self._holders.get((scope, h))
-            if not holders or not any(alive.values()):
+            ids = self._holders.get((sid, h)) if sid is not None else None
+            if not ids or not any(alive.values()):
                 break
+            holders = [owners[o] for o in ids]
             shared = {o.medium for o in holders if o.instance_id is None}
             own: dict[str, set[tuple[int, str]]] = {}
             for o in holders:

@@ -114,8 +114,11 @@ class Publisher:
         self.index = index
         self.seed = seed
         self.max_pages = max_pages
-        # engine hash -> (scope, sequence hash) of the block it stored
-        self._pages: OrderedDict[Any, tuple[Scope, int]] = OrderedDict()
+        # engine hash -> the sequence hash of the block it stored, and its scope (one
+        # object per event, shared by its pages: no object of their own per page for the
+        # garbage collector to track)
+        self._pages: OrderedDict[Any, int] = OrderedDict()
+        self._scope_of: dict[Any, Scope] = {}
         self.listener: EventListener | None = None
         self.stored = 0
         self.removed = 0
@@ -140,13 +143,14 @@ class Publisher:
                 return False
             owner = self._owner(medium_of(ev.get("medium"), GPU))
             for h in hashes:
-                ref = self._pages.pop(h, None) if _hashable(h) else None
-                if ref is not None:
-                    self.index.remove(self.reg.key, ref[0], (ref[1],), owner)
+                seq = self._pages.pop(h, None) if _hashable(h) else None
+                if seq is not None:
+                    self.index.remove(self.reg.key, self._scope_of.pop(h), (seq,), owner)
                     self.removed += 1
             return True
         if kind == "AllBlocksCleared":
             self._pages.clear()
+            self._scope_of.clear()
             self.index.clear(self.reg.key)
             return True
         return False
@@ -175,22 +179,23 @@ class Publisher:
                                    salt=salt if isinstance(salt, str) else None)
             chain: int | None = None
         else:
-            ref = self._pages.get(parent)
-            if ref is None:
+            chain = self._pages.get(parent)
+            if chain is None:
                 return False
-            scope, chain = ref
+            scope = self._scope_of[parent]
         try:
             seqs = seq_hashes(tokens, page, self.seed, parent=chain)
         except (ValueError, TypeError, OverflowError):
             return False
         owner = self._owner(medium_of(ev.get("medium"), GPU))
         self.index.store(self.reg.key, scope, seqs, owner)
-        pages = self._pages
+        pages, scope_of = self._pages, self._scope_of
         for h, s in zip(hashes, seqs, strict=True):
-            pages[h] = (scope, s)
+            pages[h] = s
             pages.move_to_end(h)
+            scope_of[h] = scope
         while len(pages) > self.max_pages:
-            pages.popitem(last=False)
+            del scope_of[pages.popitem(last=False)[0]]
         self.stored += len(seqs)
         return True
 

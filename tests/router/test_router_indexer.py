@@ -8,6 +8,7 @@ the tests expect are computed here from the RFC's text alone, never with our cod
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,8 @@ import xxhash
 
 from kvcentric.router.config import RouterConfig
 from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.fleet.indexer import TierIndex
+from kvcentric.router.fleet.indexer_feeds import Publisher, Registration
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.seq_hash import seq_hashes
 from kvcentric.testing.servers import free_port
@@ -388,3 +391,50 @@ def test_a_flooding_or_hostile_publisher_is_bounded_and_never_stops_the_listener
         serve(config(tiny_dir, indexer={"max_blocks_per_publisher": 8}), tokenizer, fn)
     finally:
         pool.close()
+
+
+def test_held_blocks_leave_nothing_for_the_garbage_collector_to_visit() -> None:
+    """4,096 blocks stored by an engine's events and 4,096 by a pool's, every one held:
+    once the collector has looked, the index and the publishers' page maps keep fewer
+    than 512 tracked objects (a scope object, an owner set and their tuples per block kept
+    four each, and each full collection visited all of them)."""
+    index = TierIndex()
+    engine = Publisher(Registration("tcp://127.0.0.1:1", "vLLM", "m", "e0", BS, 0), index,
+                       0, 1 << 16)
+    pool = Publisher(Registration("tcp://127.0.0.1:2", "Mooncake", "m", "pool", BS, 0),
+                     index, 0, 1 << 16)
+    index.add_publisher(engine.reg.key, 1 << 16)
+    index.add_publisher(pool.reg.key, 1 << 16)
+    gc.collect()
+    before = len(gc.get_objects())
+    rnd = random.Random(7)
+    for e in range(64):  # 64 prompts of 64 blocks each
+        toks = [rnd.randrange(1000) for _ in range(64 * BS)]
+        engine.on_events([{"type": "BlockStored", "block_hashes": [e * 64 + i for i in range(64)],
+                           "parent_block_hash": None, "token_ids": toks, "block_size": BS}])
+        pool.on_events([{"event_type": "stored", "seq_hashes": [], "token_ids": toks}])
+    assert index.blocks() == 4096 and engine.stored == pool.stored == 4096
+    gc.collect()
+    assert len(gc.get_objects()) - before < 512
+    # still answered, per owner: the engine holds its blocks, the pool its copies
+    match = index.match(engine.reg.scope(), seq_hashes(toks, BS, 0), {"e0": [0]})
+    assert match["e0"].longest == 64 and match["e0"].media == {"gpu": 64, "cpu": 64}
+    engine.on_events([{"type": "AllBlocksCleared"}])
+    match = index.match(engine.reg.scope(), seq_hashes(toks, BS, 0), {"e0": [0]})
+    assert match["e0"].media == {"cpu": 64}
+
+
+def test_scopes_and_owners_are_forgotten_with_the_last_block_they_hold() -> None:
+    """A pool publishing under endless salts and backends, bounded to 8 entries: what the
+    index interns stays bounded by what it holds."""
+    index = TierIndex()
+    pool = Publisher(Registration("tcp://127.0.0.1:2", "Mooncake", "m", "pool", BS, 0),
+                     index, 0, 8)
+    index.add_publisher(pool.reg.key, 8)
+    for i in range(2000):
+        pool.on_events([{"event_type": "stored", "seq_hashes": [i], "additional_salt": f"s{i}",
+                         "backend_id": f"b{i}"}])
+    assert index.entries(pool.reg.key) == 8 and len(index.scopes()) == 8
+    assert len(index._scopes.ids) == 8 and len(index._owners.ids) == 8
+    pool.on_events([{"event_type": "cleared"}])
+    assert index.blocks() == 0 and not index._scopes.ids and not index._owners.ids
