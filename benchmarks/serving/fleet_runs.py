@@ -111,6 +111,7 @@ class FleetRun:
             if setup.use_store else None)
         self.fleet = EmulatedFleet(replace(setup.emulator, store=self.store), logs)
         self.profile: str | None = None
+        self.runs = 0  # arm runs so far: each tags its requests apart from the earlier ones
 
     def __enter__(self) -> FleetRun:
         if self.store is not None:
@@ -194,7 +195,10 @@ class FleetRun:
             for g in gws:
                 g.wait_ready(180)
             base = [g.url for g in gws] or self.fleet.urls
-            tag = f"{arm.name}.{rep}"
+            # the engines keep every request they finished for the fleet's whole life: a
+            # tag per run (not per arm and repetition) keeps a run's records its own
+            self.runs += 1
+            tag = f"{arm.name}.{rep}.{self.runs}"
             cfg = RunConfig(tuple(base), Api(s.emulator.model, s.endpoint, request_ids=tag),
                             retry_429=arm.retry_429, failover=len(gws) > 1)
             t0 = time.monotonic()

@@ -241,6 +241,13 @@ def test_the_emulated_fleet_sweeps_real_requests_in_emulated_time(tmp_path: Path
         1 - light["engine_hit_share"] - light["store_hit_share"])
     assert 0 < light["miss_share"] < 1
     assert doc["arms"][0]["summary"]["capacity_found"] == "interpolated"
+    # each run's engine records are its own: the flood's requests (the same sessions as
+    # the light run's, on the same engines) each ran on one engine, not on two
+    with gzip.open(tmp_path / "fleet_requests.jsonl.gz", "rt") as f:
+        per_request = [json.loads(line) for line in f]
+    for rate in (10.0, 2000.0):
+        served = [r for r in per_request if r["rate"] == rate and r["status"] == 200]
+        assert served and all(len(r["engines"]) == 1 for r in served), rate
 
 
 
