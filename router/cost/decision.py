@@ -50,9 +50,10 @@ prefill goes where no decode waits on it, and one mostly cached (little compute)
 goes to its prefix; one whose prefix is in the store goes where it is already resident
 rather than load it beside decodes of an engine a little less busy (counting compute
 alone spread a hot prefix's requests over engines that each loaded it, and their decodes
-missed the TBT SLO). Only pairs that meet the TTFT SLO compete on the score when any does; when none
-does the lowest TTFT is taken. ``stall_weight`` 0 is the TTFT alone; the emulated
-capacity sweeps compare the two (``kvcentric-ttft_only``, benchmarks/results/).
+missed the TBT SLO). Only pairs that meet the TTFT SLO compete on the score when any
+does; when none does the lowest TTFT is taken. ``stall_weight`` 0 is the TTFT alone;
+the emulated capacity sweeps compare the two (``kvcentric-ttft_only``,
+benchmarks/results/).
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -127,6 +128,12 @@ class PrefillCost:
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.load_s + self.prefill_s
+
+    @property
+    def work_s(self) -> float:
+        """What the request would keep this instance busy for (its load, then its
+        compute), as :attr:`Decision.work_s` once chosen."""
+        return self.load_s + self.prefill_s
 
 
 @dataclass(frozen=True)
@@ -345,8 +352,7 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
             # a colocated instance loads inside the step (the connector's default there):
             # its decodes wait for the load as for the compute
             pair = Pairing(pc.ttft_s, tbt, p, p, pc,
-                           pc.ttft_s + stall_s(beside.get(id(p), 0), pc.load_s + pc.prefill_s,
-                                               params))
+                           pc.ttft_s + stall_s(beside.get(id(p), 0), pc.work_s, params))
         elif (best_d := best_by_kind.get(p.spec.kind)) is not None:
             ttft = pc.ttft_s + best_d.extra_s
             pair = Pairing(ttft, best_d.cost.tbt_s, p, best_d.instance, pc, ttft)
