@@ -191,6 +191,19 @@ class Conductor:
         if self.peers is not None:
             self.peers.announce_dispatch(d, rid, hashes)
 
+    def resident_beyond_scan(self, d: Decision, hashes: Sequence[bytes]) -> None:
+        """The whole prompt's block ``hashes`` of a request dispatched as ``d`` whose
+        prompt scan stopped short (:mod:`kvcentric.router.prompt_scan`): they count as
+        resident where :meth:`dispatched` put the scanned ones. Without them the requests
+        that share a new prefix and arrive while its first prefill runs see its holder
+        hold only the scanned part, predict recomputing the rest there, and recompute the
+        prefix on other instances instead."""
+        if not hashes or self.registry.get(d.prefill.name) is not d.prefill:
+            return  # an instance dropped (or replaced) meanwhile
+        self.index.add(d.prefill.slot, hashes)
+        if d.disaggregated and self.registry.get(d.decode.name) is d.decode:
+            self.index.add(d.decode.slot, hashes)
+
     def prefill_finished(self, d: Decision, rid: str, actual_s: float | None) -> None:
         """p finished the prefill (``actual_s`` after dispatch, when known)."""
         p = d.prefill

@@ -22,7 +22,9 @@ per byte at most) is within the limit needs none; any other is scanned with
 whole tokenisation and the exact check (``openai_routes``). A prompt whose text
 tokenises at more than twice the rate of its first piece can then reach the engine over
 the context, and the engine refuses it with its own 400. The blocks a router marks resident on
-the instance it chose are those it hashed; the engine's KV events bring the rest.
+the instance it chose are those it hashed, then the rest of a stopped scan's prompt,
+hashed after the dispatch (``rest`` of :meth:`Proxy.handle
+<kvcentric.router.api.proxy.Proxy.handle>`); the engine's KV events confirm them.
 
 Runs on the router's event loop; tokenising runs on worker threads.
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -172,14 +172,18 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         if salt is not None:
             body["cache_salt"] = salt  # the engines hash it into every block of the prompt
         conductor = state.conductor
+        rest: Callable[[], Awaitable[list[bytes]]] | None = None
         if isinstance(prompt, Deferred):
-            scanned = await scan(state.tokenizer, prompt.plan,
-                                 lambda ids: conductor.holds(ids, salt),
+            tok, plan = state.tokenizer, prompt.plan
+            scanned = await scan(tok, plan, lambda ids: conductor.holds(ids, salt),
                                  exact_above=prompt.exact_above)
             tokens, n_tokens, complete = scanned.tokens, scanned.n_tokens, scanned.complete
             if prompt.exact_above is not None and complete:
                 bounds.check_tokens(n_tokens, prompt.context)
                 bounds.fit_budget(body, n_tokens, prompt.context)
+            if not complete:
+                async def rest() -> list[bytes]:
+                    return conductor.hashes(await whole(tok, tok.replan(plan)), salt)
         else:
             tokens, n_tokens, complete = prompt, len(prompt), True
         hashes = conductor.hashes(tokens, salt)
@@ -196,7 +200,7 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
         assert state.proxy is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return await state.proxy.handle(path, body, hashes, n_tokens, headers, tail,
-                                        received)
+                                        received, rest)
 
     async def completions(request: Request) -> Response:
         return await openai(request, chat=False)

@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -49,6 +49,9 @@ from kvcentric.router.fleet.instances import Instance
 from kvcentric.router.ops.metrics import RouterMetrics, hit_tiers
 
 log = logging.getLogger("router.api.proxy")
+# prompts whose rest is hashed in the background at once (more are left to the engines'
+# KV events): each holds a tokenising worker thread
+BEYOND_MAX = 8
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 
 
@@ -102,13 +105,19 @@ class Proxy:
         self.retries = conductor.cfg.upstream.retries
         self.fail_after = conductor.cfg.health.unhealthy_after
         self._pending: set[asyncio.Future[Any]] = set()  # SGLang prefills still running
+        self._beyond: set[asyncio.Task[None]] = set()  # scans' rest being hashed
 
     async def handle(self, path: str, body: dict[str, Any], hashes: Sequence[bytes],
                      n_tokens: int, headers: dict[str, str],
-                     tail: TailRef | None = None, received: float | None = None) -> Response:
+                     tail: TailRef | None = None, received: float | None = None,
+                     rest: Callable[[], Awaitable[Sequence[bytes]]] | None = None
+                     ) -> Response:
         """Decide, dispatch, retry on failure; returns the client's response. ``received``:
         when the router got the request (``perf_counter``; default now): the response's
-        ``x-kvc-router-ms`` is the time from then to the dispatch that answered."""
+        ``x-kvc-router-ms`` is the time from then to the dispatch that answered. ``rest``:
+        for a prompt whose scan stopped short (``hashes`` cover its start only), gives the
+        whole prompt's block hashes; called once, after the first dispatch, off this
+        request's path (:meth:`Conductor.resident_beyond_scan`)."""
         rid = uuid.uuid4().hex
         t_arrival = time.perf_counter()
         received_at = t_arrival if received is None else received
@@ -126,6 +135,9 @@ class Proxy:
                 return self._reject(decision)
             self._count(decision, n_tokens)
             self.conductor.dispatched(decision, rid, hashes)
+            if rest is not None:
+                self._resident_beyond_scan(decision, rest)
+                rest = None
             sent = time.perf_counter()
             added_ms = (sent - received_at) * 1e3
             try:
@@ -156,6 +168,26 @@ class Proxy:
                 self.metrics.retries.labels("decode" if exc.inst is decision.decode
                                             and decision.disaggregated else "prefill").inc()
         return error_response(502, f"upstream failed: {last}", "upstream_error")
+
+    def _resident_beyond_scan(self, d: Decision,
+                              rest: Callable[[], Awaitable[Sequence[bytes]]]) -> None:
+        """Hash the rest of ``d``'s prompt in the background and count it resident where
+        ``d`` sent it; skipped while :data:`BEYOND_MAX` are running (a flood of long new
+        prompts costs no more tokenising than scanning them)."""
+        if len(self._beyond) >= BEYOND_MAX:
+            return
+
+        async def run() -> None:
+            try:
+                hashes = await rest()
+            except Exception as exc:  # a routing hint lost, nothing more
+                log.debug("hashing the rest of a scanned prompt failed: %s", exc)
+                return
+            self.conductor.resident_beyond_scan(d, hashes)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._beyond.add(task)
+        task.add_done_callback(self._beyond.discard)
 
     def _reject(self, r: Rejection) -> Response:
         self.metrics.rejections.labels(r.reason).inc()

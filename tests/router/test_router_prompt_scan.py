@@ -13,11 +13,13 @@ import asyncio
 import random
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
+from kvcentric.router.cost.decision import Rejection
 from kvcentric.router.fleet.replication import HotPrefixes
 from kvcentric.router.prompt_scan import scan
 from kvcentric.router.tokenize import PromptTokenizer
@@ -194,31 +196,53 @@ def scanning(tiny_dir: str) -> PromptTokenizer:
 
 def test_a_long_prompt_is_routed_on_its_held_blocks_and_forwarded_untouched(
         tiny_dir: str) -> None:
+    """A new long prompt is tokenised before its dispatch only as far as its first piece;
+    the rest is hashed after the dispatch and counted resident where it went, so a
+    second request sharing it, sent while the first's prefill still runs (before any KV
+    event), scans through all of it and follows. Each character is tokenised about once."""
     from tests.router.test_router_app import TWO, Upstreams, make_cfg, run
 
     tok = scanning(tiny_dir)
     doc = mixed_text(random.Random(12), 16000)  # ~65k characters held nowhere yet
     first, second = doc + " question one", doc + " answer one question two"
     whole = len(tok.tok(first)["input_ids"])
-    ups = Upstreams()
+    seen: list[int] = []  # tokens tokenised when the engine got each request
+
+    class Counting(Upstreams):
+        async def handler(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.startswith("/v1/"):
+                seen.append(tok.prefix.tokenized_tokens)  # type: ignore[union-attr]
+            return await super().handler(request)
+
+    ups = Counting()
     limits = {"max_model_len": 1 << 20}
 
     async def fn(c: httpx.AsyncClient) -> list[str]:
+        state = c._transport.app.state.router  # type: ignore[attr-defined]
         hosts = []
         for prompt in (first, second):
-            before = tok.prefix.tokenized_tokens  # type: ignore[union-attr]
             r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
                                                       "max_tokens": 2})
             assert r.status_code == 200, r.text
             hosts.append(r.headers["x-kvc-prefill"])
-            spent = tok.prefix.tokenized_tokens - before  # type: ignore[union-attr]
-            assert spent < whole / 2, (spent, whole)  # one piece or so, never the whole
+            # the hashing of the rest ends without any event from the engine
+            await asyncio.gather(*state.proxy._beyond)
+            if prompt is first:
+                conductor = state.conductor
+                hashes = conductor.hashes(tok.encode(first))
+                inst = conductor.registry.get(hosts[0])
+                run_ = conductor.index.match(hashes, 1 << inst.slot)[inst.slot]
+                assert run_ == len(hashes) > 100  # all of it, not the first piece's
         return hosts
 
     hosts = run(make_cfg(tiny_dir, TWO, limits=limits), tok, ups, fn)
     assert [b["prompt"] for _, _, b in ups.calls] == [first, second]  # untouched
-    # the second turn holds the first's hashed blocks where the first went: it follows
     assert hosts[0] == hosts[1]
+    # before its dispatch the first request tokenised one piece or so, never the whole
+    assert seen[0] < whole / 2, (seen, whole)
+    # the first's rest once, the second's new words: no prompt tokenised twice over
+    assert tok.prefix.tokenized_tokens < whole * 1.2, (  # type: ignore[union-attr]
+        tok.prefix.tokenized_tokens, whole)
 
     # scan_prompts: false tokenises every prompt whole
     tok = scanning(tiny_dir)
@@ -231,6 +255,52 @@ def test_a_long_prompt_is_routed_on_its_held_blocks_and_forwarded_untouched(
 
     run(make_cfg(tiny_dir, TWO, limits=limits, cache={"scan_prompts": False}), tok,
         Upstreams(), whole_fn)
+
+
+def test_a_flood_of_stopped_scans_hashes_a_bounded_number_of_rests_at_once(
+        tiny_dir: str) -> None:
+    """Hashing a stopped scan's rest runs beside the request; a flood of long new prompts
+    starts at most ``BEYOND_MAX`` of them at once and drops the others (a routing hint
+    the engines' KV events bring later), so it cannot queue unbounded tokenising."""
+    from kvcentric.router.api import proxy as proxy_mod
+    from kvcentric.router.conductor import Conductor
+    from kvcentric.router.config import RouterConfig
+    from kvcentric.router.cost.cost_model import Profile
+    from kvcentric.router.fleet.instance_spec import InstanceSpec
+    from kvcentric.router.fleet.store_view import StoreView
+    from kvcentric.router.ops.metrics import RouterMetrics
+
+    cfg = RouterConfig.from_dict({"model": "tiny", "tokenizer": tiny_dir,
+                                  "keys": {"block_size": 16}})
+    c = Conductor(cfg, Profile(b=1e-4, c=0.01), 1024, StoreView(None, "tiny"))
+    c.registry.add(InstanceSpec(url="http://a:1", name="a"))
+    full = c.hashes(np.arange(16 * 8, dtype=np.uint32))
+    d = c.decide_local(full[:1], 16 * 8, 0)
+    assert not isinstance(d, Rejection)
+    started: list[int] = []
+
+    async def go() -> None:
+        gate = asyncio.Event()
+        async with httpx.AsyncClient() as client:
+            p = proxy_mod.Proxy(c, client, RouterMetrics(c))
+
+            def rest_of(i: int) -> Any:
+                async def rest() -> list[bytes]:
+                    started.append(i)
+                    await gate.wait()
+                    return full
+                return rest
+
+            for i in range(proxy_mod.BEYOND_MAX + 5):
+                p._resident_beyond_scan(d, rest_of(i))
+            assert len(p._beyond) == proxy_mod.BEYOND_MAX
+            gate.set()
+            await asyncio.gather(*p._beyond)
+            assert not p._beyond
+
+    asyncio.run(go())
+    assert started == list(range(proxy_mod.BEYOND_MAX))
+    assert c.index.match(full, 1 << d.prefill.slot)[d.prefill.slot] == len(full)
 
 
 def test_a_prompt_that_may_be_too_long_is_counted_exactly_before_it_is_forwarded(

@@ -470,6 +470,35 @@ def test_a_dispatched_store_load_queues_with_its_prefill() -> None:
     assert not isinstance(e, Rejection) and e.prefill is not d.prefill
 
 
+def test_the_rest_of_a_scanned_prompt_counts_where_its_request_went() -> None:
+    """A prompt dispatched on its first blocks (a scan that stopped short): its whole
+    hashes, given later, are resident on its prefill and decode instances, so the next
+    request sharing it predicts hits there; an instance dropped meanwhile (its slot
+    reused by another) gets nothing."""
+    cfg = RouterConfig.from_dict({"model": "tiny", "tokenizer": "x",
+                                  "keys": {"block_size": 16}})
+    c = Conductor(cfg, Profile(b=1e-4, c=0.01), 4096, StoreView(None, "tiny"),
+                  clock=lambda: 0.0)
+    for n, role in (("p", "prefill"), ("d", "decode"), ("x", "both")):
+        c.registry.add(InstanceSpec(url=f"http://{n}:1", name=n, role=role))
+    full = c.hashes(toks(21, 16 * 40))
+    d = c.decide_local(full[:3], 16 * 40, global_run=0, exclude={"x"})
+    assert not isinstance(d, Rejection) and d.disaggregated
+    c.dispatched(d, "r1", full[:3])
+    match = c.index.match(full, (1 << d.prefill.slot) | (1 << d.decode.slot))
+    assert match == {d.prefill.slot: 3, d.decode.slot: 3}
+    c.resident_beyond_scan(d, full)
+    match = c.index.match(full, (1 << d.prefill.slot) | (1 << d.decode.slot))
+    assert match == {d.prefill.slot: 40, d.decode.slot: 40}
+    # the prefill instance is replaced (same name, a new instance in its slot)
+    slot = d.prefill.slot
+    c.registry.remove("p")
+    q = c.registry.add(InstanceSpec(url="http://q:1", name="p", role="prefill"))
+    assert q.slot == slot
+    c.resident_beyond_scan(d, c.hashes(toks(22, 16 * 40)))
+    assert c.index.match(c.hashes(toks(22, 16 * 40)), 1 << slot) == {slot: 0}
+
+
 # ---- heat ----
 def test_prefix_heat_decays_and_ranks() -> None:
     h = PrefixHeat(half_life_s=10.0, max_keys=4)
