@@ -569,9 +569,11 @@ def counter(metrics: str, name: str) -> float:
 def test_metrics_count_prompt_tokens_tokenised_and_reused(tiny_dir: str) -> None:
     """``kvc_router_tokenized_tokens`` counts what the router's tokenizer produced and
     ``kvc_router_reused_prompt_tokens`` what the prompt token cache gave instead: a long
-    new prompt's scan tokenises a first piece (held nowhere: it stops there) and, as one
-    of the cache's first results, the whole prompt as a check; the same system prompt
-    with another question reuses that piece (and is checked whole too)."""
+    new prompt's scan tokenises a first piece (held nowhere: it stops there), as one of
+    the cache's first results the whole prompt as a check, and after the dispatch the
+    rest (hashed where it went); the same system prompt with another question reuses
+    what the cache holds (and is checked whole too). Each count is read once the
+    request's background hashing has ended."""
     tok = PromptTokenizer(tiny_dir, cache_chars=1 << 20)
     assert tok.prefix is not None and tok.tokenized_tokens == 0  # the probes not counted
     ups = Upstreams()
@@ -579,10 +581,12 @@ def test_metrics_count_prompt_tokens_tokenised_and_reused(tiny_dir: str) -> None
 
     async def fn(c: httpx.AsyncClient) -> list[tuple[float, float]]:
         seen = []
+        state = c._transport.app.state.router  # type: ignore[attr-defined]
         for question in ("What is the first word?", "And what is the last one?"):
             r = await c.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
                                                       "prompt": system + " " + question})
             assert r.status_code == 200
+            await asyncio.gather(*state.proxy._beyond)
             m = (await c.get("/metrics")).text
             seen.append((counter(m, "kvc_router_tokenized_tokens"),
                          counter(m, "kvc_router_reused_prompt_tokens")))
@@ -592,7 +596,8 @@ def test_metrics_count_prompt_tokens_tokenised_and_reused(tiny_dir: str) -> None
     assert (tok2, reused2) == (tok.tokenized_tokens, tok.reused_tokens)
     ref = PromptTokenizer(tiny_dir)  # counts of its own
     whole = len(ref.encode(system + " What is the first word?"))
-    assert tok1 >= whole and reused1 == 0  # new: tokenised (and checked) whole
+    # new: tokenised (and checked) whole; its rest reused only its own first piece
+    assert tok1 >= whole and reused1 < whole / 2
     # the first piece reused; past it a piece and, still among the first results, a check
     assert reused2 >= len(ref.encode(system[:1024], False))
     assert tok2 - tok1 >= whole
