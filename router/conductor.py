@@ -184,9 +184,7 @@ class Conductor:
         d.prefill.enqueue(rid, d.work_s, now)
         d.decode.decodes += 1
         if hashes:
-            self.index.add(d.prefill.slot, hashes)
-            if d.disaggregated:
-                self.index.add(d.decode.slot, hashes)
+            self._resident(d, hashes)
             self.heat.touch(hashes[0], now)
         if self.peers is not None:
             self.peers.announce_dispatch(d, rid, hashes)
@@ -198,9 +196,14 @@ class Conductor:
         that share a new prefix and arrive while its first prefill runs see its holder
         hold only the scanned part, predict recomputing the rest there, and recompute the
         prefix on other instances instead."""
-        if not hashes or self.registry.get(d.prefill.name) is not d.prefill:
-            return  # an instance dropped (or replaced) meanwhile
-        self.index.add(d.prefill.slot, hashes)
+        if hashes:
+            self._resident(d, hashes)
+
+    def _resident(self, d: Decision, hashes: Sequence[bytes]) -> None:
+        """Mark ``hashes`` resident on ``d``'s prefill instance and, for a split pair, its
+        decode instance; one dropped (or replaced in its slot) since ``d`` gets nothing."""
+        if self.registry.get(d.prefill.name) is d.prefill:
+            self.index.add(d.prefill.slot, hashes)
         if d.disaggregated and self.registry.get(d.decode.name) is d.decode:
             self.index.add(d.decode.slot, hashes)
 
