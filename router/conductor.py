@@ -60,7 +60,7 @@ class Conductor:
         self.params = CostParams(profile, 256, kv_bytes_per_token * 256, self.bandwidth,
                                  self.disk_bandwidth, cfg.cost.tie_tolerance,
                                  cfg.cost.balance_abs, cfg.cost.balance_rel,
-                                 cfg.cost.stall_weight)
+                                 cfg.cost.stall_weight, cfg.cost.work_weight)
         self.clock = clock
         self.policy = make_policy(cfg.policy)
         self.peers: PeerSync | None = None  # set by the app when replicas sync
@@ -80,7 +80,8 @@ class Conductor:
         cost = self.cfg.cost
         self.params = CostParams(self.profile, block_size, self.kv_bytes_per_token * block_size,
                                  self.bandwidth, self.disk_bandwidth, cost.tie_tolerance,
-                                 cost.balance_abs, cost.balance_rel, cost.stall_weight)
+                                 cost.balance_abs, cost.balance_rel, cost.stall_weight,
+                                 cost.work_weight)
         for inst in self.registry:
             self.index.clear(inst.slot)
             if inst.translator is not None:

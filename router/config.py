@@ -58,6 +58,10 @@ BALANCE_REL = 1.5
 # a colocated prefill's compute, charged once per request decoding beside it: each of its
 # chunked steps is a gap in their streams (see kvcentric.router.cost.decision)
 STALL_WEIGHT = 1.0
+# the request's own prefill work, charged once: a prefix recomputed on an idle instance
+# while its first prefill still runs on its holder costs the fleet that compute again,
+# which the requests after it wait for (emulated hot-prefix capacity runs, results/)
+WORK_WEIGHT = 1.0
 
 
 def _section(cls: type, section: str, raw: Any) -> Any:
@@ -139,7 +143,9 @@ class CostConfig:
     :func:`kvcentric.router.cost.decision.choose`. ``stall_weight``: seconds of TTFT one
     second of a colocated prefill's compute costs each of this router's requests on that
     instance, which all decode through it (the choice minimises TTFT plus that stall; 0:
-    TTFT alone).
+    TTFT alone). ``work_weight``: seconds of score one second of the request's own prefill
+    work (load and compute) costs on top of its TTFT: the fleet's capacity a recomputed
+    prefix takes from the requests after it (0: none).
     """
 
     profile: str | None = None
@@ -153,12 +159,14 @@ class CostConfig:
     balance_abs: int | None = BALANCE_ABS
     balance_rel: float = BALANCE_REL
     stall_weight: float = STALL_WEIGHT
+    work_weight: float = WORK_WEIGHT
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
-        w = self.stall_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
-            raise ValueError(f"cost.stall_weight must be a number >= 0, got {w!r}")
+        for name in ("stall_weight", "work_weight"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
+                raise ValueError(f"cost.{name} must be a number >= 0, got {w!r}")
         ab, rel = self.balance_abs, self.balance_rel
         if ab is not None and (isinstance(ab, bool) or not isinstance(ab, int) or ab < 0):
             raise ValueError(f"cost.balance_abs must be an integer >= 0 or null, got {ab!r}")

@@ -55,11 +55,14 @@ from kvcentric.bench_serving.trace import read_trace
 from kvcentric.bench_serving.workloads import Turn, Workload, WorkloadSpec, build
 from kvcentric.testing.models import build_model
 
-# ours with the decision on TTFT alone: no charge for the decodes a colocated prefill
-# stalls (kvcentric.router.cost.decision), to measure what that charge does
-ABLATIONS = [Arm("kvcentric-ttft_only", gateway="kvcentric",
-                 gateway_opts={**OUR_ROUTER.gateway_opts,
-                               "extra": {"cost": {"stall_weight": 0.0}}})]
+# ours with the decision on TTFT alone (no charge for the decodes a colocated prefill
+# stalls, nor for the request's own work: kvcentric.router.cost.decision), without the
+# work charge alone, and without the load bound: what each part of the score does
+ABLATIONS = [Arm(f"kvcentric-{name}", gateway="kvcentric",
+                 gateway_opts={**OUR_ROUTER.gateway_opts, "extra": {"cost": cost}})
+             for name, cost in (("ttft_only", {"stall_weight": 0.0, "work_weight": 0.0}),
+                                ("nowork", {"work_weight": 0.0}),
+                                ("nobound", {"balance_abs": None}))]
 # Figure 5's baselines have no global pool: each instance reuses its own cache only
 LOCAL_ARMS = [replace(a, name=f"{a.name}-nostore", shared_store=False)
               for a in POLICY_ARMS if a.name != "kvcentric-round_robin"]

@@ -54,6 +54,15 @@ missed the TBT SLO). Only pairs that meet the TTFT SLO compete on the score when
 does; when none does the lowest TTFT is taken. ``stall_weight`` 0 is the TTFT alone;
 the emulated capacity sweeps compare the two (``kvcentric-ttft_only``,
 benchmarks/results/).
+The score also charges the request's own work on ``p`` (its load and compute, which hold
+the engine's steps, times ``work_weight``): the fleet's capacity it takes from the
+requests after it. While a new
+prefix's first prefill still runs on its holder, the prefix's next requests see the holder
+hold it (the router marks it resident at the dispatch) behind that prefill; on TTFT alone
+an idle instance recomputing the whole prefix finishes a little sooner, so a hot prefix's
+first second spread it over many engines, each computing it cold, and the backlog of
+those cold prefills never drained near the fleet's capacity (emulated hot-prefix runs).
+Charged its work, the request waits for its holder, whose hit costs almost nothing.
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -71,7 +80,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
-from kvcentric.router.config import BALANCE_REL, STALL_WEIGHT, TIE_TOLERANCE, SloConfig
+from kvcentric.router.config import BALANCE_REL, STALL_WEIGHT, TIE_TOLERANCE, WORK_WEIGHT, SloConfig
 from kvcentric.router.cost.cost_model import Profile, tiered_load_s
 from kvcentric.router.fleet.instances import Instance
 
@@ -87,7 +96,8 @@ class CostParams:
     running sequences over the least loaded's (:func:`overloaded`); ``None``: no bound.
     ``stall_weight``: what a second of a colocated prefill costs each of this router's
     requests on its processor, in seconds of the request's TTFT (see the module
-    docstring; 0: none)."""
+    docstring; 0: none). ``work_weight``: what a second of the request's own prefill work
+    (load and compute) on its prefill instance costs on top of its TTFT (0: none)."""
 
     profile: Profile
     block_size: int
@@ -98,6 +108,7 @@ class CostParams:
     balance_abs: int | None = None
     balance_rel: float = BALANCE_REL
     stall_weight: float = STALL_WEIGHT
+    work_weight: float = WORK_WEIGHT
 
     def load_time_s(self, objects: int, on_disk: int = 0) -> float:
         """Time to load ``objects`` store objects (none when ``<= 0``), ``on_disk`` of
@@ -352,10 +363,12 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
             # a colocated instance loads inside the step (the connector's default there):
             # its decodes wait for the load as for the compute
             pair = Pairing(pc.ttft_s, tbt, p, p, pc,
-                           pc.ttft_s + stall_s(beside.get(id(p), 0), pc.work_s, params))
+                           pc.ttft_s + stall_s(beside.get(id(p), 0), pc.work_s, params)
+                           + params.work_weight * pc.work_s)
         elif (best_d := best_by_kind.get(p.spec.kind)) is not None:
             ttft = pc.ttft_s + best_d.extra_s
-            pair = Pairing(ttft, best_d.cost.tbt_s, p, best_d.instance, pc, ttft)
+            pair = Pairing(ttft, best_d.cost.tbt_s, p, best_d.instance, pc,
+                           ttft + params.work_weight * pc.work_s)
         else:
             continue
         min_tbt = min(min_tbt, pair.tbt_s)

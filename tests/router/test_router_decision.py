@@ -625,7 +625,7 @@ def test_a_colocated_load_stalls_the_decodes_beside_it_as_compute_does() -> None
     Weighing compute alone sent the request to ``b``; with the load the stall there is
     larger and it stays on ``a``. On a P/D prefill instance no decode waits on the load."""
     bw = 32 * 4096 * BS / 0.02  # the 32 stored blocks load in 20 ms
-    params = replace(PARAMS, bandwidth_bps=bw)
+    params = replace(PARAMS, bandwidth_bps=bw, work_weight=0.0)  # the stall alone
     a, b = inst("a", 0), inst("b", 1)
     a.decodes, b.decodes = 6, 2  # within the balance bound
     d = choose([a, b], [a, b], {0: 32}, 32, N, params, SLO, now=0.0)
@@ -638,3 +638,29 @@ def test_a_colocated_load_stalls_the_decodes_beside_it_as_compute_does() -> None
     b.decodes = 0
     d = choose([a, b], [a, b], {0: 32}, 32, N, params, SLO, now=0.0)
     assert isinstance(d, Decision) and d.prefill is b
+
+
+def test_work_weight_keeps_a_prefix_where_its_first_prefill_is_still_running() -> None:
+    """``a`` holds the prompt's prefix (the router marked it resident at the first
+    dispatch) while that first, uncached prefill still runs there; ``b`` is idle. On TTFT
+    alone ``b`` recomputes the whole prefix a little sooner than ``a`` finishes the first
+    one, and each such request adds a cold copy of the prefix to the fleet. ``work_weight``
+    charges the request's own compute: ``a``'s hit costs almost none, so it waits there."""
+    a, b = inst("a", 0), inst("b", 1)
+    cold = PROFILE.prefill_s(N, 0)
+    a.enqueue("first", cold * 1.05, now=0.0)  # the first prefill of the prefix, queued
+    runs = {0: 32}
+    blind = replace(PARAMS, work_weight=0.0)
+    d = choose([a, b], [a, b], runs, 0, N, blind, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b and d.hit_tokens == 0
+    weighed = PARAMS  # the default: 1
+    d = choose([a, b], [a, b], runs, 0, N, weighed, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is a and d.hit_tokens == 32 * BS
+    costs = {c.name: c for c in d.candidates}
+    assert costs["b"].ttft_s < costs["a"].ttft_s  # the lower TTFT lost to the compute
+    # the weight does not send a cheap request to a long queue: a short wait elsewhere
+    # with the prefix in the store beats a's queue
+    d = choose([a, b], [a, b], runs, 32, N, weighed, SLO, now=0.0)
+    assert isinstance(d, Decision) and d.prefill is b and d.load_blocks == 32
+    with pytest.raises(ValueError, match="work_weight"):
+        RouterConfig.from_dict({"model": "m", "tokenizer": "x", "cost": {"work_weight": -1}})
