@@ -190,15 +190,18 @@ class Conductor:
         if self.peers is not None:
             self.peers.announce_dispatch(d, rid, hashes)
 
-    def resident_beyond_scan(self, d: Decision, hashes: Sequence[bytes]) -> None:
-        """The whole prompt's block ``hashes`` of a request dispatched as ``d`` whose
+    def resident_beyond_scan(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
+        """The whole prompt's block ``hashes`` of request ``rid``, dispatched as ``d``, whose
         prompt scan stopped short (:mod:`kvcentric.router.prompt_scan`): they count as
         resident where :meth:`dispatched` put the scanned ones. Without them the requests
         that share a new prefix and arrive while its first prefill runs see its holder
         hold only the scanned part, predict recomputing the rest there, and recompute the
-        prefix on other instances instead."""
+        prefix on other instances instead. The other router replicas are told
+        (:meth:`peer_resident`)."""
         if hashes:
             self._resident(d, hashes)
+            if self.peers is not None:
+                self.peers.announce_resident(d, rid, hashes)
 
     def _resident(self, d: Decision, hashes: Sequence[bytes]) -> None:
         """Mark ``hashes`` resident on ``d``'s prefill instance and, for a split pair, its
@@ -245,6 +248,14 @@ class Conductor:
         if hashes and self.block_size is not None:
             self.index.add(inst.slot, hashes)
             self.heat.touch(hashes[0], now)
+
+    def peer_resident(self, prefill: str, hashes: Sequence[bytes]) -> None:
+        """Another replica hashed the rest of a prompt it dispatched to the instance
+        named ``prefill`` (:meth:`resident_beyond_scan`): the blocks count as resident
+        there. An instance this router does not know is ignored."""
+        inst = self.registry.get(prefill)
+        if inst is not None and hashes and self.block_size is not None:
+            self.index.add(inst.slot, hashes)
 
     def peer_done(self, key: str) -> None:
         """A peer's prefill ended (or its request left)."""

@@ -24,7 +24,8 @@ tokenises at more than twice the rate of its first piece can then reach the engi
 the context, and the engine refuses it with its own 400. The blocks a router marks resident on
 the instance it chose are those it hashed, then the rest of a stopped scan's prompt,
 hashed after the dispatch (``rest`` of :meth:`Proxy.handle
-<kvcentric.router.api.proxy.Proxy.handle>`); the engine's KV events confirm them.
+<kvcentric.router.api.proxy.Proxy.handle>`, announced to the other router replicas);
+the engine's KV events confirm them.
 
 Runs on the router's event loop; tokenising runs on worker threads.
 """

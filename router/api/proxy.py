@@ -136,7 +136,7 @@ class Proxy:
             self._count(decision, n_tokens)
             self.conductor.dispatched(decision, rid, hashes)
             if rest is not None:
-                self._resident_beyond_scan(decision, rest)
+                self._resident_beyond_scan(decision, rid, rest)
                 rest = None
             sent = time.perf_counter()
             added_ms = (sent - received_at) * 1e3
@@ -169,11 +169,12 @@ class Proxy:
                                             and decision.disaggregated else "prefill").inc()
         return error_response(502, f"upstream failed: {last}", "upstream_error")
 
-    def _resident_beyond_scan(self, d: Decision,
+    def _resident_beyond_scan(self, d: Decision, rid: str,
                               rest: Callable[[], Awaitable[Sequence[bytes]]]) -> None:
-        """Hash the rest of ``d``'s prompt in the background and count it resident where
-        ``d`` sent it; skipped while :data:`BEYOND_MAX` are running (a flood of long new
-        prompts costs no more tokenising than scanning them)."""
+        """Hash the rest of request ``rid``'s prompt (dispatched as ``d``) in the
+        background and count it resident where ``d`` sent it; skipped while
+        :data:`BEYOND_MAX` are running (a flood of long new prompts costs no more
+        tokenising than scanning them)."""
         if len(self._beyond) >= BEYOND_MAX:
             return
 
@@ -183,7 +184,7 @@ class Proxy:
             except Exception as exc:  # a routing hint lost, nothing more
                 log.debug("hashing the rest of a scanned prompt failed: %s", exc)
                 return
-            self.conductor.resident_beyond_scan(d, hashes)
+            self.conductor.resident_beyond_scan(d, rid, hashes)
 
         task = asyncio.get_running_loop().create_task(run())
         self._beyond.add(task)

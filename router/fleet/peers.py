@@ -7,11 +7,12 @@ shows it waiting (a poll away) and its prefix until the engine announces the blo
 sends it more, or computes a prefix already being computed elsewhere. With ``peers``
 configured every replica publishes, on a ZMQ PUB socket, each dispatch (request id,
 prefill instance, predicted prefill seconds, the prompt's block hashes) and each
-prefill's end; every other replica subscribes and books them as its own (queued work on
-the instance's processor, the blocks as resident there), so all replicas decide on the
-same state within a message's latency. A dispatch whose end never arrives (its replica
-died) leaves when its predicted work is done, as an own prefill does
-(:mod:`kvcentric.router.cost.processor`).
+prefill's end, and the rest of a prompt whose scan stopped short once it is hashed after
+the dispatch (:mod:`kvcentric.router.prompt_scan`); every other replica subscribes and
+books them as its own (queued work on the instance's processor, the blocks as resident
+there), so all replicas decide on the same state within a message's latency. A dispatch
+whose end never arrives (its replica died) leaves when its predicted work is done, as an
+own prefill does (:mod:`kvcentric.router.cost.processor`).
 
 Wire format: msgpack arrays decoded against :class:`PeerMessage` (unknown fields,
 wrong types, oversize hashes or names, non-finite times: the message is dropped and
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("router.fleet.peers")
 
 VERSION = 1
-DISPATCHED, DONE = 0, 1
+# a replica that does not know a kind drops its messages (counted): RESIDENT came later
+DISPATCHED, DONE, RESIDENT = 0, 1, 2
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_NAME = 128
 MAX_PREFILL_S = 3600.0
@@ -49,23 +51,25 @@ MAX_PREFILL_S = 3600.0
 
 class PeerMessage(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     version: int
-    kind: int  # DISPATCHED or DONE
+    kind: int  # DISPATCHED, DONE or RESIDENT
     sender: str  # the publishing replica's id
     rid: str
-    prefill: str = ""  # the prefill instance's name (DISPATCHED)
+    prefill: str = ""  # the prefill instance's name (DISPATCHED, RESIDENT)
     prefill_s: float = 0.0  # predicted seconds of work queued there: load + compute (DISPATCHED)
-    hashes: list[bytes] = []  # the prompt's block hashes (DISPATCHED)
+    hashes: list[bytes] = []  # the prompt's block hashes (DISPATCHED; RESIDENT: all of them)
 
 
 def valid(m: PeerMessage, hash_bytes: int) -> bool:
     """Whether a decoded message is one a replica could have sent."""
-    if m.version != VERSION or m.kind not in (DISPATCHED, DONE):
+    if m.version != VERSION or m.kind not in (DISPATCHED, DONE, RESIDENT):
         return False
     if not (0 < len(m.sender) <= MAX_NAME and 0 < len(m.rid) <= MAX_NAME
             and len(m.prefill) <= MAX_NAME):
         return False
     if m.kind == DONE:
         return True
+    if m.kind == RESIDENT and not m.prefill:
+        return False
     return (math.isfinite(m.prefill_s) and 0.0 <= m.prefill_s <= MAX_PREFILL_S
             and all(len(h) == hash_bytes for h in m.hashes))
 
@@ -109,7 +113,20 @@ class PeerSync:
     # ---- what this replica did ----
     def announce_dispatch(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
         self._send(PeerMessage(VERSION, DISPATCHED, self.id, rid, d.prefill.name,
-                               d.work_s, list(hashes)))
+                               d.work_s, self._fit(hashes)))
+
+    def announce_resident(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
+        """The whole prompt's ``hashes`` of request ``rid``, dispatched as ``d`` on the
+        start of its prompt (:meth:`Conductor.resident_beyond_scan
+        <kvcentric.router.conductor.Conductor.resident_beyond_scan>`)."""
+        self._send(PeerMessage(VERSION, RESIDENT, self.id, rid, d.prefill.name,
+                               hashes=self._fit(hashes)))
+
+    def _fit(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """The leading ``hashes`` that fit one message: a longer one would make every
+        subscriber's ZMQ drop the connection, and a prompt's leading blocks are still where
+        its prefix is."""
+        return list(hashes[:(MAX_MESSAGE_BYTES - 4096) // (self.hash_bytes + 2)])
 
     def announce_done(self, rid: str) -> None:
         self._send(PeerMessage(VERSION, DONE, self.id, rid))
@@ -163,6 +180,8 @@ class PeerSync:
         key = f"peer:{m.sender}:{m.rid}"
         if m.kind == DISPATCHED:
             self.conductor.peer_dispatched(key, m.prefill, m.prefill_s, m.hashes)
+        elif m.kind == RESIDENT:
+            self.conductor.peer_resident(m.prefill, m.hashes)
         else:
             self.conductor.peer_done(key)
 

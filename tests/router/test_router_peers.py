@@ -17,7 +17,14 @@ from kvcentric.router.conductor import Conductor
 from kvcentric.router.config import PeersConfig, RouterConfig
 from kvcentric.router.cost.cost_model import Profile
 from kvcentric.router.fleet.instance_spec import InstanceSpec
-from kvcentric.router.fleet.peers import DISPATCHED, DONE, VERSION, PeerMessage, PeerSync
+from kvcentric.router.fleet.peers import (
+    DISPATCHED,
+    DONE,
+    RESIDENT,
+    VERSION,
+    PeerMessage,
+    PeerSync,
+)
 from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.testing.servers import free_port
 
@@ -70,16 +77,28 @@ def test_a_replicas_dispatch_queues_and_places_its_prefix_on_the_other(tiny_dir:
             assert not isinstance(d, type(None))
             e = b.registry.get(d.prefill.name)
             assert e is not None and e.queue_s(b.clock()) == 0.0
-            a.dispatched(d, "r1", h)
+            a.dispatched(d, "r1", h[:3])  # a prompt scan that stopped after 3 blocks
             await settle(lambda: e.queue_s(b.clock()) > 0.0)
             # b now sees a's queued prefill and the prompt's blocks on that instance
-            assert b.index.match(h, 0b11)[e.slot] == len(h)
+            assert b.index.match(h, 0b11)[e.slot] == 3
             other = b.decide_local(hashes(2), 8 * BS, 0)
             assert other.prefill.name != e.name  # a new prompt avoids the queued instance
+            # then the rest of the prompt, hashed after the dispatch
+            a.resident_beyond_scan(d, "r1", h)
+            await settle(lambda: b.index.match(h, 0b11)[e.slot] == len(h))
+            # a prompt longer than one message carries: its leading blocks arrive, the
+            # connection stays
+            long = [i.to_bytes(16, "big") for i in range(80_000)]
+            a.resident_beyond_scan(d, "r1", long)
+            await settle(lambda: b.index.match(long[:64], 0b11)[e.slot] == 64)
+            assert 0 < b.index.match(long, 0b11)[e.slot] < len(long)
+            assert sb.reconnects == 0
             a.prefill_finished(d, "r1", None)
             await settle(lambda: e.queue_s(b.clock()) == 0.0)
-            # the dispatch and its end (probes still in flight may add to the count)
-            assert sb.received >= probes + 2 and sb.dropped == 0
+            # the dispatch, the rests and its end (probes in flight may add to the count;
+            # the queue also drains by itself once the prediction is long past)
+            await settle(lambda: sb.received >= probes + 4)
+            assert sb.dropped == 0
         finally:
             for t in tasks:
                 t.cancel()
@@ -106,6 +125,8 @@ def test_hostile_frames_are_dropped_and_the_receiver_keeps_going(tiny_dir: str) 
         enc.encode([VERSION, DISPATCHED, "s", "r", "e0", 0.1, [b"short"]]),
         enc.encode([VERSION, DISPATCHED, "s" * 10_000, "r", "e0", 0.1, good_h]),
         enc.encode([VERSION, DISPATCHED, "s", "r", "e0", "fast", good_h]),
+        enc.encode([VERSION, RESIDENT, "s", "r", "", 0.0, good_h]),  # on no instance
+        enc.encode([VERSION, RESIDENT, "s", "r", "e0", 0.0, [b"short"]]),
     ]
     oversize = b"x" * (2 << 20)  # over the size bound: ZMQ drops the connection
 
@@ -142,6 +163,8 @@ def test_hostile_frames_are_dropped_and_the_receiver_keeps_going(tiny_dir: str) 
             # once the message sent after it on the same connection has been booked)
             await pub.send(enc.encode(PeerMessage(VERSION, DISPATCHED, "s", "x", "nope",
                                                   0.5, good_h)))
+            await pub.send(enc.encode(PeerMessage(VERSION, RESIDENT, "s", "x", "nope",
+                                                  hashes=good_h)))
             # the receiver still books what a real peer sends
             await pub.send(enc.encode(PeerMessage(VERSION, DISPATCHED, "s", "r", "e1",
                                                   0.5, good_h)))

@@ -301,7 +301,7 @@ def test_a_flood_of_stopped_scans_hashes_a_bounded_number_of_rests_at_once(
                 return rest
 
             for i in range(proxy_mod.BEYOND_MAX + 5):
-                p._resident_beyond_scan(d, rest_of(i))
+                p._resident_beyond_scan(d, f"r{i}", rest_of(i))
             assert len(p._beyond) == proxy_mod.BEYOND_MAX
             gate.set()
             await asyncio.gather(*p._beyond)

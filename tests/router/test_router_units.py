@@ -487,7 +487,7 @@ def test_the_rest_of_a_scanned_prompt_counts_where_its_request_went() -> None:
     c.dispatched(d, "r1", full[:3])
     match = c.index.match(full, (1 << d.prefill.slot) | (1 << d.decode.slot))
     assert match == {d.prefill.slot: 3, d.decode.slot: 3}
-    c.resident_beyond_scan(d, full)
+    c.resident_beyond_scan(d, "r1", full)
     match = c.index.match(full, (1 << d.prefill.slot) | (1 << d.decode.slot))
     assert match == {d.prefill.slot: 40, d.decode.slot: 40}
     # the prefill instance is replaced (same name, a new instance in its slot)
@@ -495,7 +495,7 @@ def test_the_rest_of_a_scanned_prompt_counts_where_its_request_went() -> None:
     c.registry.remove("p")
     q = c.registry.add(InstanceSpec(url="http://q:1", name="p", role="prefill"))
     assert q.slot == slot
-    c.resident_beyond_scan(d, c.hashes(toks(22, 16 * 40)))
+    c.resident_beyond_scan(d, "r1", c.hashes(toks(22, 16 * 40)))
     assert c.index.match(c.hashes(toks(22, 16 * 40)), 1 << slot) == {slot: 0}
 
 
