@@ -60,7 +60,7 @@ BALANCE_REL = 1.5
 STALL_WEIGHT = 1.0
 # the request's own prefill work, charged once: a prefix recomputed on an idle instance
 # while its first prefill still runs on its holder costs the fleet that compute again,
-# which the requests after it wait for (emulated hot-prefix capacity runs, results/)
+# which the requests after it wait for (see kvcentric.router.cost.decision)
 WORK_WEIGHT = 1.0
 
 

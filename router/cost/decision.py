@@ -56,13 +56,14 @@ the emulated capacity sweeps compare the two (``kvcentric-ttft_only``,
 benchmarks/results/).
 The score also charges the request's own work on ``p`` (its load and compute, which hold
 the engine's steps, times ``work_weight``): the fleet's capacity it takes from the
-requests after it. While a new
-prefix's first prefill still runs on its holder, the prefix's next requests see the holder
-hold it (the router marks it resident at the dispatch) behind that prefill; on TTFT alone
-an idle instance recomputing the whole prefix finishes a little sooner, so a hot prefix's
-first second spread it over many engines, each computing it cold, and the backlog of
-those cold prefills never drained near the fleet's capacity (emulated hot-prefix runs).
-Charged its work, the request waits for its holder, whose hit costs almost nothing.
+requests after it. While a new prefix's first prefill still runs on its holder, the
+prefix's next requests see the holder hold it (the router marks it resident at the
+dispatch) behind that prefill; on TTFT alone an idle instance recomputing the whole
+prefix finishes a little sooner, so each of them computed it cold elsewhere. Charged its
+work, a request waits for the holder until the holder's queue costs more than a cold
+prefill twice over; a prefix hot enough to queue more than that during its first prefill
+still spreads (the store holds it only once that prefill ends: emulated hot-prefix runs,
+benchmarks/results/).
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
