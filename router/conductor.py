@@ -245,8 +245,8 @@ class Conductor:
         self._peer_prefills[key] = inst
         if len(self._peer_prefills) > PEER_PENDING_MAX:
             self._peer_prefills.popitem(last=False)
+        self.peer_resident(prefill, hashes)
         if hashes and self.block_size is not None:
-            self.index.add(inst.slot, hashes)
             self.heat.touch(hashes[0], now)
 
     def peer_resident(self, prefill: str, hashes: Sequence[bytes]) -> None:
