@@ -25,6 +25,7 @@ import pytest
 
 from kvcentric.config import StoreConfig
 from kvcentric.store.local import launcher
+from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
 from tests.helpers.mooncake_cluster import MooncakeCluster, cluster
 from tests.helpers.sglang_harness import Harness
 
@@ -74,7 +75,8 @@ def store_config(store_kind: str, mooncake: MooncakeCluster | None,
     cfg = StoreConfig.from_dict({"name": f"sg{uuid.uuid4().hex[:10]}", "capacity_bytes": 64 << 20,
                                  "runtime_dir": runtime_dir, "verify_checksums": True})
     yield {"backend": "local", "name": cfg.name, "capacity": cfg.local.capacity_bytes,
-           "runtime_dir": str(runtime_dir), "verify_checksums": True}
+           "runtime_dir": str(runtime_dir), "verify_checksums": True,
+           "hot_timeout_s": TEST_HOT_TIMEOUT_S}
     launcher.stop(cfg)
 
 

@@ -24,6 +24,7 @@ from kvcentric.config import StoreConfig, parse_size
 from kvcentric.store import open_store
 from kvcentric.store.local import launcher
 from kvcentric.store.local.config import disk_dir
+from tests.helpers.e2e_store import TEST_HOT_TIMEOUT_S
 from tests.helpers.sglang_harness import Harness
 from tests.helpers.waiting import wait_until
 
@@ -53,6 +54,7 @@ def disk_store(runtime_dir: Path,
     """The ``store`` section: 1 MiB of DRAM and a 64 MiB disk tier; stopped at the end."""
     cfg = {"backend": "local", "name": f"sgd{uuid.uuid4().hex[:10]}", "capacity": DRAM,
            "runtime_dir": str(runtime_dir), "verify_checksums": True,
+           "hot_timeout_s": TEST_HOT_TIMEOUT_S,
            "disk": {"path": str(tmp_path_factory.mktemp("sglang-ssd")), "capacity": "64mb",
                     "high_watermark": 0.25}}
     yield cfg

@@ -57,7 +57,9 @@ class Harness:
             raise AssertionError(f"{check}: the SGLang subprocess died\n{self.log_tail()}")
         reply = json.loads(raw)
         if not reply["ok"]:
-            raise AssertionError(f"{check} failed in the SGLang subprocess:\n{reply['error']}")
+            # the log holds the backend's own warnings (a store call that failed, and why)
+            raise AssertionError(f"{check} failed in the SGLang subprocess:\n{reply['error']}"
+                                 f"\n{self.log_tail()}")
         return reply["result"]
 
     def log_tail(self, n: int = 4000) -> str:
