@@ -28,6 +28,7 @@ from kvcentric.router.cost.cost_model import Profile
 from kvcentric.router.cost.decision import CostParams, Decision, Rejection
 from kvcentric.router.fleet.heat import PrefixHeat
 from kvcentric.router.fleet.instances import Registry
+from kvcentric.router.fleet.landings import Landings
 from kvcentric.router.fleet.prefix_index import PrefixIndex
 from kvcentric.router.fleet.store_view import StoreView
 from kvcentric.router.policies import RouteInput, make_policy
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from kvcentric.router.fleet.peers import PeerSync
 
 PEER_PENDING_MAX = 65536  # peers' prefills remembered until their end arrives
+# a request held for a landing waits at most this much past twice its predicted wait,
+# then goes anyway (its engine finds what is stored by then and computes the rest)
+LANDING_SLACK_S = 0.1
 
 log = logging.getLogger("router.cost.decision")
 
@@ -50,6 +54,7 @@ class Conductor:
                                  cfg.cost.shared_compute, cfg.health.log_interval_s)
         self.store = store
         self.heat = PrefixHeat(cfg.cache.heat_half_life_s)
+        self.landings = Landings()
         self.profile = profile
         self.kv_bytes_per_token = kv_bytes_per_token
         self.bandwidth = profile.store_bandwidth_bps or cfg.cost.store_bandwidth_gbps * 1e9
@@ -132,16 +137,21 @@ class Conductor:
                      disk_only: Sequence[int] = ()) -> Decision | Rejection:
         """The routing policy's choice given the global run (no I/O); ``global_tail``: the
         store also holds the prompt's tail after all of its blocks; ``disk_only``: ascending
-        positions of that run (blocks, then the tail) held only on the store's disk tier."""
+        positions of that run (blocks, then the tail) held only on the store's disk tier.
+        With a store, the blocks after that run that in-flight prefills will store are the
+        policy's ``landing``."""
         model = self.cfg.model
         pre = [i for i in self.registry.candidates(model, prefill=True) if i.name not in exclude]
         dec = [i for i in self.registry.candidates(model, prefill=False)
                if i.name not in exclude]
         runs = self.index.match(hashes, _slots([*pre, *dec]))
         now = self.clock()
+        landing = (self.landings.find(hashes, global_run)
+                   if self.cfg.cost.wait_for_landing and self.store.enabled
+                   and len(self.landings) else None)
         result = self.policy.choose(RouteInput(
             pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
-            global_tail, disk_only, hashes[0] if hashes else b""))
+            global_tail, disk_only, hashes[0] if hashes else b"", landing))
         if isinstance(result, Rejection) and result.reason == "no_instance":
             # the client's 503 says why, per instance (URLs only where no API keys are
             # set: keyed clients are tenants, not operators; /instances has them)
@@ -178,17 +188,44 @@ class Conductor:
                   result.ttft_s * 1e3, result.tbt_s * 1e3, cands)
 
     # ---- bookkeeping ----
-    def dispatched(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
+    def dispatched(self, d: Decision, rid: str, hashes: Sequence[bytes],
+                   seen_landing: bool = True) -> None:
         """The request was sent: its prefill is queued on p, its decode runs on d, and both
-        will hold the prompt's blocks (until the engines' events or the LRU say otherwise)."""
+        will hold the prompt's blocks (until the engines' events or the LRU say otherwise).
+        ``seen_landing``: :meth:`prefill_finished` will be called when its prefill ends (a
+        streamed answer's first chunk, a split pair's prefill answer): only then do the
+        blocks it computes count as landing in the store (:attr:`landings`)."""
         now = self.clock()
-        d.prefill.enqueue(rid, d.work_s, now)
+        own = next((c for c in d.candidates if c.name == d.prefill.name), None)
+        # a held request keeps p from the work behind it until its landing is in, too
+        idle_s = max(0.0, own.queue_s - d.prefill.queue_s(now)) if d.awaits and own else 0.0
+        d.prefill.enqueue(rid, idle_s + d.work_s, now)
         d.decode.decodes += 1
         if hashes:
-            self._resident(d, hashes)
+            if d.awaits is None:  # a held request's instance holds nothing until it is sent
+                self._resident(d, hashes)
             self.heat.touch(hashes[0], now)
+            computed = d.local_blocks + d.load_blocks
+            if (seen_landing and self.cfg.cost.wait_for_landing and self.store.enabled
+                    and computed < len(hashes) and d.prefill.spec.kind == "vllm"):
+                # SGLang prefills hand their KV to the decode, not (at once) to the store
+                self.landings.track(rid, hashes[computed:],
+                                    now + (own.ttft_s if own is not None else d.ttft_s))
         if self.peers is not None:
             self.peers.announce_dispatch(d, rid, hashes)
+
+    async def hold(self, d: Decision, hashes: Sequence[bytes]) -> bool:
+        """For a dispatched ``d`` that ``awaits`` a landing: wait until its prefills ended
+        (their blocks are in the store), at most twice the predicted wait plus
+        :data:`LANDING_SLACK_S`; whether they did. Then the prompt's ``hashes`` count as
+        resident on ``d``'s instances: marked at the dispatch, a request sent there
+        meanwhile would find them resident, go without waiting, and compute them."""
+        assert d.awaits is not None
+        left = max(0.0, d.awaits.ready_at - self.clock())
+        landed = await self.landings.wait(d.awaits.keys, 2 * left + LANDING_SLACK_S)
+        if hashes:
+            self._resident(d, hashes)
+        return landed
 
     def resident_beyond_scan(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
         """The whole prompt's block ``hashes`` of request ``rid``, dispatched as ``d``, whose
@@ -214,7 +251,11 @@ class Conductor:
     def prefill_finished(self, d: Decision, rid: str, actual_s: float | None) -> None:
         """p finished the prefill (``actual_s`` after dispatch, when known)."""
         p = d.prefill
-        p.prefill_done(rid, self.clock())
+        now = self.clock()
+        p.prefill_done(rid, now)
+        stored = self.landings.land(rid)
+        if stored:  # saved before the first token left the engine: the store has them
+            self.store.record(stored, 0, len(stored), now)
         if self.peers is not None:
             self.peers.announce_done(rid)
         if actual_s is None or not self.cfg.cost.correct_with_actual:
@@ -227,6 +268,7 @@ class Conductor:
     def finished(self, d: Decision, rid: str) -> None:
         """The request left the decode instance (done, failed or abandoned)."""
         d.prefill.prefill_done(rid, self.clock())
+        self.landings.land(rid)  # no-op after prefill_finished
         d.decode.decodes = max(0, d.decode.decodes - 1)
         if self.peers is not None:
             self.peers.announce_done(rid)

@@ -145,7 +145,11 @@ class CostConfig:
     instance, which all decode through it (the choice minimises TTFT plus that stall; 0:
     TTFT alone). ``work_weight``: seconds of score one second of the request's own prefill
     work (load and compute) costs on top of its TTFT: the fleet's capacity a recomputed
-    prefix takes from the requests after it (0: none).
+    prefix takes from the requests after it (0: none). ``wait_for_landing``: a request
+    whose prefix an in-flight prefill is computing (not yet in the store) may be held
+    until that prefill stores it and then load it on an idle instance, where it would
+    otherwise queue behind the prefill or compute the prefix again
+    (:mod:`kvcentric.router.fleet.landings`); ``false``: never held.
     """
 
     profile: str | None = None
@@ -160,9 +164,13 @@ class CostConfig:
     balance_rel: float = BALANCE_REL
     stall_weight: float = STALL_WEIGHT
     work_weight: float = WORK_WEIGHT
+    wait_for_landing: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")
+        if not isinstance(self.wait_for_landing, bool):
+            raise ValueError(f"cost.wait_for_landing must be true or false, got "
+                             f"{self.wait_for_landing!r}")
         for name in ("stall_weight", "work_weight"):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:

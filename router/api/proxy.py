@@ -134,10 +134,12 @@ class Proxy:
                     break  # nothing else can take it: report the upstream failure
                 return self._reject(decision)
             self._count(decision, n_tokens)
-            self.conductor.dispatched(decision, rid, hashes)
+            self.conductor.dispatched(decision, rid, hashes, stream or decision.disaggregated)
             if rest is not None:
                 self._resident_beyond_scan(decision, rid, rest)
                 rest = None
+            if decision.awaits is not None:
+                await self._hold(decision, rid, hashes)
             sent = time.perf_counter()
             added_ms = (sent - received_at) * 1e3
             try:
@@ -168,6 +170,18 @@ class Proxy:
                 self.metrics.retries.labels("decode" if exc.inst is decision.decode
                                             and decision.disaggregated else "prefill").inc()
         return error_response(502, f"upstream failed: {last}", "upstream_error")
+
+    async def _hold(self, d: Decision, rid: str, hashes: Sequence[bytes]) -> None:
+        """Hold request ``rid`` until the prefix ``d`` waits for is in the store (or its
+        bound passed: the engine then computes what is missing)."""
+        t0 = time.perf_counter()
+        try:
+            landed = await self.conductor.hold(d, hashes)
+        except BaseException:  # the client left meanwhile: the decision ends here
+            self.conductor.finished(d, rid)
+            raise
+        self.metrics.held.labels("landed" if landed else "late").inc()
+        self.metrics.held_seconds.observe(time.perf_counter() - t0)
 
     def _resident_beyond_scan(self, d: Decision, rid: str,
                               rest: Callable[[], Awaitable[Sequence[bytes]]]) -> None:

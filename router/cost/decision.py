@@ -64,6 +64,13 @@ work, a request waits for the holder until the holder's queue costs more than a 
 prefill twice over; a prefix hot enough to queue more than that during its first prefill
 still spreads (the store holds it only once that prefill ends: emulated hot-prefix runs,
 benchmarks/results/).
+While a prefix's first prefill still runs, the store does not hold it yet; a
+``landing`` (:mod:`kvcentric.router.fleet.landings`) says which blocks it will store and
+when. A candidate that would otherwise compute them may instead wait for it, then load
+them (:func:`prefill_cost`: its queue is at least the wait, and it takes that option when
+it scores lower); the decision ``awaits`` the landing and the proxy holds the request
+until it is in. A hot new prefix's followers then load it on idle instances where they
+computed it cold.
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -129,6 +136,18 @@ def on_disk_in(disk_only: Sequence[int], start: int, stop: int) -> int:
 
 
 @dataclass(frozen=True)
+class Landing:
+    """Blocks on their way into the store (:mod:`kvcentric.router.fleet.landings`): the
+    prompt's leading ``run`` blocks are in the store or computed by the in-flight
+    prefills of requests ``keys``, the last of which is predicted to end at ``ready_at``
+    (the router's clock)."""
+
+    run: int
+    ready_at: float
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PrefillCost:
     name: str
     local_blocks: int
@@ -136,6 +155,7 @@ class PrefillCost:
     load_s: float
     prefill_s: float
     load_on_disk: int = 0  # objects of the load that come from the store's disk tier
+    waits: bool = False  # starts once the landing is in the store, then loads it
 
     @property
     def ttft_s(self) -> float:
@@ -171,6 +191,7 @@ class Decision:
     over_slo: bool = False  # predicted to miss the TTFT SLO even with no queue: best effort
     load_on_disk: int = 0  # objects p loads from the store's disk tier (tail included)
     load_s: float = 0.0  # predicted store load on p before its prefill
+    awaits: Landing | None = None  # sent once this landing is in the store (then loaded)
 
     @property
     def work_s(self) -> float:
@@ -221,16 +242,34 @@ def hit_tokens(local: int, global_run: int, global_tail: bool, n_tokens: int,
 
 def prefill_cost(p: Instance, local: int, global_run: int, n_tokens: int,
                  params: CostParams, now: float, global_tail: bool = False,
-                 disk_only: Sequence[int] = ()) -> PrefillCost:
+                 disk_only: Sequence[int] = (), landing: Landing | None = None,
+                 ttft_slo_s: float = math.inf) -> PrefillCost:
     """Algorithm 1's ``TTFT_p`` for one candidate: load what the store holds beyond ``p``'s
     own blocks (a tail is one more object, at position ``global_run``; those at positions
-    in ``disk_only`` from the disk tier), compute the rest."""
+    in ``disk_only`` from the disk tier), compute the rest. With a ``landing`` that
+    extends what ``p`` would find, the better of that and waiting for the landing (no
+    sooner than ``landing.ready_at``), then loading it too (``waits``): by the score's
+    TTFT and work terms (:func:`choose`), unless waiting breaks ``ttft_slo_s`` where
+    computing now would not."""
     hit = hit_tokens(local, global_run, global_tail, n_tokens, params.block_size)
     stop = global_run + int(global_tail)
     on_disk = on_disk_in(disk_only, local, stop)
     t_load = params.load_time_s(stop - local, on_disk)
     t_pre = params.profile.prefill_s(n_tokens, hit) * p.correction
-    return PrefillCost(p.name, local, p.queue_s(now, t_pre), t_load, t_pre, on_disk)
+    now_cost = PrefillCost(p.name, local, p.queue_s(now, t_pre), t_load, t_pre, on_disk)
+    if landing is None or landing.run <= max(local, global_run):
+        return now_cost
+    hit = hit_tokens(local, landing.run, False, n_tokens, params.block_size)
+    on_disk = on_disk_in(disk_only, local, global_run)
+    t_load = params.load_time_s(landing.run - local, on_disk)
+    t_pre = params.profile.prefill_s(n_tokens, hit) * p.correction
+    queue = max(p.queue_s(now, t_pre), landing.ready_at - now)
+    wait_cost = PrefillCost(p.name, local, queue, t_load, t_pre, on_disk, waits=True)
+    # by the score's own terms (:func:`choose`): waiting costs the fleet no compute
+    w = params.work_weight
+    better = wait_cost.ttft_s + w * wait_cost.work_s < now_cost.ttft_s + w * now_cost.work_s
+    in_slo = wait_cost.ttft_s <= ttft_slo_s or now_cost.ttft_s > ttft_slo_s
+    return wait_cost if better and in_slo else now_cost
 
 
 def decode_cost(d: Instance, local: int, full_blocks: int, n_tokens: int,
@@ -335,18 +374,21 @@ def _rank(affinity: bytes, name: str) -> bytes:
 def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[int, int],
            global_run: int, n_tokens: int, params: CostParams, slo: SloConfig,
            now: float, global_tail: bool = False, disk_only: Sequence[int] = (),
-           affinity: bytes = b"") -> Decision | Rejection:
+           affinity: bytes = b"", landing: Landing | None = None) -> Decision | Rejection:
     """Algorithm 1 over the healthy candidates; ``runs`` maps slot -> local leading run;
     ``global_tail``: the store holds the prompt's tail after its ``global_run`` blocks;
     ``disk_only``: ascending positions of the stored run (blocks, then the tail) that the
     store holds only on its disk tier; ``affinity``: breaks ties on separate processors by
-    rendezvous rank (see the module docstring)."""
+    rendezvous rank (see the module docstring); ``landing``: blocks after the stored run
+    that in-flight prefills will store (a candidate may wait for them: the decision's
+    ``awaits``)."""
     if not prefill:
         return Rejection("no_instance", 1, math.inf, math.inf,
                          "no healthy instance that can prefill")
     tbt_slo = slo.tbt_ms / 1000.0
     costs = [prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
-                          global_tail, disk_only) for p in prefill]
+                          global_tail, disk_only, landing, slo.ttft_ms / 1000.0)
+             for p in prefill]
     # a pair is of one kind: an SGLang prefill hands its KV only to an SGLang decode (its
     # bootstrap protocol), a vLLM prefill to a vLLM decode (through the store)
     best_by_kind: dict[str, DecoderPick | None] = {}
@@ -416,10 +458,13 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         return Rejection("ttft", max(1, math.ceil(excess)), ttft, tbt,
                          f"predicted TTFT {ttft * 1000:.0f} ms exceeds the SLO "
                          f"{slo.ttft_ms:.0f} ms")
+    awaits = landing if pc.waits else None
+    if awaits is not None:  # what p finds once the landing is in: its run, no tail
+        global_run, global_tail = awaits.run, False
     hit = hit_tokens(pc.local_blocks, global_run, global_tail, n_tokens, params.block_size)
     replicated = pc.local_blocks < global_run and any(
         runs.get(o.slot, 0) > pc.local_blocks for o in prefill if o is not p)
     return Decision(p, d, ttft, tbt, pc.prefill_s, hit,
                     pc.local_blocks, max(0, global_run - pc.local_blocks), replicated,
                     tuple(costs), over_slo=ttft > slo_s, load_on_disk=pc.load_on_disk,
-                    load_s=pc.load_s)
+                    load_s=pc.load_s, awaits=awaits)

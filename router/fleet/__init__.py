@@ -9,5 +9,7 @@
   publishers registered with it;
 - :mod:`.heat`, :mod:`.replication`: decayed prefix heat, hot prefixes warmed on idle
   instances;
+- :mod:`.landings`: prefixes in-flight prefills are about to store (a request may wait
+  for one and load it);
 - :mod:`.peers`: router replicas booking each other's dispatches.
 """

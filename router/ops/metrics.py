@@ -76,6 +76,15 @@ class RouterMetrics:
         self.decision_seconds = Histogram("kvc_router_decision_seconds", "Time to decide "
                                           "(hash, match, store view, cost model)",
                                           buckets=_DECISION_BUCKETS, registry=r)
+        self.held = Counter("kvc_router_held", "Requests held until the prefix they load "
+                            "was stored by another request's in-flight prefill, by result "
+                            "(landed, or late: sent when the hold's bound passed)",
+                            ["result"], registry=r)
+        for result in ("landed", "late"):
+            self.held.labels(result)
+        self.held_seconds = Histogram("kvc_router_held_seconds", "Time requests were held "
+                                      "for a prefix on its way into the store",
+                                      buckets=_TTFT_BUCKETS, registry=r)
         self.warmups = Counter("kvc_router_warmups", "Hot-prefix warm-up requests sent to "
                                "idle instances (replication), by result", ["result"],
                                registry=r)

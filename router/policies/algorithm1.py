@@ -20,4 +20,4 @@ class Algorithm1:
     def choose(self, inp: RouteInput) -> Decision | Rejection:
         return choose(inp.prefill, inp.decode, inp.runs, inp.global_run, inp.n_tokens,
                       inp.params, inp.slo, inp.now, inp.global_tail, inp.disk_only,
-                      inp.affinity)
+                      inp.affinity, inp.landing)

@@ -21,6 +21,7 @@ from kvcentric.router.config import SloConfig
 from kvcentric.router.cost.decision import (
     CostParams,
     Decision,
+    Landing,
     Rejection,
     decode_cost,
     hit_tokens,
@@ -40,7 +41,9 @@ class RouteInput:
     the store also holds the prompt's tail after it, ``disk_only`` the ascending positions
     of that run held only on the store's disk tier. ``n_tokens``: the prompt's length;
     ``params``: cost model and block size; ``slo``: the service levels; ``now``: the
-    clock; ``affinity``: the prompt's first block hash (b"" when it has none)."""
+    clock; ``affinity``: the prompt's first block hash (b"" when it has none);
+    ``landing``: blocks after the stored run that in-flight prefills will store (a policy
+    that waits for them returns a decision that ``awaits`` it; others ignore it)."""
 
     prefill: Sequence[Instance]
     decode: Sequence[Instance]
@@ -53,6 +56,7 @@ class RouteInput:
     global_tail: bool = False
     disk_only: Sequence[int] = ()
     affinity: bytes = b""
+    landing: Landing | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -12,6 +12,7 @@ from kvcentric.router.cost.cost_model import Profile, load_s
 from kvcentric.router.cost.decision import (
     CostParams,
     Decision,
+    Landing,
     Rejection,
     choose,
     decode_cost,
@@ -664,3 +665,54 @@ def test_work_weight_keeps_a_prefix_where_its_first_prefill_is_still_running() -
     assert isinstance(d, Decision) and d.prefill is b and d.load_blocks == 32
     with pytest.raises(ValueError, match="work_weight"):
         RouterConfig.from_dict({"model": "m", "tokenizer": "x", "cost": {"work_weight": -1}})
+
+
+def test_a_prefix_on_its_way_into_the_store_is_waited_for_and_loaded() -> None:
+    """``a`` runs the first prefill of a prefix and has more queued behind it; ``b`` and
+    ``c`` are idle. Without the landing the follower's choices are ``a``'s queue or
+    computing the prefix cold; with it, an idle instance waits until the first prefill
+    stores the prefix, then loads it: sooner than ``a`` and no cold copy."""
+    a, b, c = inst("a", 0), inst("b", 1), inst("c", 2)
+    cold = PROFILE.prefill_s(N, 0)
+    a.enqueue("first", cold, now=0.0)
+    for i in range(4):  # hits of the prefix queued behind it
+        a.enqueue(f"hit{i}", 0.3 * cold, now=0.0)
+    runs = {0: 32}
+    first_ends = Landing(32, cold, ("first",))
+    blind = choose([a, b, c], [a, b, c], runs, 0, N, PARAMS, SLO, now=0.0)
+    assert isinstance(blind, Decision) and blind.prefill is not a and blind.hit_tokens == 0
+    d = choose([a, b, c], [a, b, c], runs, 0, N, PARAMS, SLO, now=0.0, landing=first_ends)
+    assert isinstance(d, Decision) and d.prefill is not a and d.awaits == first_ends
+    assert d.hit_tokens == 32 * BS and d.load_blocks == 32 and d.local_blocks == 0
+    costs = {cost.name: cost for cost in d.candidates}
+    assert costs[d.prefill.name].waits and costs[d.prefill.name].queue_s == pytest.approx(cold)
+    assert d.ttft_s < costs["a"].ttft_s  # sooner than a's queue
+    assert d.work_s < blind.work_s / 4  # and a load, not a cold prefill
+    # a landing the holder itself computes changes nothing for it
+    assert not costs["a"].waits
+    # a landing far in the future is not waited for: computing now is sooner and cheaper
+    late = Landing(32, 50 * cold, ("first",))
+    d = choose([a, b, c], [a, b, c], runs, 0, N, PARAMS, SLO, now=0.0, landing=late)
+    assert isinstance(d, Decision) and d.awaits is None and d.hit_tokens == 0
+    # nor one that adds nothing to what the store already holds
+    d = choose([a, b, c], [a, b, c], runs, 32, N, PARAMS, SLO, now=0.0,
+               landing=Landing(32, cold, ("first",)))
+    assert isinstance(d, Decision) and d.awaits is None and d.load_blocks == 32
+
+
+def test_a_wait_that_breaks_the_slo_loses_to_computing_within_it() -> None:
+    """Waiting for a landing scores lower (no compute) but would miss the TTFT SLO that
+    computing now meets: the instance computes now. Past the SLO either way, the wait is
+    queue time like any other and a refusal says so."""
+    b = inst("b", 1)
+    cold = PROFILE.prefill_s(N, 0)
+    slo = SloConfig(ttft_ms=1000 * (cold + 0.3), tbt_ms=100)
+    landing = Landing(32, cold + 0.5, ("x",))  # scores below cold + cold: preferred
+    free = choose([b], [b], {}, 0, N, PARAMS, SloConfig(ttft_ms=1e6, tbt_ms=100), now=0.0,
+                  landing=landing)
+    assert isinstance(free, Decision) and free.awaits == landing
+    d = choose([b], [b], {}, 0, N, PARAMS, slo, now=0.0, landing=landing)
+    assert isinstance(d, Decision) and d.awaits is None and d.hit_tokens == 0
+    b.enqueue("busy", 3.0, now=0.0)  # now both miss: the lower score, refused by queue
+    r = choose([b], [b], {}, 0, N, PARAMS, slo, now=0.0, landing=landing)
+    assert isinstance(r, Rejection) and r.reason == "ttft"

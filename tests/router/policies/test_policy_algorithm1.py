@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvcentric.router.config import SloConfig
-from kvcentric.router.cost.decision import Decision, Rejection, choose
+from kvcentric.router.cost.decision import Decision, Landing, Rejection, choose
 from kvcentric.router.policies import RouteInput, make_policy
 from tests.helpers.policies import fleet, route
 
@@ -14,7 +14,7 @@ from tests.helpers.policies import fleet, route
 def direct(inp: RouteInput) -> Decision | Rejection:
     return choose(inp.prefill, inp.decode, inp.runs, inp.global_run, inp.n_tokens,
                   inp.params, inp.slo, inp.now, inp.global_tail, inp.disk_only,
-                  inp.affinity)
+                  inp.affinity, inp.landing)
 
 
 def test_the_policy_returns_exactly_what_choose_does() -> None:
@@ -27,7 +27,9 @@ def test_the_policy_returns_exactly_what_choose_does() -> None:
              route([*pre, *both], [*dec, *both], runs={6: 31}, global_run=20,
                    global_tail=True, disk_only=(18, 19, 20)),
              route(pre, dec, runs={}, affinity=b"\x01" * 16),
-             route(both, both, runs={5: 2}, now=0.3)]
+             route(both, both, runs={5: 2}, now=0.3),
+             route(both, both, runs={5: 30}, global_run=2,
+                   landing=Landing(30, 0.05, ("first",)))]
     for inp in cases:
         got, want = pol.choose(inp), direct(inp)
         assert type(got) is type(want) and isinstance(got, Decision)
