@@ -54,7 +54,7 @@ class Conductor:
                                  cfg.cost.shared_compute, cfg.health.log_interval_s)
         self.store = store
         self.heat = PrefixHeat(cfg.cache.heat_half_life_s)
-        self.landings = Landings()
+        self.landings: Landings[bytes] = Landings()
         self.profile = profile
         self.kv_bytes_per_token = kv_bytes_per_token
         self.bandwidth = profile.store_bandwidth_bps or cfg.cost.store_bandwidth_gbps * 1e9
@@ -196,10 +196,7 @@ class Conductor:
         streamed answer's first chunk, a split pair's prefill answer): only then do the
         blocks it computes count as landing in the store (:attr:`landings`)."""
         now = self.clock()
-        own = next((c for c in d.candidates if c.name == d.prefill.name), None)
-        # a held request keeps p from the work behind it until its landing is in, too
-        idle_s = max(0.0, own.queue_s - d.prefill.queue_s(now)) if d.awaits and own else 0.0
-        d.prefill.enqueue(rid, idle_s + d.work_s, now)
+        d.prefill.enqueue(rid, d.booked_s(now), now)
         d.decode.decodes += 1
         if hashes:
             if d.awaits is None:  # a held request's instance holds nothing until it is sent
@@ -209,8 +206,7 @@ class Conductor:
             if (seen_landing and self.cfg.cost.wait_for_landing and self.store.enabled
                     and computed < len(hashes) and d.prefill.spec.kind == "vllm"):
                 # SGLang prefills hand their KV to the decode, not (at once) to the store
-                self.landings.track(rid, hashes[computed:],
-                                    now + (own.ttft_s if own is not None else d.ttft_s))
+                self.landings.track(rid, hashes[computed:], d.prefill_ends(now))
         if self.peers is not None:
             self.peers.announce_dispatch(d, rid, hashes)
 
@@ -260,7 +256,7 @@ class Conductor:
             self.peers.announce_done(rid)
         if actual_s is None or not self.cfg.cost.correct_with_actual:
             return
-        own = next((c for c in d.candidates if c.name == p.name), None)
+        own = d.own_cost
         if own is not None and own.queue_s == 0.0:  # nothing ahead: actual is load + compute
             raw = own.load_s + own.prefill_s / p.correction
             p.observe(raw, actual_s)

@@ -15,6 +15,9 @@ Physics, the same for every policy:
   it is dispatched there (FIFO: they exist before any later request on it starts) and
   the store's DRAM LRU when the prefill ends (a block is visible only once committed);
   what DRAM evicts goes to the disk tier, what is read from disk back to DRAM.
+- A request the router holds for a prefix in flight (its decision ``awaits`` a landing,
+  :mod:`kvcentric.router.fleet.landings`) starts no sooner than the prefills it waits
+  for really end, and then loads what they stored.
 - The prompt's KV then moves to a decode instance (full prompt at ``store_bw``), which
   admits it when its KV capacity allows; TBT = ``tbt_base + tbt_per_seq * batch`` at
   admission; first token one TBT after admission. TTFT = first token - arrival.
@@ -42,6 +45,7 @@ from kvcentric.router.cost.cost_model import Profile
 from kvcentric.router.cost.decision import CostParams, Decision, Rejection
 from kvcentric.router.fleet.instance_spec import InstanceSpec
 from kvcentric.router.fleet.instances import Instance
+from kvcentric.router.fleet.landings import Landings
 from kvcentric.router.policies import RouteInput, make_policy
 
 BLOCK = 512
@@ -194,6 +198,7 @@ class Arm:
     store: bool = True
     reject: bool = False
     tier_aware: bool = True  # False: the router prices disk-tier loads as DRAM ones
+    landings: bool = True  # with the store: prefixes in flight may be waited for
 
 
 ARMS = {
@@ -209,6 +214,8 @@ ARMS = {
     "engine_cache_store": Arm("engine_cache"),
     "kvcentric": Arm("algorithm1", reject=True),
     "kvcentric_noreject": Arm("algorithm1"),
+    # the same without landings (cost.wait_for_landing: false)
+    "kvcentric_noreject_nolanding": Arm("algorithm1", landings=False),
     # the same without the store: engine caches only (where a hot prefix can hot-spot)
     "kvcentric_nostore": Arm("algorithm1", store=False, reject=True),
     "kvcentric_noreject_nostore": Arm("algorithm1", store=False),
@@ -255,6 +262,11 @@ class Cluster:
         self.p_inst = [_instance(f"p{k}", k, "prefill") for k in range(cfg.prefill)]
         self.d_inst = [_instance(f"d{j}", cfg.prefill + j, "decode") for j in range(cfg.decode)]
         self.to_admit = [0] * cfg.decode  # routed to decoder j, KV not there yet
+        # the Conductor's table of prefixes in flight (kvcentric.router.fleet.landings),
+        # and when each in-flight prefill really ends (a held request starts then)
+        self.landings: Landings[int] = Landings()
+        self.use_landings = self.use_store and self.arm.landings
+        self.prefill_end: dict[str, float] = {}
 
     # ---- the router: its policy over its view of the cluster ----
     def choose(self, r: Request, now: float) -> Decision | Rejection:
@@ -272,10 +284,12 @@ class Cluster:
         g = self.store.run(r.blocks) if self.use_store else 0
         # the first block's id stands for its hash (the router's affinity)
         affinity = str(r.blocks[0]).encode() if r.blocks else b""
+        landing = (self.landings.find(r.blocks, g)
+                   if self.use_landings and len(self.landings) else None)
         return self.policy.choose(RouteInput(self.p_inst, self.d_inst, runs, g, r.n,
                                              self.params, self.slo, now,
                                              disk_only=self.store.disk_only(r.blocks, g),
-                                             affinity=affinity))
+                                             affinity=affinity, landing=landing))
 
     # ---- the run ----
     def run(self, reqs: Sequence[Request]) -> list[Outcome]:
@@ -292,6 +306,8 @@ class Cluster:
             if kind == 0:  # prefill done: commit its blocks to the store
                 if self.use_store:
                     self.store.add(r.blocks)
+                self.landings.land(str(i))
+                self.prefill_end.pop(str(i), None)
                 self._prefill_done(pending[i], str(i), now)
                 continue
             if kind == 1:  # KV reached decode: admit, first token
@@ -304,17 +320,25 @@ class Cluster:
             k = d.prefill.slot
             p = self.pre[k]
             local = p.cache.run(r.blocks)
-            g = self.store.run(r.blocks) if self.use_store else 0
-            on_disk = sum(i >= local for i in self.store.disk_only(r.blocks, g))
-            if g:
-                self.store.add(r.blocks[:g])  # a read refreshes the LRU, promotes from disk
+            stored = self.store.run(r.blocks) if self.use_store else 0
+            on_disk = sum(i >= local for i in self.store.disk_only(r.blocks, stored))
+            if stored:  # a read refreshes the LRU, promotes from disk
+                self.store.add(r.blocks[:stored])
+            start = max(now, p.busy_until)
+            g = stored
+            if d.awaits is not None:  # held until the prefills it waits for stored them
+                start = max([start, *(self.prefill_end.get(k, now) for k in d.awaits.keys)])
+                g = max(g, d.awaits.run)
             hit = max(local, g)
             dur = (cfg.prefill_s(r.n, hit * BLOCK) + cfg.load_s(max(0, g - local), on_disk)) \
                 * math.exp(self.noise.gauss(0.0, cfg.noise))
-            start = max(now, p.busy_until)
             p.busy_until = start + dur
             p.cache.add(r.blocks)
-            d.prefill.enqueue(str(i), d.work_s, now)
+            d.prefill.enqueue(str(i), d.booked_s(now), now)
+            if self.use_landings:
+                self.prefill_end[str(i)] = p.busy_until
+                computed = d.local_blocks + d.load_blocks
+                self.landings.track(str(i), r.blocks[computed:], d.prefill_ends(now))
             self.to_admit[d.decode.slot - cfg.prefill] += 1
             heapq.heappush(events, (p.busy_until, 0, seq, i))
             heapq.heappush(events, (p.busy_until + cfg.load_s(len(r.blocks)), 1, seq + 1, i))
@@ -328,7 +352,7 @@ class Cluster:
         d = pend.decision
         p = d.prefill
         p.prefill_done(rid, now)
-        own = next((c for c in d.candidates if c.name == p.name), None)
+        own = d.own_cost
         if own is not None and own.queue_s == 0.0:
             p.observe(own.load_s + own.prefill_s / p.correction, now - pend.dispatched)
 

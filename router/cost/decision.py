@@ -200,6 +200,26 @@ class Decision:
         return self.load_s + self.prefill_s
 
     @property
+    def own_cost(self) -> PrefillCost | None:
+        """``prefill``'s entry in ``candidates`` (None where a policy listed it not)."""
+        return next((c for c in self.candidates if c.name == self.prefill.name), None)
+
+    def booked_s(self, now: float) -> float:
+        """What dispatching this at ``now`` queues on ``prefill``: its work, plus for a
+        held request (``awaits``) the wait before it can start, during which the
+        instance has nothing of it to run but must not be promised to others."""
+        own = self.own_cost
+        if self.awaits is None or own is None:
+            return self.work_s
+        return max(0.0, own.queue_s - self.prefill.queue_s(now)) + self.work_s
+
+    def prefill_ends(self, now: float) -> float:
+        """When the prefill dispatched at ``now`` is predicted to end (its blocks then
+        stored): the prefill side's TTFT, the pair's where the candidate is not listed."""
+        own = self.own_cost
+        return now + (own.ttft_s if own is not None else self.ttft_s)
+
+    @property
     def disaggregated(self) -> bool:
         return self.prefill is not self.decode
 

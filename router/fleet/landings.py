@@ -22,34 +22,36 @@ event loop only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from kvcentric.router.cost.decision import Landing
 
 MAX_BLOCKS = 1 << 20  # hashes recorded at once (32 bytes each, plus the dict's own)
+K = TypeVar("K", bound=Hashable)  # a block's name: its hash (the simulator: its id)
 
 
 @dataclass
-class _InFlight:
-    hashes: list[bytes]
+class _InFlight(Generic[K]):
+    hashes: list[K]
     ready_at: float
     landed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class Landings:
+class Landings(Generic[K]):
     def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
         self.max_blocks = max_blocks
-        self._owner: dict[bytes, str] = {}  # block hash -> the request computing it
-        self._inflight: dict[str, _InFlight] = {}
+        self._owner: dict[K, str] = {}  # block -> the request computing it
+        self._inflight: dict[str, _InFlight[K]] = {}
 
     def __len__(self) -> int:
         """Blocks recorded."""
         return len(self._owner)
 
-    def track(self, rid: str, hashes: Sequence[bytes], ready_at: float) -> None:
+    def track(self, rid: str, hashes: Sequence[K], ready_at: float) -> None:
         """Request ``rid``'s prefill computes ``hashes`` (consecutive blocks of its prompt)
         and is predicted to end at ``ready_at``; those no earlier request computes are
         recorded as its. A second call for ``rid`` changes nothing."""
@@ -60,9 +62,9 @@ class Landings:
             return
         for h in mine:
             self._owner[h] = rid
-        self._inflight[rid] = _InFlight(mine, ready_at)
+        self._inflight[rid] = _InFlight[K](mine, ready_at)
 
-    def find(self, hashes: Sequence[bytes], start: int) -> Landing | None:
+    def find(self, hashes: Sequence[K], start: int) -> Landing | None:
         """The landing that extends the store's leading run ``start`` of ``hashes``: the
         blocks from ``start`` on that in-flight prefills compute, up to the first that
         none does, and when the last of those prefills is predicted to end. None when
@@ -81,7 +83,7 @@ class Landings:
         ready = max(self._inflight[k].ready_at for k in keys)
         return Landing(run, ready, tuple(keys))
 
-    def land(self, rid: str) -> list[bytes]:
+    def land(self, rid: str) -> list[K]:
         """``rid``'s prefill ended or the request left: its record ends and whoever waits
         on it is woken. Returns the hashes it computed (empty when none were recorded)."""
         rec = self._inflight.pop(rid, None)

@@ -103,3 +103,21 @@ def test_disk_loads_take_the_disk_bandwidth_and_only_a_tier_aware_router_knows()
     assert not isinstance(da, Rejection) and not isinstance(db, Rejection)
     assert da.load_on_disk == 4 and da.load_s == pytest.approx(cfg.load_s(8, 4))
     assert db.load_s == pytest.approx(cfg.load_s(8))  # priced as DRAM: too low
+
+
+def test_a_hot_new_prefixs_followers_wait_for_it_to_land_instead_of_computing_it() -> None:
+    """A new 16-block prefix, then a burst of requests sharing it while its first prefill
+    runs. The router with landings holds the ones its holder should not queue until the
+    prefix is stored, then loads it on the other instances: no request after the first
+    computes it. Without landings some compute it again (on an otherwise idle fleet that
+    is sooner for them; the capacity sweeps weigh the compute it takes from others)."""
+    prefix = tuple(range(16))
+    reqs = [Request(0.0, 16 * BLOCK + 2048, 10, prefix)]
+    reqs += [Request(0.05 + 0.01 * i, 16 * BLOCK + 2048, 10, prefix) for i in range(12)]
+    cfg = SimConfig(prefill=4, decode=2, local_blocks=64, store_blocks=400, slo_ttft=30.0,
+                    noise=0.0)
+    runs = {name: Cluster(cfg, name).run(reqs)
+            for name in ("kvcentric_noreject", "kvcentric_noreject_nolanding")}
+    cold = {name: sum(o.hit_tokens < 16 * BLOCK for o in outs) for name, outs in runs.items()}
+    assert cold["kvcentric_noreject"] == 1, cold  # the first request only
+    assert cold["kvcentric_noreject_nolanding"] > 1, cold
