@@ -202,11 +202,11 @@ class Conductor:
             if d.awaits is None:  # a held request's instance holds nothing until it is sent
                 self._resident(d, hashes)
             self.heat.touch(hashes[0], now)
-            computed = d.local_blocks + d.load_blocks
             if (seen_landing and self.cfg.cost.wait_for_landing and self.store.enabled
-                    and computed < len(hashes) and d.prefill.spec.kind == "vllm"):
+                    and d.prefill.spec.kind == "vllm"):
                 # SGLang prefills hand their KV to the decode, not (at once) to the store
-                self.landings.track(rid, hashes[computed:], d.prefill_ends(now))
+                self.landings.track(rid, hashes[d.local_blocks + d.load_blocks:],
+                                    d.prefill_ends(now))
         if self.peers is not None:
             self.peers.announce_dispatch(d, rid, hashes)
 
@@ -232,7 +232,10 @@ class Conductor:
         prefix on other instances instead. The other router replicas are told
         (:meth:`peer_resident`)."""
         if hashes:
-            self._resident(d, hashes)
+            if d.awaits is None:  # a held request's: marked once it is sent (hold)
+                self._resident(d, hashes)
+            # what it computes beyond the scanned part lands with it too
+            self.landings.extend(rid, hashes[d.local_blocks + d.load_blocks:])
             if self.peers is not None:
                 self.peers.announce_resident(d, rid, hashes)
 

@@ -52,17 +52,28 @@ class Landings(Generic[K]):
         return len(self._owner)
 
     def track(self, rid: str, hashes: Sequence[K], ready_at: float) -> None:
-        """Request ``rid``'s prefill computes ``hashes`` (consecutive blocks of its prompt)
-        and is predicted to end at ``ready_at``; those no earlier request computes are
-        recorded as its. A second call for ``rid`` changes nothing."""
-        if rid in self._inflight or not hashes:
+        """Request ``rid``'s prefill computes ``hashes`` (consecutive blocks of its prompt;
+        possibly none known yet) and is predicted to end at ``ready_at``; those no earlier
+        request computes are recorded as its. A second call for ``rid`` changes nothing."""
+        if rid in self._inflight:
+            return
+        self._inflight[rid] = _InFlight[K]([], ready_at)
+        self.extend(rid, hashes)
+
+    def extend(self, rid: str, hashes: Sequence[K]) -> None:
+        """More blocks ``rid``'s prefill computes (a scanned prompt's rest, hashed after
+        its dispatch: :meth:`kvcentric.router.conductor.Conductor.resident_beyond_scan`);
+        nothing when ``rid`` is not tracked (landed, or never recorded) or the table is
+        full."""
+        rec = self._inflight.get(rid)
+        if rec is None:
             return
         mine = [h for h in hashes if h not in self._owner]
-        if not mine or len(self._owner) + len(mine) > self.max_blocks:
+        if len(self._owner) + len(mine) > self.max_blocks:
             return
         for h in mine:
             self._owner[h] = rid
-        self._inflight[rid] = _InFlight[K](mine, ready_at)
+        rec.hashes.extend(mine)
 
     def find(self, hashes: Sequence[K], start: int) -> Landing | None:
         """The landing that extends the store's leading run ``start`` of ``hashes``: the

@@ -50,13 +50,27 @@ def test_a_landing_extends_the_stored_run_through_the_blocks_in_flight() -> None
     assert t.land("second") == H[8:11] and len(t) == 0
 
 
+def test_a_scanned_prompts_rest_extends_its_landing() -> None:
+    """A prompt scan stops at the first block held nowhere: the dispatch knows only the
+    start of what the prefill computes; the rest, hashed after it, joins the record."""
+    t = Landings()
+    t.track("first", [], ready_at=2.0)  # nothing of it known yet
+    assert t.find(H, 0) is None
+    t.extend("first", H[0:3])
+    t.extend("first", H[0:9])  # the whole prompt's: the first three again
+    assert t.find(H, 0) == Landing(9, 2.0, ("first",))
+    assert t.land("first") == H[0:9]
+    t.extend("first", H[0:12])  # landed: nothing more
+    assert len(t) == 0
+
+
 def test_the_table_is_bounded() -> None:
     t = Landings(max_blocks=8)
     t.track("a", H[0:6], ready_at=1.0)
     t.track("b", H[6:12], ready_at=1.0)  # would exceed the bound: not recorded
     assert len(t) == 6 and t.find(H, 6) is None
     t.land("a")
-    t.track("b", H[6:12], ready_at=1.0)
+    t.extend("b", H[6:12])  # b is tracked: what it computes fits now
     assert t.find(H, 6) == Landing(12, 1.0, ("b",))
     with pytest.raises(ValueError):
         Landings(max_blocks=0)
