@@ -149,7 +149,8 @@ class CostConfig:
     whose prefix an in-flight prefill is computing (not yet in the store) may be held
     until that prefill stores it and then load it on an idle instance, where it would
     otherwise queue behind the prefill or compute the prefix again
-    (:mod:`kvcentric.router.fleet.landings`); ``false``: never held.
+    (:mod:`kvcentric.router.fleet.landings`). Off by default: the capacity sweeps
+    measured no gain from it (docs/router.md).
     """
 
     profile: str | None = None
@@ -164,7 +165,7 @@ class CostConfig:
     balance_rel: float = BALANCE_REL
     stall_weight: float = STALL_WEIGHT
     work_weight: float = WORK_WEIGHT
-    wait_for_landing: bool = True
+    wait_for_landing: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "store_bandwidth_gbps", "disk_bandwidth_gbps")

@@ -63,7 +63,7 @@ ABLATIONS = [Arm(f"kvcentric-{name}", gateway="kvcentric",
              for name, cost in (("ttft_only", {"stall_weight": 0.0, "work_weight": 0.0}),
                                 ("nowork", {"work_weight": 0.0}),
                                 ("nobound", {"balance_abs": None}),
-                                ("nolanding", {"wait_for_landing": False}))]
+                                ("landing", {"wait_for_landing": True}))]
 # Figure 5's baselines have no global pool: each instance reuses its own cache only
 LOCAL_ARMS = [replace(a, name=f"{a.name}-nostore", shared_store=False)
               for a in POLICY_ARMS if a.name != "kvcentric-round_robin"]

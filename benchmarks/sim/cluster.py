@@ -16,8 +16,9 @@ Physics, the same for every policy:
   the store's DRAM LRU when the prefill ends (a block is visible only once committed);
   what DRAM evicts goes to the disk tier, what is read from disk back to DRAM.
 - A request the router holds for a prefix in flight (its decision ``awaits`` a landing,
-  :mod:`kvcentric.router.fleet.landings`) starts no sooner than the prefills it waits
-  for really end, and then loads what they stored.
+  :mod:`kvcentric.router.fleet.landings`) reaches its prefill instance only when the
+  prefills it waits for end (the proxy holds it until then; the hold's time bound is
+  not modelled), then queues there like any request and loads what they stored.
 - The prompt's KV then moves to a decode instance (full prompt at ``store_bw``), which
   admits it when its KV capacity allows; TBT = ``tbt_base + tbt_per_seq * batch`` at
   admission; first token one TBT after admission. TTFT = first token - arrival.
@@ -198,7 +199,7 @@ class Arm:
     store: bool = True
     reject: bool = False
     tier_aware: bool = True  # False: the router prices disk-tier loads as DRAM ones
-    landings: bool = True  # with the store: prefixes in flight may be waited for
+    landings: bool = False  # with the store: prefixes in flight may be waited for
 
 
 ARMS = {
@@ -214,8 +215,8 @@ ARMS = {
     "engine_cache_store": Arm("engine_cache"),
     "kvcentric": Arm("algorithm1", reject=True),
     "kvcentric_noreject": Arm("algorithm1"),
-    # the same without landings (cost.wait_for_landing: false)
-    "kvcentric_noreject_nolanding": Arm("algorithm1", landings=False),
+    # the same with landings (cost.wait_for_landing: true)
+    "kvcentric_noreject_landing": Arm("algorithm1", landings=True),
     # the same without the store: engine caches only (where a hot prefix can hot-spot)
     "kvcentric_nostore": Arm("algorithm1", store=False, reject=True),
     "kvcentric_noreject_nostore": Arm("algorithm1", store=False),
@@ -266,7 +267,10 @@ class Cluster:
         # and when each in-flight prefill really ends (a held request starts then)
         self.landings: Landings[int] = Landings()
         self.use_landings = self.use_store and self.arm.landings
-        self.prefill_end: dict[str, float] = {}
+        # held requests: by the in-flight request each waits for, and what each still
+        # waits for (released, as the proxy releases them, when those prefills end)
+        self.waiting: dict[str, list[int]] = {}
+        self.held: dict[int, set[str]] = {}
 
     # ---- the router: its policy over its view of the cluster ----
     def choose(self, r: Request, now: float) -> Decision | Rejection:
@@ -307,8 +311,12 @@ class Cluster:
                 if self.use_store:
                     self.store.add(r.blocks)
                 self.landings.land(str(i))
-                self.prefill_end.pop(str(i), None)
                 self._prefill_done(pending[i], str(i), now)
+                for j in self.waiting.pop(str(i), ()):
+                    self.held[j].discard(str(i))
+                    if not self.held[j]:
+                        del self.held[j]
+                        seq = self._start(reqs[j], j, pending[j], now, events, seq)
                 continue
             if kind == 1:  # KV reached decode: admit, first token
                 out[i] = self._admit(r, now, pending.pop(i))
@@ -317,34 +325,42 @@ class Cluster:
             if isinstance(d, Rejection):
                 out[i] = Outcome(None, 0.0, 0, 0, r.n, False)
                 continue
-            k = d.prefill.slot
-            p = self.pre[k]
-            local = p.cache.run(r.blocks)
-            stored = self.store.run(r.blocks) if self.use_store else 0
-            on_disk = sum(i >= local for i in self.store.disk_only(r.blocks, stored))
-            if stored:  # a read refreshes the LRU, promotes from disk
-                self.store.add(r.blocks[:stored])
-            start = max(now, p.busy_until)
-            g = stored
-            if d.awaits is not None:  # held until the prefills it waits for stored them
-                start = max([start, *(self.prefill_end.get(k, now) for k in d.awaits.keys)])
-                g = max(g, d.awaits.run)
-            hit = max(local, g)
-            dur = (cfg.prefill_s(r.n, hit * BLOCK) + cfg.load_s(max(0, g - local), on_disk)) \
-                * math.exp(self.noise.gauss(0.0, cfg.noise))
-            p.busy_until = start + dur
-            p.cache.add(r.blocks)
             d.prefill.enqueue(str(i), d.booked_s(now), now)
             if self.use_landings:
-                self.prefill_end[str(i)] = p.busy_until
                 computed = d.local_blocks + d.load_blocks
                 self.landings.track(str(i), r.blocks[computed:], d.prefill_ends(now))
             self.to_admit[d.decode.slot - cfg.prefill] += 1
-            heapq.heappush(events, (p.busy_until, 0, seq, i))
-            heapq.heappush(events, (p.busy_until + cfg.load_s(len(r.blocks)), 1, seq + 1, i))
-            seq += 2
-            pending[i] = Pending(d, now, min(hit * BLOCK, r.n), min(local * BLOCK, r.n))
+            pending[i] = Pending(d, now, 0, 0)
+            awaited = {k for k in d.awaits.keys if self.landings.tracked(k)} if d.awaits else ()
+            if awaited:  # held until the prefills it waits for stored their blocks
+                self.held[i] = set(awaited)
+                for k in awaited:
+                    self.waiting.setdefault(k, []).append(i)
+                continue
+            seq = self._start(r, i, pending[i], now, events, seq)
         return [o for o in out if o is not None]
+
+    def _start(self, r: Request, i: int, pend: Pending, now: float,
+               events: list[tuple[float, int, int, int]], seq: int) -> int:
+        """Request ``i`` reaches its prefill instance at ``now``: it queues there (FIFO)
+        and finds what that instance's cache and the store hold then; schedules its
+        prefill's end and its KV's arrival at the decoder. Returns the next event number."""
+        cfg = self.cfg
+        p = self.pre[pend.decision.prefill.slot]
+        local = p.cache.run(r.blocks)
+        g = self.store.run(r.blocks) if self.use_store else 0
+        on_disk = sum(b >= local for b in self.store.disk_only(r.blocks, g))
+        if g:  # a read refreshes the LRU, promotes from disk
+            self.store.add(r.blocks[:g])
+        hit = max(local, g)
+        dur = (cfg.prefill_s(r.n, hit * BLOCK) + cfg.load_s(max(0, g - local), on_disk)) \
+            * math.exp(self.noise.gauss(0.0, cfg.noise))
+        p.busy_until = max(now, p.busy_until) + dur
+        p.cache.add(r.blocks)
+        heapq.heappush(events, (p.busy_until, 0, seq, i))
+        heapq.heappush(events, (p.busy_until + cfg.load_s(len(r.blocks)), 1, seq + 1, i))
+        pend.hit_tokens, pend.local_tokens = min(hit * BLOCK, r.n), min(local * BLOCK, r.n)
+        return seq + 2
 
     def _prefill_done(self, pend: Pending, rid: str, now: float) -> None:
         """What the Conductor does when a prefill's answer comes back: its queued work

@@ -25,8 +25,8 @@ on the router's view of the cluster:
   the store + prefill on the uncached part, and the decoder) with the global store,
   refusing requests predicted to miss the SLO;
 - ``kvcentric_noreject``: the same choice without refusing, to show what comes from the
-  placement alone; ``kvcentric_noreject_nolanding``: that without landings (no request
-  held for a prefix an in-flight prefill is about to store);
+  placement alone; ``kvcentric_noreject_landing``: that with landings (a request may be
+  held for a prefix an in-flight prefill is about to store: ``cost.wait_for_landing``);
 - ``random_nostore``, ``round_robin_nostore``, ``least_load_nostore``: the blind ones
   without the store (the Mooncake paper's Figure 5 baselines), and ``engine_cache_store``:
   the cache-aware router over engine caches in front of the store

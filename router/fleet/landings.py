@@ -75,6 +75,10 @@ class Landings(Generic[K]):
             self._owner[h] = rid
         rec.hashes.extend(mine)
 
+    def tracked(self, rid: str) -> bool:
+        """Whether ``rid``'s prefill is recorded and has not landed."""
+        return rid in self._inflight
+
     def find(self, hashes: Sequence[K], start: int) -> Landing | None:
         """The landing that extends the store's leading run ``start`` of ``hashes``: the
         blocks from ``start`` on that in-flight prefills compute, up to the first that

@@ -117,7 +117,7 @@ def test_a_hot_new_prefixs_followers_wait_for_it_to_land_instead_of_computing_it
     cfg = SimConfig(prefill=4, decode=2, local_blocks=64, store_blocks=400, slo_ttft=30.0,
                     noise=0.0)
     runs = {name: Cluster(cfg, name).run(reqs)
-            for name in ("kvcentric_noreject", "kvcentric_noreject_nolanding")}
+            for name in ("kvcentric_noreject_landing", "kvcentric_noreject")}
     cold = {name: sum(o.hit_tokens < 16 * BLOCK for o in outs) for name, outs in runs.items()}
-    assert cold["kvcentric_noreject"] == 1, cold  # the first request only
-    assert cold["kvcentric_noreject_nolanding"] > 1, cold
+    assert cold["kvcentric_noreject_landing"] == 1, cold  # the first request only
+    assert cold["kvcentric_noreject"] > 1, cold

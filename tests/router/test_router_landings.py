@@ -98,9 +98,9 @@ async def _waiters() -> None:
 
 def test_the_switch_is_a_boolean() -> None:
     base = {"model": "m", "tokenizer": "x"}
-    assert RouterConfig.from_dict(base).cost.wait_for_landing is True
-    assert RouterConfig.from_dict({**base, "cost": {"wait_for_landing": False}}
-                                  ).cost.wait_for_landing is False
+    assert RouterConfig.from_dict(base).cost.wait_for_landing is False
+    assert RouterConfig.from_dict({**base, "cost": {"wait_for_landing": True}}
+                                  ).cost.wait_for_landing is True
     with pytest.raises(ValueError, match="wait_for_landing"):
         RouterConfig.from_dict({**base, "cost": {"wait_for_landing": "maybe"}})
 
@@ -141,10 +141,12 @@ def _queued(url: str) -> int:
 
 
 def followers_of_a_new_prefix(fl: tuple[EmulatedFleet, dict[str, Any], str, Path],
-                              landing: bool) -> tuple[list[int], str]:
+                              landing: bool, text: bool) -> tuple[list[int], str]:
     """A streamed request with a new prefix, then (while its prefill runs)
     :data:`FOLLOWERS` requests sharing the prefix at once: the prompt tokens each follower
-    found cached (engine cache or store), and the router's metrics after."""
+    found cached (engine cache or store), and the router's metrics after. ``text``: the
+    prompts are text (the router scans them: the first request's dispatch knows only the
+    blocks up to its first new one, the rest is hashed after it), else token ids."""
     f, store, profile, logs = fl
     f.reset()
     with open_store(store) as st:
@@ -157,10 +159,16 @@ def followers_of_a_new_prefix(fl: tuple[EmulatedFleet, dict[str, Any], str, Path
                          instances=[{k: s[k] for k in keys if k in s} for s in f.specs],
                          extra={"cost": {"wait_for_landing": landing}})
     rnd = random.Random(7)
-    prefix = [rnd.randrange(10, 8000) for _ in range(PREFIX)]
+
+    def tokens(n: int) -> list[int] | str:  # text: about 3.3 tokens per word
+        if text:
+            return "".join(f" w{rnd.randrange(1000, 9999)}" for _ in range(n * 10 // 32))
+        return [rnd.randrange(10, 8000) for _ in range(n)]
+
+    prefix = tokens(PREFIX + 128)  # text: at least PREFIX tokens whatever the estimate
 
     def ask(stream: bool) -> int:
-        prompt = prefix + [rnd.randrange(10, 8000) for _ in range(SUFFIX)]
+        prompt = prefix + tokens(SUFFIX)  # type: ignore[operator]  # both str or both list
         body: dict[str, Any] = {"model": "bench", "max_tokens": 2, "prompt": prompt}
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -186,17 +194,18 @@ def followers_of_a_new_prefix(fl: tuple[EmulatedFleet, dict[str, Any], str, Path
     return cached, metrics
 
 
+@pytest.mark.parametrize("text", [False, True], ids=["token_ids", "text"])
 def test_followers_of_a_prefix_in_flight_load_it_instead_of_computing_it(
-        stored_fleet: tuple[EmulatedFleet, dict[str, Any], str, Path]) -> None:
+        stored_fleet: tuple[EmulatedFleet, dict[str, Any], str, Path], text: bool) -> None:
     """Six requests share a new prefix whose first prefill is running: more than its
     holder should queue. With landings the ones the holder does not take wait for the
     first prefill to store the prefix, then load it on the idle engines: every follower
     finds the whole prefix cached. Without them, some compute it again."""
-    cached, metrics = followers_of_a_new_prefix(stored_fleet, landing=True)
+    cached, metrics = followers_of_a_new_prefix(stored_fleet, landing=True, text=text)
     assert min(cached) >= PREFIX, cached
     assert _counter(metrics, 'kvc_router_held_total{result="landed"}') >= 1
     assert _counter(metrics, 'kvc_router_held_total{result="late"}') == 0
-    cached, metrics = followers_of_a_new_prefix(stored_fleet, landing=False)
+    cached, metrics = followers_of_a_new_prefix(stored_fleet, landing=False, text=text)
     assert min(cached) < PREFIX, cached  # the test can tell: without, a cold copy
     assert _counter(metrics, 'kvc_router_held_total{result="landed"}') == 0
 
