@@ -28,6 +28,7 @@ router's tokenising worker threads; tokenising itself runs outside it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ class Reuse:
 
     chunks: tuple[_Chunk, ...]
     start: int
+    path: tuple[_Chunk, ...] = ()  # every chunk the walk matched (``chunks`` and one more)
 
 
 class PrefixTokens:
@@ -90,12 +92,19 @@ class PrefixTokens:
         self.reused_tokens = 0
         self.tokenized_tokens = 0
 
-    def lookup(self, text: str, add_special_tokens: bool) -> Reuse:
-        """Which known prefix of ``text`` :meth:`encode` would reuse (LRU order updated)."""
+    def lookup(self, text: str, add_special_tokens: bool,
+               after: Reuse | None = None) -> Reuse:
+        """Which known prefix of ``text`` :meth:`encode` would reuse (LRU order updated).
+        ``after``: a lookup, with the same ``add_special_tokens``, of a text that begins
+        with the same characters as ``text`` as far as either goes (the same prompt, or
+        a piece of it): its walk is resumed where it stopped instead of repeated from
+        the start (a scanned prompt is looked up several times; each full walk costs a
+        step per chunk of its known prefix). The caller vouches for the shared start."""
+        known = after.path if after is not None else ()
         with self._lock:
-            path = self._walk(int(add_special_tokens), text)
+            path = self._walk(int(add_special_tokens), text, known)
         reuse = tuple(path[:-1])  # the last matched chunk is the look-ahead of the one before
-        return Reuse(reuse, reuse[-1].end if reuse else 0)
+        return Reuse(reuse, reuse[-1].end if reuse else 0, tuple(path))
 
     def encode(self, text: str, add_special_tokens: bool,
                reuse: Reuse | None = None) -> np.ndarray:
@@ -138,9 +147,15 @@ class PrefixTokens:
         """Characters of text the chunks hold."""
         return self._chars
 
-    def _walk(self, node: int, text: str) -> list[_Chunk]:
-        path: list[_Chunk] = []
+    def _walk(self, node: int, text: str, known: Sequence[_Chunk] = ()) -> list[_Chunk]:
+        """The chain of chunks ``text`` matches from ``node``, after the chunks of
+        ``known`` that fit in it (a walk of a text with the same start: each chunk
+        matched there matches here as far as ``text`` goes; an evicted one still holds
+        the right ids)."""
+        path = list(itertools.takewhile(lambda c: c.end <= len(text), known))
         pos, a = 0, self.anchor_chars
+        if path:
+            node, pos = path[-1].node, path[-1].end
         while pos + a <= len(text):
             key = (node, text[pos:pos + a])
             found = next((c for c in self._chunks.get(key, ())

@@ -88,7 +88,7 @@ async def scan(tok: PromptTokenizer, plan: Plan,
     step = min(first_chars, piece_chars)
     cut = left_from(plan) + step  # what the prompt token cache knows costs nothing
     while tok.scans and cut < len(text):
-        ids, chars = await asyncio.to_thread(tok.known_prefix, text, special, cut)
+        ids, chars = await asyncio.to_thread(tok.known_prefix, text, special, cut, plan.reuse)
         if not await held(ids):
             rest = len(text) - chars
             per_char = len(ids) / chars if chars else 0.25

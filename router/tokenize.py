@@ -132,7 +132,7 @@ class PromptTokenizer:
         p = self.prefix
         if p is None or plan.reuse is None or not p.enabled:
             return plan
-        return replace(plan, reuse=p.lookup(plan.text, plan.add_special_tokens))
+        return replace(plan, reuse=p.lookup(plan.text, plan.add_special_tokens, plan.reuse))
 
     def run(self, plan: Plan) -> np.ndarray:
         """Token ids of ``plan.text``. Off the event loop unless ``plan.inline``: the Rust
@@ -170,18 +170,20 @@ class PromptTokenizer:
         n = len((norm.normalize_str(text) if norm is not None else text).encode("utf-8"))
         return n + 1 + (self.tok.num_special_tokens_to_add() if add_special_tokens else 0)
 
-    def known_prefix(self, text: str, add_special_tokens: bool, chars: int
-                     ) -> tuple[np.ndarray, int]:
+    def known_prefix(self, text: str, add_special_tokens: bool, chars: int,
+                     after: Reuse | None = None) -> tuple[np.ndarray, int]:
         """Token ids of a leading part of ``text`` that a whole tokenisation would begin
         with, and how many characters they cover, after tokenising at most ``text[:chars]``
         (only past what the prompt token cache already holds); requires :attr:`scans`.
         The ids end before the last pre-token boundary the cache can vouch for: the
-        characters after the cut could still merge with those before it."""
+        characters after the cut could still merge with those before it. ``after``: an
+        earlier lookup of ``text`` (its plan's), whose walk the lookups here resume."""
         p = self.prefix
         assert p is not None
         if chars < len(text):
-            p.encode(text[:chars], add_special_tokens)  # adds the piece's anchors
-        reuse = p.lookup(text, add_special_tokens)
+            piece = text[:chars]  # tokenised past what is known: adds the piece's anchors
+            p.encode(piece, add_special_tokens, p.lookup(piece, add_special_tokens, after))
+        reuse = p.lookup(text, add_special_tokens, after)
         if not reuse.chunks:
             return np.zeros(0, dtype=np.uint32), 0
         return np.concatenate([c.ids for c in reuse.chunks]), reuse.start

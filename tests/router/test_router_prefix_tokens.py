@@ -18,7 +18,7 @@ import pytest
 
 from kvcentric.router import tokenize
 from kvcentric.router.config import CacheConfig
-from kvcentric.router.prefix_tokens import PrefixTokens
+from kvcentric.router.prefix_tokens import PrefixTokens, Reuse
 from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.testing.models import build_model
 
@@ -217,3 +217,37 @@ def test_a_prompt_extending_a_known_one_retokenises_little_of_what_they_share() 
         assert np.array_equal(ids, tok._whole(shared + question, True))
     new = len(tok._whole(question, False))
     assert tok.prefix.tokenized_tokens - new <= len(tok._whole(shared[-600:], False))
+
+
+def test_a_lookup_resumed_from_an_earlier_walk_finds_what_a_fresh_one_does() -> None:
+    """A scanned prompt is looked up several times (its plan, each piece, the rest):
+    resuming the plan's walk gives the same reuse as walking from the start, for the
+    prompt itself, a piece of it, after the pieces added anchors, and after the chunks
+    it walked were evicted (their ids are still the prompt's)."""
+    tok = PromptTokenizer(bench(), cache_chars=1 << 20)
+    p = tok.prefix
+    assert p is not None
+    rnd = random.Random(5)
+    shared = mixed_text(rnd, 3000)
+    p.encode(shared + mixed_text(rnd, 30), True)  # the shared prefix is known
+    text = shared + mixed_text(rnd, 400)
+    plan = p.lookup(text, True)
+    assert plan.chunks and len(plan.path) == len(plan.chunks) + 1
+
+    def same(got: Reuse, want: Reuse) -> None:
+        assert (got.start, [c.node for c in got.chunks]) == (want.start,
+                                                              [c.node for c in want.chunks])
+
+    same(p.lookup(text, True, plan), p.lookup(text, True))
+    piece = text[:len(shared) // 2]
+    same(p.lookup(piece, True, plan), p.lookup(piece, True))
+    p.encode(text[:len(shared) + 800], True)  # a scan piece adds anchors past the prefix
+    resumed = p.lookup(text, True, plan)
+    same(resumed, p.lookup(text, True))
+    assert resumed.start > plan.start
+    ids = p.encode(text, True, resumed)
+    assert np.array_equal(ids, tok._whole(text, True))
+    p._chunks.clear()  # every chunk evicted: the resumed walk keeps what it knew
+    kept = p.lookup(text, True, resumed)
+    assert kept.start == resumed.start
+    assert np.array_equal(p.encode(text, True, kept), tok._whole(text, True))
