@@ -147,8 +147,7 @@ class Conductor:
         runs = self.index.match(hashes, _slots([*pre, *dec]))
         now = self.clock()
         landing = (self.landings.find(hashes, global_run)
-                   if self.cfg.cost.wait_for_landing and self.store.enabled
-                   and len(self.landings) else None)
+                   if self._landings_on and len(self.landings) else None)
         result = self.policy.choose(RouteInput(
             pre, dec, runs, global_run, n_tokens, self.params, self.cfg.slo, now,
             global_tail, disk_only, hashes[0] if hashes else b"", landing))
@@ -202,13 +201,17 @@ class Conductor:
             if d.awaits is None:  # a held request's instance holds nothing until it is sent
                 self._resident(d, hashes)
             self.heat.touch(hashes[0], now)
-            if (seen_landing and self.cfg.cost.wait_for_landing and self.store.enabled
-                    and d.prefill.spec.kind == "vllm"):
+            if seen_landing and self._landings_on and d.prefill.spec.kind == "vllm":
                 # SGLang prefills hand their KV to the decode, not (at once) to the store
-                self.landings.track(rid, hashes[d.local_blocks + d.load_blocks:],
-                                    d.prefill_ends(now))
+                self.landings.track(rid, hashes[d.computed_from:], d.prefill_ends(now))
         if self.peers is not None:
             self.peers.announce_dispatch(d, rid, hashes)
+
+    @property
+    def _landings_on(self) -> bool:
+        """Whether requests may wait for prefixes landing in the store (the config's
+        switch, and a store to land in)."""
+        return self.cfg.cost.wait_for_landing and self.store.enabled
 
     async def hold(self, d: Decision, hashes: Sequence[bytes]) -> bool:
         """For a dispatched ``d`` that ``awaits`` a landing: wait until its prefills ended
@@ -235,7 +238,7 @@ class Conductor:
             if d.awaits is None:  # a held request's: marked once it is sent (hold)
                 self._resident(d, hashes)
             # what it computes beyond the scanned part lands with it too
-            self.landings.extend(rid, hashes[d.local_blocks + d.load_blocks:])
+            self.landings.extend(rid, hashes[d.computed_from:])
             if self.peers is not None:
                 self.peers.announce_resident(d, rid, hashes)
 

@@ -327,8 +327,7 @@ class Cluster:
                 continue
             d.prefill.enqueue(str(i), d.booked_s(now), now)
             if self.use_landings:
-                computed = d.local_blocks + d.load_blocks
-                self.landings.track(str(i), r.blocks[computed:], d.prefill_ends(now))
+                self.landings.track(str(i), r.blocks[d.computed_from:], d.prefill_ends(now))
             self.to_admit[d.decode.slot - cfg.prefill] += 1
             pending[i] = Pending(d, now, 0, 0)
             awaited = {k for k in d.awaits.keys if self.landings.tracked(k)} if d.awaits else ()

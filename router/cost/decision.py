@@ -70,7 +70,8 @@ when. A candidate that would otherwise compute them may instead wait for it, the
 them (:func:`prefill_cost`: its queue is at least the wait, and it takes that option when
 it scores lower); the decision ``awaits`` the landing and the proxy holds the request
 until it is in. A hot new prefix's followers then load it on idle instances where they
-computed it cold.
+computed it cold. The router passes landings only with ``cost.wait_for_landing`` (off by
+default: the capacity sweeps measured no consistent gain, docs/router.md).
 A prompt that would break the TTFT SLO even on an idle instance is
 served best effort and flagged ``over_slo`` (a 429 would tell the client to retry in
 vain, and refusing it would keep its prefix out of every cache).
@@ -198,6 +199,12 @@ class Decision:
         """What the request keeps ``p`` busy for (its load, then its compute): what
         queues there ahead of later requests."""
         return self.load_s + self.prefill_s
+
+    @property
+    def computed_from(self) -> int:
+        """The prompt's first block ``prefill`` computes (before it: its own blocks and
+        what it loads from the store, a landing included)."""
+        return self.local_blocks + self.load_blocks
 
     @property
     def own_cost(self) -> PrefillCost | None:
