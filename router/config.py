@@ -150,7 +150,7 @@ class CostConfig:
     until that prefill stores it and then load it on an idle instance, where it would
     otherwise queue behind the prefill or compute the prefix again
     (:mod:`kvcentric.router.fleet.landings`). Off by default: the capacity sweeps
-    measured no gain from it (docs/router.md).
+    measured no consistent gain from it (docs/router.md).
     """
 
     profile: str | None = None
