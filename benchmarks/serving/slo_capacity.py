@@ -49,6 +49,10 @@ CDF and Figure 5's ordering (random > load-balancing > local cache-aware > globa
 cache-aware in mean TTFT, global >= 10% below local) are taken at 0.8x the best arm's
 capacity, one run per arm at seed ``--seed``.
 
+``--checkpoint FILE`` appends every finished point to ``FILE`` and takes the points
+already there from it (:mod:`.sweep_points`): a sweep interrupted by a session's end or a
+crash resumes with the same command.
+
 Writes ``benchmarks/results/slo_capacity_<workload>_<n>_{sim,emulated}[_quick].json``
 (``arms``: label, ``summary.capacity_rps`` and per-rate ``rows``; ``summary``:
 ``workload``, ``instances``, ``profile``, ``best_baseline``, ``best_baseline_capacity_rps``,
@@ -80,6 +84,7 @@ import numpy as np
 from benchmarks.lib import capacity as cap
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS, ROOT
+from benchmarks.serving.sweep_points import SavedPoints, run_key
 from benchmarks.sim import workloads as wl
 from benchmarks.sim.cluster import ARMS, Cluster, Outcome, Request, SimConfig
 
@@ -351,17 +356,22 @@ def ratio(arms: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     slo = cap.Slo(args.slo_ttft_s or SLO_TTFT_S[args.workload], args.slo_tbt_s)
     t0 = time.monotonic()
+    key = run_key(args)  # before an engine adjusts args.cfg to the SLO
     if args.engine == "emulator":
         from benchmarks.serving.slo_fleet import FleetEngine
 
         engine: SimEngine | FleetEngine = FleetEngine(args, slo)
     else:
         engine = SimEngine(args, slo)
+    saved = SavedPoints(engine, args.checkpoint, key) if args.checkpoint else None
+    points: Engine = saved or engine
+    if saved:
+        print(f"saved points: {args.checkpoint} ({len(saved.saved)} there)", flush=True)
     with engine:
         nominal = engine.nominal_rps()
         rates = ([float(x) for x in args.rates.split(",")] if args.rates
                  else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])
-        sw = Sweep(engine, args.reps, bool(args.rates), args.max_rates,
+        sw = Sweep(points, args.reps, bool(args.rates), args.max_rates,
                    sweep_reps=args.sweep_reps)
         sw.run(rates)
         sw.refine(0 if args.rates else args.refine)  # given rates are swept as given
@@ -370,8 +380,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out_arms = {a: sw.arm(a) for a in arms}
         top, top_cap = best(out_arms, arms)
         load = 0.8 * top_cap if top_cap else sw.rates[0]
-        at, ttfts = at_load(engine, load)
+        at, ttfts = at_load(points, load)
         info = engine.info()
+    if saved and saved.reused:
+        info["notes"].append(f"{saved.reused} points were measured by an earlier process "
+                             f"of this run (same arguments and commit) and taken from "
+                             f"{saved.path.name} (--checkpoint).")
     ours = [a for a in arms if a in engine.ours]
     b_name, b_cap = best(out_arms, [a for a in arms if engine.baseline(a)])
     o_name, o_cap = best(out_arms, ours)
@@ -540,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1000 requests, 1 repetition")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="append every finished point to this JSON lines file; a rerun "
+                         "with the same arguments and commit takes the points there from "
+                         "it (an interrupted sweep resumes; benchmarks.serving.sweep_points)")
     ap.add_argument("--engine", choices=("sim", "emulator"), default="sim",
                     help="the simulated cluster, or emulated engines behind real routers "
                          "(benchmarks.serving.slo_fleet)")
