@@ -200,13 +200,17 @@ class HealthConfig:
     bookkeeping, and rendering the ~60 KB page costs the engine's API process CPU it
     shares with decode; read at once when an instance joins or comes back).
     ``log_interval_s``: a failing instance is logged (URL and reason) at its first failed
-    check and then at most this often while it keeps failing."""
+    check and then at most this often while it keeps failing. ``passive``: an instance in
+    rotation whose answer to a routed request started within the last ``interval_s``
+    is not asked for ``/health`` (the answer is the check: a busy fleet's engines are
+    then never polled, an idle one's are as before)."""
 
     interval_s: float = 1.0
     metrics_interval_s: float = 5.0
     timeout_s: float = 2.0
     unhealthy_after: int = 2
     log_interval_s: float = 60.0
+    passive: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "interval_s", "metrics_interval_s", "timeout_s", "unhealthy_after",

@@ -250,6 +250,7 @@ class Proxy:
             raise _transport_error(inst, exc) from exc
         if r.status_code >= 500:
             raise UpstreamFailed(inst, f"HTTP {r.status_code}: {r.text[:200]}")
+        self.conductor.registry.answered(inst)
         return r
 
     async def _prefill(self, d: Decision, rid: str, path: str, body: dict[str, Any],
@@ -349,6 +350,7 @@ class Proxy:
             await up.aclose()
             raise
         t_first = time.perf_counter()
+        self.conductor.registry.answered(inst)
         self.metrics.observe_ttft(d.ttft_s, t_first - t_arrival)
         if not d.disaggregated:
             self.conductor.prefill_finished(d, rid, t_first - (t_arrival if sent is None else sent))
@@ -364,6 +366,7 @@ class Proxy:
             async for chunk in chunks:
                 yield chunk
         except httpx.TransportError as exc:
+            self.conductor.registry.answered(d.decode, ok=False)
             self.metrics.upstream_errors.labels(d.decode.name).inc()
             log.warning("stream from %s broke: %s", d.decode.name, exc)
             err = {"error": {"message": f"upstream {d.decode.name} failed mid-stream",

@@ -48,6 +48,9 @@ class Instance:
     server_info: ServerInfo | None = None
     stats: EngineStats = field(default_factory=EngineStats)
     metrics_at: float = float("-inf")  # monotonic time ``stats`` was last read
+    # monotonic time a routed request's answer last started (Registry.answered), -inf
+    # after a stream from it broke: a passive health check (HealthConfig.passive)
+    answered_at: float = float("-inf")
     decodes: int = 0
     # prefill work the engine had waiting at ``metrics_at`` that this router did not send
     # (other router replicas'): each such request costed at ``prefill_mean_s``
@@ -245,6 +248,11 @@ class Registry:
                         inst.spec.url, inst.failures,
                         "in rotation" if inst.healthy else "out of rotation", reason)
 
+    def answered(self, inst: Instance, ok: bool = True) -> None:
+        """A routed request's answer from ``inst`` started (``ok``: a 200 and its first
+        bytes), or a stream from it broke (not ``ok``: the next check asks again)."""
+        inst.answered_at = time.monotonic() if ok else float("-inf")
+
     def mark_ok(self, inst: Instance) -> None:
         if not inst.healthy:
             log.info("instance %s (%s) in rotation", inst.name, inst.spec.url)
@@ -263,19 +271,24 @@ async def check(inst: Instance, registry: Registry, client: Upstreams | httpx.As
     """One health check of ``inst``, and a metrics poll if ``hc.metrics_interval_s`` has
     passed since its last successful one (with it, the engine's context from
     ``/v1/models`` while unknown; ``api_key``: the engines' own key, which vLLM asks for
-    there); updates its state in place."""
+    there); updates its state in place. With ``hc.passive``, an instance in rotation
+    that answered a routed request within ``hc.interval_s`` is not asked for
+    ``/health``."""
     timeout_s, threshold = hc.timeout_s, hc.unhealthy_after
-    try:
-        r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
-        ok = r.status_code == 200
-        reason = f"GET /health answered {r.status_code}"
-    except httpx.HTTPError as exc:
-        ok, reason = False, f"GET /health failed: {transport_reason(exc)}"
-    if not ok:
-        registry.mark_failed(inst, threshold, reason)
-        return
-    registry.mark_ok(inst)
     now = time.monotonic()
+    if not (hc.passive and inst.healthy and not inst.failures
+            and now - inst.answered_at < hc.interval_s):
+        try:
+            r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
+            ok = r.status_code == 200
+            reason = f"GET /health answered {r.status_code}"
+        except httpx.HTTPError as exc:
+            ok, reason = False, f"GET /health failed: {transport_reason(exc)}"
+        if not ok:
+            registry.mark_failed(inst, threshold, reason)
+            return
+        registry.mark_ok(inst)
+        now = time.monotonic()
     if now - inst.metrics_at < hc.metrics_interval_s:
         return
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}

@@ -17,8 +17,11 @@ import pytest
 
 from kvcentric.router.api import app as app_mod
 from kvcentric.router.api.app import build_app
-from kvcentric.router.config import RouterConfig
+from kvcentric.router.config import HealthConfig, RouterConfig
 from kvcentric.router.cost.cost_model import Profile
+from kvcentric.router.fleet import instances as inst_mod
+from kvcentric.router.fleet.instance_spec import InstanceSpec
+from kvcentric.router.fleet.prefix_index import PrefixIndex
 from kvcentric.router.tokenize import PromptTokenizer
 
 PROFILE = Profile(a=0.0, b=1e-5, c=0.001, tbt_base_s=0.01, tbt_per_seq_s=0.0)
@@ -601,3 +604,76 @@ def test_metrics_count_prompt_tokens_tokenised_and_reused(tiny_dir: str) -> None
     # the first piece reused; past it a piece and, still among the first results, a check
     assert reused2 >= len(ref.encode(system[:1024], False))
     assert tok2 - tok1 >= whole
+
+
+def test_an_instance_that_just_answered_is_not_asked_for_health() -> None:
+    """``health.passive``: a routed answer that started within ``interval_s`` is the
+    check; older, after a failure, after a stream broke, or with passive off, the
+    check asks ``/health``. The metrics poll keeps its own cadence either way."""
+    asked: list[str] = []
+
+    class Client:
+        async def get(self, url: str, **kw: Any) -> httpx.Response:
+            asked.append(url.rsplit("/", 1)[1])
+            return httpx.Response(200, text=METRICS if url.endswith("/metrics") else "")
+
+    reg = inst_mod.Registry(PrefixIndex(), 64)
+    inst = reg.add(InstanceSpec.from_dict({"url": "http://a:1", "name": "a"}))
+    inst.max_model_len = 4096  # no /v1/models read
+    hc = HealthConfig(interval_s=30.0, metrics_interval_s=3600.0)
+
+    def check(h: HealthConfig = hc) -> list[str]:
+        asked.clear()
+        asyncio.run(inst_mod.check(inst, reg, Client(), h))  # type: ignore[arg-type]
+        return list(asked)
+
+    assert check() == ["health", "metrics"]  # never answered: asked, gauges read at once
+    assert inst.healthy
+    reg.answered(inst)
+    assert check() == []  # just answered: no poll; metrics not due
+    assert check(HealthConfig(interval_s=30.0, metrics_interval_s=3600.0,
+                              passive=False)) == ["health"]
+    inst.metrics_at = float("-inf")
+    assert check() == ["metrics"]  # the gauges are read when due all the same
+    inst.answered_at -= 31.0
+    assert check() == ["health"]  # answered longer ago than the interval
+    reg.answered(inst)
+    reg.mark_failed(inst, 2, "HTTP 500")
+    assert inst.healthy and inst.failures == 1
+    assert check() == ["health"] and inst.failures == 0  # a failure: ask
+    reg.answered(inst)
+    reg.answered(inst, ok=False)  # a stream from it broke
+    assert check() == ["health"]
+
+
+def test_the_proxy_records_answers_and_broken_streams(tiny_dir: str,
+                                                      tokenizer: PromptTokenizer) -> None:
+    """What the passive check rests on: a whole answer and a stream's first bytes mark
+    the instance answered; a stream that breaks after them clears it."""
+
+    class Breaking(Upstreams):
+        async def _sse(self, host: str) -> AsyncIterator[bytes]:
+            yield b'data: {"id":"s","choices":[{"text":"t0"}]}\n\n'
+            if self.fail.get("break"):
+                raise httpx.ReadError("engine gone")
+            yield b"data: [DONE]\n\n"
+
+    ups = Breaking()
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 2}
+
+    async def fn(c: httpx.AsyncClient) -> None:
+        reg = c._transport.app.state.router.conductor.registry  # type: ignore[attr-defined]
+        assert all(i.answered_at == float("-inf") for i in reg)
+        r = await c.post("/v1/completions", json=body)
+        a = reg.get(r.headers["x-kvc-decode"])
+        assert r.status_code == 200 and a.answered_at > float("-inf")
+        a.answered_at = float("-inf")
+        r = await c.post("/v1/completions", json={**body, "stream": True})
+        a = reg.get(r.headers["x-kvc-decode"])
+        assert r.status_code == 200 and a.answered_at > float("-inf")
+        ups.fail["break"] = True
+        r = await c.post("/v1/completions", json={**body, "stream": True})
+        assert "failed mid-stream" in r.text
+        assert reg.get(r.headers["x-kvc-decode"]).answered_at == float("-inf")
+
+    run(make_cfg(tiny_dir, TWO), tokenizer, ups, fn)
