@@ -255,8 +255,9 @@ def within_bound(candidates: list[T], instance: Callable[[T], Instance],
     loaded one's (all of them without a bound, or with one candidate)."""
     if params.balance_abs is None or len(candidates) < 2:
         return candidates
-    least = min(instance(c).batch() for c in candidates)
-    return [c for c in candidates if not overloaded(instance(c).batch(), least, params)]
+    loads = [instance(c).batch() for c in candidates]
+    least = min(loads)
+    return [c for c, n in zip(candidates, loads) if not overloaded(n, least, params)]
 
 
 def hit_tokens(local: int, global_run: int, global_tail: bool, n_tokens: int,
@@ -267,29 +268,48 @@ def hit_tokens(local: int, global_run: int, global_tail: bool, n_tokens: int,
     return min(max(local * block_size, stored), n_tokens - 1)
 
 
+# what a candidate's cost takes from its leading run alone: (objects on disk, load
+# seconds, prefill seconds before the instance's correction)
+_RunParts = tuple[int, float, float]
+
+
 def prefill_cost(p: Instance, local: int, global_run: int, n_tokens: int,
                  params: CostParams, now: float, global_tail: bool = False,
                  disk_only: Sequence[int] = (), landing: Landing | None = None,
-                 ttft_slo_s: float = math.inf) -> PrefillCost:
+                 ttft_slo_s: float = math.inf,
+                 memo: dict[tuple[int, bool], _RunParts] | None = None) -> PrefillCost:
     """Algorithm 1's ``TTFT_p`` for one candidate: load what the store holds beyond ``p``'s
     own blocks (a tail is one more object, at position ``global_run``; those at positions
     in ``disk_only`` from the disk tier), compute the rest. With a ``landing`` that
     extends what ``p`` would find, the better of that and waiting for the landing (no
     sooner than ``landing.ready_at``), then loading it too (``waits``): by the score's
     TTFT and work terms (:func:`choose`), unless waiting breaks ``ttft_slo_s`` where
-    computing now would not."""
-    hit = hit_tokens(local, global_run, global_tail, n_tokens, params.block_size)
-    stop = global_run + int(global_tail)
-    on_disk = on_disk_in(disk_only, local, stop)
-    t_load = params.load_time_s(stop - local, on_disk)
-    t_pre = params.profile.prefill_s(n_tokens, hit) * p.correction
+    computing now would not. ``memo``: one dict shared by the candidates of one request
+    (every other argument but ``p`` and ``local`` the same), so candidates with the same
+    leading run share its load and compute times (a fleet's candidates mostly hold
+    nothing of a prompt, or the same shared prefix)."""
+    parts = memo.get((local, False)) if memo is not None else None
+    if parts is None:
+        hit = hit_tokens(local, global_run, global_tail, n_tokens, params.block_size)
+        stop = global_run + int(global_tail)
+        on_disk = on_disk_in(disk_only, local, stop)
+        parts = (on_disk, params.load_time_s(stop - local, on_disk),
+                 params.profile.prefill_s(n_tokens, hit))
+        if memo is not None:
+            memo[(local, False)] = parts
+    on_disk, t_load, t_pre = parts[0], parts[1], parts[2] * p.correction
     now_cost = PrefillCost(p.name, local, p.queue_s(now, t_pre), t_load, t_pre, on_disk)
     if landing is None or landing.run <= max(local, global_run):
         return now_cost
-    hit = hit_tokens(local, landing.run, False, n_tokens, params.block_size)
-    on_disk = on_disk_in(disk_only, local, global_run)
-    t_load = params.load_time_s(landing.run - local, on_disk)
-    t_pre = params.profile.prefill_s(n_tokens, hit) * p.correction
+    parts = memo.get((local, True)) if memo is not None else None
+    if parts is None:
+        hit = hit_tokens(local, landing.run, False, n_tokens, params.block_size)
+        on_disk = on_disk_in(disk_only, local, global_run)
+        parts = (on_disk, params.load_time_s(landing.run - local, on_disk),
+                 params.profile.prefill_s(n_tokens, hit))
+        if memo is not None:
+            memo[(local, True)] = parts
+    on_disk, t_load, t_pre = parts[0], parts[1], parts[2] * p.correction
     queue = max(p.queue_s(now, t_pre), landing.ready_at - now)
     wait_cost = PrefillCost(p.name, local, queue, t_load, t_pre, on_disk, waits=True)
     # by the score's own terms (:func:`choose`): waiting costs the fleet no compute
@@ -353,10 +373,19 @@ def decoding_beside(instances: Sequence[Instance]) -> dict[int, int]:
     stalled). On a shared processor, every listed instance's there. This router's own
     count, exact where the engine's running gauge is up to a poll old; other replicas'
     requests are not in it."""
-    per_proc: dict[int, int] = {}
-    for i in {id(i): i for i in instances}.values():
-        per_proc[id(i.proc)] = per_proc.get(id(i.proc), 0) + i.decodes
-    return {id(i): per_proc[id(i.proc)] if i.proc.shared else i.decodes for i in instances}
+    out: dict[int, int] = {}
+    shared: list[Instance] = []
+    for i in instances:  # a colocated instance is listed as prefill and as decode
+        if i.proc.shared:
+            shared.append(i)
+        else:
+            out[id(i)] = i.decodes
+    if shared:
+        per_proc: dict[int, int] = {}
+        for i in {id(i): i for i in shared}.values():
+            per_proc[id(i.proc)] = per_proc.get(id(i.proc), 0) + i.decodes
+        out.update((id(i), per_proc[id(i.proc)]) for i in shared)
+    return out
 
 
 def _best_decoder(decode: Sequence[Instance], runs: dict[int, int], n_tokens: int,
@@ -413,8 +442,9 @@ def choose(prefill: Sequence[Instance], decode: Sequence[Instance], runs: dict[i
         return Rejection("no_instance", 1, math.inf, math.inf,
                          "no healthy instance that can prefill")
     tbt_slo = slo.tbt_ms / 1000.0
+    memo: dict[tuple[int, bool], _RunParts] = {}
     costs = [prefill_cost(p, runs.get(p.slot, 0), global_run, n_tokens, params, now,
-                          global_tail, disk_only, landing, slo.ttft_ms / 1000.0)
+                          global_tail, disk_only, landing, slo.ttft_ms / 1000.0, memo)
              for p in prefill]
     # a pair is of one kind: an SGLang prefill hands its KV only to an SGLang decode (its
     # bootstrap protocol), a vLLM prefill to a vLLM decode (through the store)
