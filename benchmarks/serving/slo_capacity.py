@@ -261,13 +261,14 @@ class Sweep:
         return None
 
     def deciding(self, arm: str) -> list[float]:
-        """The rates ``arm``'s capacity rests on: its :meth:`crossing` (its highest rate
-        when it holds at every one, its lowest when it holds at none)."""
-        pair = self.crossing(arm)
-        if pair is not None:
-            return list(pair)
+        """The rates ``arm``'s capacity rests on, as :func:`capacity.capacity_at` reads
+        them: its lowest when it misses there (the capacity is then "below", whatever
+        happens higher up), else its :meth:`crossing`, else its highest rate."""
         rates = self.arm_rates(arm)
-        return [rates[-1] if self.fraction(arm, rates[0]) >= cap.THRESHOLD else rates[0]]
+        if self.fraction(arm, rates[0]) < cap.THRESHOLD:
+            return [rates[0]]
+        pair = self.crossing(arm)
+        return list(pair) if pair is not None else [rates[-1]]
 
     def confirm(self) -> None:
         """Bring every arm's deciding rates to ``reps`` repetitions; repeat while that

@@ -355,6 +355,39 @@ def test_the_rates_that_decide_a_capacity_get_every_repetition_the_others_fewer(
     assert out["capacity_rps"] is not None and 2.0 <= out["capacity_rps"] < 4.0
 
 
+class _UnluckyStart:
+    """Holds up to 5 req/s, except that the first repetition at 1 req/s (the lowest
+    rate) misses: one unlucky run."""
+
+    arms = ["a"]
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[float, int]] = []
+
+    def point(self, arm: str, rate: float, rep: int
+              ) -> tuple[dict[str, Any], list[cap.Served]]:
+        self.ran.append((rate, rep))
+        holds = rate <= 5.0 and (rate, rep) != (1.0, 0)
+        return {"offered_rps": rate, "effective_fraction": 1.0 if holds else 0.5}, []
+
+
+def test_a_lowest_rate_that_misses_once_is_repeated_before_it_decides_below() -> None:
+    """A miss at the lowest rate makes the capacity "below" whatever the rates above
+    say, so that rate decides it and gets every repetition; here their median holds,
+    and the crossing above it is confirmed instead."""
+    eng = _UnluckyStart()
+    sw = slo_capacity.Sweep(eng, reps=3, fixed=True, max_rates=14,
+                            progress=lambda _: None, sweep_reps=1)
+    sw.run([1.0, 2.0, 4.0, 8.0])
+    assert sw.deciding("a") == [1.0]
+    assert sw.arm("a")["capacity_found"] == "below"
+    sw.confirm()
+    counts = {r: sum(1 for x, _ in eng.ran if x == r) for r in sw.rates}
+    assert counts == {1.0: 3, 2.0: 1, 4.0: 3, 8.0: 3}
+    out = sw.arm("a")
+    assert out["capacity_found"] == "interpolated" and 4.0 <= out["capacity_rps"] < 8.0
+
+
 def test_figure5s_baselines_have_no_global_pool_and_only_an_emulated_fleet_runs_them(
         tmp_path: Path) -> None:
     """The paper's random, load-balancing and local cache-aware schedulers reuse each
