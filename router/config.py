@@ -202,8 +202,9 @@ class HealthConfig:
     ``log_interval_s``: a failing instance is logged (URL and reason) at its first failed
     check and then at most this often while it keeps failing. ``passive``: an instance in
     rotation whose answer to a routed request started within the last ``interval_s``
-    is not asked for ``/health`` (the answer is the check: a busy fleet's engines are
-    then never polled, an idle one's are as before)."""
+    is not asked for ``/health`` except with its ``/metrics`` poll (the answer is the
+    check: a busy fleet's engines are asked every ``metrics_interval_s``, which still
+    sees one that reports itself unhealthy while answering; an idle one's as before)."""
 
     interval_s: float = 1.0
     metrics_interval_s: float = 5.0

@@ -273,11 +273,13 @@ async def check(inst: Instance, registry: Registry, client: Upstreams | httpx.As
     ``/v1/models`` while unknown; ``api_key``: the engines' own key, which vLLM asks for
     there); updates its state in place. With ``hc.passive``, an instance in rotation
     that answered a routed request within ``hc.interval_s`` is not asked for
-    ``/health``."""
+    ``/health`` until its metrics poll is due: then it is, so an engine that says it is
+    unhealthy while it still answers (draining) leaves rotation all the same."""
     timeout_s, threshold = hc.timeout_s, hc.unhealthy_after
     now = time.monotonic()
     if not (hc.passive and inst.healthy and not inst.failures
-            and now - inst.answered_at < hc.interval_s):
+            and now - inst.answered_at < hc.interval_s
+            and now - inst.metrics_at < hc.metrics_interval_s):
         try:
             r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
             ok = r.status_code == 200

@@ -608,13 +608,16 @@ def test_metrics_count_prompt_tokens_tokenised_and_reused(tiny_dir: str) -> None
 
 def test_an_instance_that_just_answered_is_not_asked_for_health() -> None:
     """``health.passive``: a routed answer that started within ``interval_s`` is the
-    check; older, after a failure, after a stream broke, or with passive off, the
-    check asks ``/health``. The metrics poll keeps its own cadence either way."""
+    check until the metrics poll is due; older, after a failure, after a stream broke,
+    with the metrics poll due, or with passive off, the check asks ``/health``."""
     asked: list[str] = []
+    draining: list[bool] = [False]
 
     class Client:
         async def get(self, url: str, **kw: Any) -> httpx.Response:
             asked.append(url.rsplit("/", 1)[1])
+            if url.endswith("/health") and draining[0]:
+                return httpx.Response(503)
             return httpx.Response(200, text=METRICS if url.endswith("/metrics") else "")
 
     reg = inst_mod.Registry(PrefixIndex(), 64)
@@ -634,7 +637,9 @@ def test_an_instance_that_just_answered_is_not_asked_for_health() -> None:
     assert check(HealthConfig(interval_s=30.0, metrics_interval_s=3600.0,
                               passive=False)) == ["health"]
     inst.metrics_at = float("-inf")
-    assert check() == ["metrics"]  # the gauges are read when due all the same
+    # with the metrics poll due, /health is asked too: an engine that answers while it
+    # reports itself unhealthy (draining) is still seen
+    assert check() == ["health", "metrics"]
     inst.answered_at -= 31.0
     assert check() == ["health"]  # answered longer ago than the interval
     reg.answered(inst)
@@ -644,6 +649,14 @@ def test_an_instance_that_just_answered_is_not_asked_for_health() -> None:
     reg.answered(inst)
     reg.answered(inst, ok=False)  # a stream from it broke
     assert check() == ["health"]
+    # draining: it keeps answering, its /health fails; seen at the next metrics poll
+    draining[0] = True
+    reg.answered(inst)
+    assert check() == [] and inst.healthy
+    inst.metrics_at = float("-inf")
+    assert check() == ["health"] and inst.failures == 1
+    reg.answered(inst)
+    assert check() == ["health"] and not inst.healthy  # a failure counted: asked again
 
 
 def test_the_proxy_records_answers_and_broken_streams(tiny_dir: str,
