@@ -68,6 +68,7 @@ a loss can be explained request by request.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
@@ -368,7 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     points: Engine = saved or engine
     if saved:
         print(f"saved points: {args.checkpoint} ({len(saved.saved)} there)", flush=True)
-    with engine:
+    with engine, saved or contextlib.nullcontext():
         nominal = engine.nominal_rps()
         rates = ([float(x) for x in args.rates.split(",")] if args.rates
                  else [nominal * 0.25 * STEP ** k for k in range(args.start_rates)])

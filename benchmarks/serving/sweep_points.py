@@ -12,12 +12,14 @@ The file's first line names the run it belongs to (:func:`run_key`: the argument
 shape a point, the simulator's configuration and the code's commit); a file of another
 run is refused with the fields that differ, never mixed in. Points are keyed by arm,
 offered rate and repetition, so a rerun with more arms, rates or repetitions reuses what
-it shares with the first. A torn last line (the writer killed mid-append) is dropped.
+it shares with the first. A torn last line (the writer killed mid-append) is dropped;
+a second sweep on a file in use is refused (``FILE.lock``, flock).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 from dataclasses import asdict
@@ -70,11 +72,33 @@ class SavedPoints:
         # (arm, rate, rep) -> {"row", "outs", "runs", "requests"}: every point in the file
         self.saved: dict[tuple[str, float, int], dict[str, Any]] = {}
         self._given: set[tuple[str, float, int]] = set()
-        if path.exists() and path.stat().st_size:
-            self._load(key)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._append({"key": key})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # held while this object lives (the process, for a sweep): a second sweep started
+        # on the same file would interleave its points with this one's
+        self._lock = path.with_name(path.name + ".lock").open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(f"{path}: another sweep is using it") from None
+        try:
+            if path.exists() and path.stat().st_size:
+                self._load(key)
+            else:
+                self._append({"key": key})
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let another sweep use the file (also when this process ends)."""
+        self._lock.close()
+
+    def __enter__(self) -> SavedPoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _load(self, key: dict[str, Any]) -> None:
         lines = self.path.read_bytes().split(b"\n")

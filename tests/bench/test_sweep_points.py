@@ -60,8 +60,10 @@ def test_an_interrupted_sweep_resumes_from_its_saved_points(tmp_path: Path) -> N
     whole = _Engine()
     expect = _sweep(whole)
     first = _Engine(fail_after=5)
+    killed = SavedPoints(first, path, KEY)
     with pytest.raises(KeyboardInterrupt):
-        _sweep(SavedPoints(first, path, KEY))
+        _sweep(killed)
+    killed.close()  # what the killed process's exit does
     second = _Engine()
     saved = SavedPoints(second, path, KEY)
     assert len(saved.saved) == 5
@@ -79,11 +81,14 @@ def test_an_interrupted_sweep_resumes_from_its_saved_points(tmp_path: Path) -> N
     assert outs == [cap.Served(0.1, 0.0, 100, 10, 20), cap.Served(None, 0.0, 50, rejected=True)]
     assert row == {"offered_rps": 1.0, "effective_fraction": 1.0}
     assert len(second.runs) == len(whole.runs)  # given out again: not recorded twice
+    saved.close()
 
 
 def test_a_file_of_another_run_or_of_something_else_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "points.jsonl"
-    SavedPoints(_Engine(), path, KEY).point("a", 1.0, 0)
+    saved = SavedPoints(_Engine(), path, KEY)
+    saved.point("a", 1.0, 0)
+    saved.close()
     other = {**KEY, "args": {"workload": "hotprefix", "seed": 1}}
     with pytest.raises(ValueError, match=r"saved by another run \(differs in args.seed\)"):
         SavedPoints(_Engine(), path, other)
@@ -98,11 +103,21 @@ def test_a_file_of_another_run_or_of_something_else_is_refused(tmp_path: Path) -
         SavedPoints(_Engine(), path, KEY)
 
 
+def test_a_file_in_use_by_another_sweep_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "points.jsonl"
+    first = SavedPoints(_Engine(), path, KEY)
+    with pytest.raises(ValueError, match="another sweep is using it"):
+        SavedPoints(_Engine(), path, KEY)
+    first.close()
+    SavedPoints(_Engine(), path, KEY).close()  # free once the first let it go
+
+
 def test_a_torn_last_line_is_cut_and_its_point_runs_again(tmp_path: Path) -> None:
     path = tmp_path / "points.jsonl"
     saved = SavedPoints(_Engine(), path, KEY)
     saved.point("a", 1.0, 0)
     saved.point("a", 2.0, 0)
+    saved.close()
     data = path.read_bytes()
     path.write_bytes(data[:-40])  # the writer died in the middle of its last append
     eng = _Engine()
@@ -111,6 +126,7 @@ def test_a_torn_last_line_is_cut_and_its_point_runs_again(tmp_path: Path) -> Non
     again.point("a", 2.0, 0)
     assert eng.ran == [("a", 2.0, 0)]
     assert [json.loads(x).get("rate") for x in path.read_text().splitlines()] == [None, 1.0, 2.0]
+    again.close()
 
 
 def test_a_simulated_sweep_killed_by_sigkill_resumes_to_the_same_result(tmp_path: Path) -> None:
@@ -135,6 +151,8 @@ def test_a_simulated_sweep_killed_by_sigkill_resumes_to_the_same_result(tmp_path
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
     assert not out.exists()
     assert slo_capacity.main(["hotprefix", "--instances", "4", "--requests", "400",
                               "--out", str(out), "--checkpoint", str(path), *args]) == 0
