@@ -21,8 +21,13 @@ pool's prompt tokens it loaded rather than recomputed). The workloads are
 ``--requests`` lines, times scaled to the rate, tokens by ``--scale-tokens``), hot prefix
 (Zipf-popular prefixes, Poisson arrivals) and the coding agent (multi-turn sessions: a
 shared system prompt, a long first turn, more context each turn, think time; a turn is
-sent when the previous answer came). Answers are cut to ``--max-output`` tokens (the token
-stream of every request goes through the router and the client on this machine's CPUs).
+sent when the previous answer came; ``--requests`` worth of sessions, or more at high
+rates: enough to arrive over :data:`AGENT_SPAN_SESSIONS` session lengths, since sessions
+that have all arrived before the first one ends offer the engines their own pace, not the
+rate). Each row's ``achieved_rps`` is the rate its counted requests arrived at, which
+says whether the offered rate was the one served. Answers are cut to ``--max-output``
+tokens (the token stream of every request goes through the router and the client on
+this machine's CPUs).
 
 Time: the emulation runs ``--dilation`` times slower than real time and every time is
 reported back in emulated seconds (offered rates too), so the CPUs in front of the fleet
@@ -34,6 +39,7 @@ per-request account (engine cache vs store).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -93,6 +99,19 @@ FIGURE5 = ("kvcentric-random-nostore", "kvcentric-least_loaded-nostore",
 HOT = {"groups": 16, "prefix": 8192, "question": 512}
 AGENT = {"system": 20480, "first": 10240, "turn": 2048, "turns_mean": 12.0,
          "turns_std": 6.0, "think_s": 5.0}
+# a coding agent's sessions arrive over at least this many mean session lengths (turns
+# times think time): with fewer, every session has arrived before the first one ends, and
+# the engines see the sessions' own pace, not the offered rate
+AGENT_SPAN_SESSIONS = 3.0
+
+
+def agent_sessions(requests: int, rate: float) -> int:
+    """Sessions of the coding agent at ``rate`` requests/s (emulated): ``requests`` worth,
+    or more, so that they arrive over :data:`AGENT_SPAN_SESSIONS` session lengths and the
+    load holds at ``rate`` for most of the run."""
+    turns = AGENT["turns_mean"]
+    span_s = AGENT_SPAN_SESSIONS * turns * AGENT["think_s"]
+    return max(1, round(requests / turns), math.ceil(rate / turns * span_s))
 
 
 def capped(w: Workload, max_output: int) -> Workload:
@@ -210,7 +229,7 @@ class FleetEngine:
                                 output_len=a.max_output, group_skew=1.0, request_rate=wall)
         turns = AGENT["turns_mean"]
         return WorkloadSpec(workload="multi-turn", seed=seed,
-                            num_users=max(1, round(a.requests / turns)), turns_mean=turns,
+                            num_users=agent_sessions(a.requests, rate), turns_mean=turns,
                             turns_std=AGENT["turns_std"],
                             shared_system_prompt_len=round(AGENT["system"] * s),
                             user_context_len=round(AGENT["first"] * s),
@@ -247,6 +266,11 @@ class FleetEngine:
                            rejected=r["status"] == 429) for r in recs]
         kept = cap.counted(outs, self.args.warmup)
         row = cap.rate_point(kept, self.slo, rate, len(kept) / rate)
+        # the rate the counted requests arrived at (emulated): the offered rate unless a
+        # workload's own pace (sessions' turns) held it back
+        first = recs[len(outs) - len(kept)]["start_s"] if kept else 0.0
+        span = (recs[-1]["start_s"] - first) / d if kept else 0.0
+        row["achieved_rps"] = (len(kept) - 1) / span if span > 0 else None
         engine = res["engine_requests"]
         prefill = set(res.get("prefill_engines", ()))
         # a P/D split: tokens come from the decode pool, the prompt's reuse is the prefill's

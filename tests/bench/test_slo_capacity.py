@@ -240,6 +240,9 @@ def test_the_emulated_fleet_sweeps_real_requests_in_emulated_time(tmp_path: Path
     assert light["miss_share"] == pytest.approx(
         1 - light["engine_hit_share"] - light["store_hit_share"])
     assert 0 < light["miss_share"] < 1
+    # the rate the counted requests arrived at: the offered one at light load
+    assert light["achieved_rps"] == pytest.approx(10.0, rel=0.5)
+    assert flood["achieved_rps"] > light["achieved_rps"]
     assert doc["arms"][0]["summary"]["capacity_found"] == "interpolated"
     # each run's engine records are its own: the flood's requests (the same sessions as
     # the light run's, on the same engines) each ran on one engine, not on two
@@ -249,6 +252,24 @@ def test_the_emulated_fleet_sweeps_real_requests_in_emulated_time(tmp_path: Path
         served = [r for r in per_request if r["rate"] == rate and r["status"] == 200]
         assert served and all(len(r["engines"]) == 1 for r in served), rate
 
+
+
+def test_the_coding_agents_sessions_arrive_over_several_session_lengths() -> None:
+    """A run of the coding agent whose sessions all arrive before the first one ends
+    offers the engines the sessions' own pace, whatever the rate: past the rate its
+    requests allow, the emulated agent gets more sessions, arriving over
+    ``AGENT_SPAN_SESSIONS`` session lengths (turns times think time)."""
+    from benchmarks.serving import slo_fleet
+
+    turns, think = slo_fleet.AGENT["turns_mean"], slo_fleet.AGENT["think_s"]
+    session_s = turns * think
+    assert slo_fleet.agent_sessions(1000, 1.0) == round(1000 / turns)  # slow: as asked
+    for rate in (10.0, 45.0, 152.0):
+        n = slo_fleet.agent_sessions(1000, rate)
+        arrival_s = n / (rate / turns)  # sessions arrive at rate / turns a second
+        assert arrival_s >= slo_fleet.AGENT_SPAN_SESSIONS * session_s
+        assert n * turns >= 1000
+    assert slo_fleet.agent_sessions(0, 0.0) == 1
 
 
 def test_a_pd_arm_splits_the_fleet_and_hands_each_prompt_over_through_the_store(
