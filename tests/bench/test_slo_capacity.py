@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -343,24 +344,26 @@ def test_an_arm_that_never_holds_does_not_stop_the_sweep_going_up() -> None:
     assert sw.arm("strong")["capacity_found"] == "interpolated"
 
 
-class _Flaky:
-    """An arm that holds up to 5 req/s, except that at 4 req/s only its first repetition
-    holds; records every (rate, rep) it runs."""
+class _Scripted:
+    """One arm that holds (effective fraction 1.0, else 0.5) where ``holds(rate, rep)``
+    says; records every (rate, rep) it runs."""
 
     arms = ["a"]
 
-    def __init__(self) -> None:
+    def __init__(self, holds: Callable[[float, int], bool]) -> None:
+        self.holds = holds
         self.ran: list[tuple[float, int]] = []
 
     def point(self, arm: str, rate: float, rep: int
               ) -> tuple[dict[str, Any], list[cap.Served]]:
         self.ran.append((rate, rep))
-        holds = rate <= 5.0 and not (rate == 4.0 and rep > 0)
-        return {"offered_rps": rate, "effective_fraction": 1.0 if holds else 0.5}, []
+        frac = 1.0 if self.holds(rate, rep) else 0.5
+        return {"offered_rps": rate, "effective_fraction": frac}, []
 
 
 def test_the_rates_that_decide_a_capacity_get_every_repetition_the_others_fewer() -> None:
-    eng = _Flaky()
+    # holds up to 5 req/s, except that at 4 req/s only its first repetition holds
+    eng = _Scripted(lambda rate, rep: rate <= 5.0 and not (rate == 4.0 and rep > 0))
     sw = slo_capacity.Sweep(eng, reps=3, fixed=True, max_rates=14,
                             progress=lambda _: None, sweep_reps=1)
     sw.run([1.0, 2.0, 4.0, 8.0, 16.0])
@@ -376,27 +379,12 @@ def test_the_rates_that_decide_a_capacity_get_every_repetition_the_others_fewer(
     assert out["capacity_rps"] is not None and 2.0 <= out["capacity_rps"] < 4.0
 
 
-class _UnluckyStart:
-    """Holds up to 5 req/s, except that the first repetition at 1 req/s (the lowest
-    rate) misses: one unlucky run."""
-
-    arms = ["a"]
-
-    def __init__(self) -> None:
-        self.ran: list[tuple[float, int]] = []
-
-    def point(self, arm: str, rate: float, rep: int
-              ) -> tuple[dict[str, Any], list[cap.Served]]:
-        self.ran.append((rate, rep))
-        holds = rate <= 5.0 and (rate, rep) != (1.0, 0)
-        return {"offered_rps": rate, "effective_fraction": 1.0 if holds else 0.5}, []
-
-
 def test_a_lowest_rate_that_misses_once_is_repeated_before_it_decides_below() -> None:
     """A miss at the lowest rate makes the capacity "below" whatever the rates above
     say, so that rate decides it and gets every repetition; here their median holds,
     and the crossing above it is confirmed instead."""
-    eng = _UnluckyStart()
+    # holds up to 5 req/s, except its first run at the lowest rate: one unlucky run
+    eng = _Scripted(lambda rate, rep: rate <= 5.0 and (rate, rep) != (1.0, 0))
     sw = slo_capacity.Sweep(eng, reps=3, fixed=True, max_rates=14,
                             progress=lambda _: None, sweep_reps=1)
     sw.run([1.0, 2.0, 4.0, 8.0])
