@@ -277,20 +277,21 @@ async def check(inst: Instance, registry: Registry, client: Upstreams | httpx.As
     unhealthy while it still answers (draining) leaves rotation all the same."""
     timeout_s, threshold = hc.timeout_s, hc.unhealthy_after
     now = time.monotonic()
-    if not (hc.passive and inst.healthy and not inst.failures
+    if (hc.passive and inst.healthy and not inst.failures
             and now - inst.answered_at < hc.interval_s
             and now - inst.metrics_at < hc.metrics_interval_s):
-        try:
-            r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
-            ok = r.status_code == 200
-            reason = f"GET /health answered {r.status_code}"
-        except httpx.HTTPError as exc:
-            ok, reason = False, f"GET /health failed: {transport_reason(exc)}"
-        if not ok:
-            registry.mark_failed(inst, threshold, reason)
-            return
-        registry.mark_ok(inst)
-        now = time.monotonic()
+        return  # its answer was the check, and its gauges are not due
+    try:
+        r = await client.get(inst.spec.url + "/health", timeout=timeout_s)
+        ok = r.status_code == 200
+        reason = f"GET /health answered {r.status_code}"
+    except httpx.HTTPError as exc:
+        ok, reason = False, f"GET /health failed: {transport_reason(exc)}"
+    if not ok:
+        registry.mark_failed(inst, threshold, reason)
+        return
+    registry.mark_ok(inst)
+    now = time.monotonic()
     if now - inst.metrics_at < hc.metrics_interval_s:
         return
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from benchmarks.lib import capacity as cap
 from benchmarks.serving import slo_capacity
 from benchmarks.serving.sweep_points import SavedPoints
 from tests.bench.test_slo_capacity import _doc
+from tests.helpers.waiting import wait_until
 
 KEY = {"version": 1, "args": {"workload": "hotprefix", "seed": 0}, "cfg": {}, "git": {}}
 
@@ -143,11 +143,12 @@ def test_a_simulated_sweep_killed_by_sigkill_resumes_to_the_same_result(tmp_path
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while not (path.exists() and path.read_bytes().count(b"\n") >= 3):
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no point saved within 120 s"
-            time.sleep(0.05)
+        def saved_or_ended() -> bool:
+            return proc.poll() is not None or (
+                path.exists() and path.read_bytes().count(b"\n") >= 3)
+
+        assert wait_until(saved_or_ended, 120), "no point saved within 120 s"
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
