@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from kvcentric.router import tokenize
+from kvcentric.router import prefix_tokens, tokenize
 from kvcentric.router.config import CacheConfig
 from kvcentric.router.prefix_tokens import PrefixTokens, Reuse
 from kvcentric.router.tokenize import PromptTokenizer
@@ -251,3 +253,79 @@ def test_a_lookup_resumed_from_an_earlier_walk_finds_what_a_fresh_one_does() -> 
     kept = p.lookup(text, True, resumed)
     assert kept.start == resumed.start
     assert np.array_equal(p.encode(text, True, kept), tok._whole(text, True))
+
+
+class _CountedGets(OrderedDict):  # type: ignore[type-arg]
+    """The chunk map, counting the key lookups a walk makes (one per step)."""
+
+    gets = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.gets += 1
+        return super().get(key, default)
+
+
+def _conversation(seed: int, turns: int) -> list[str]:
+    """A conversation's prompts: each the last one plus an answer and a new question,
+    long enough that the known prefix is several express links."""
+    rnd = random.Random(seed)
+    text = mixed_text(rnd, 12 * prefix_tokens.EXPRESS_CHUNKS * 40)
+    out = []
+    for _ in range(turns):
+        text += mixed_text(rnd, rnd.randrange(50, 400))
+        out.append(text)
+    return out
+
+
+def test_a_walk_rides_express_links_and_finds_what_a_step_by_step_walk_does() -> None:
+    """Two caches fed the same prompts, one laying express links and one never: every
+    lookup (whole prompts, prompts cut inside a link, prompts that leave the chain inside
+    one, resumed lookups) finds the same chunks, the ids stay the tokenizer's, and a
+    prompt seen before is walked in a step per link, not per chunk."""
+    tok = PromptTokenizer(bench(), cache_chars=1)
+    fast = PrefixTokens(tok._encoding, max_chars=1 << 24)
+    slow = PrefixTokens(tok._encoding, max_chars=1 << 24, express_chunks=0)
+    rnd = random.Random(7)
+    texts = _conversation(1, 6)
+    texts += [t[:rnd.randrange(len(t))] for t in texts]  # cut anywhere, inside links too
+    texts += [t[:len(t) // 2] + "😀 off the chain" + t[len(t) // 2:] for t in texts[:3]]
+
+    def walked(p: PrefixTokens, text: str) -> tuple[int, list[int]]:
+        r = p.lookup(text, False)
+        return r.start, [c.node for c in r.chunks]
+
+    for text in texts:
+        want = walked(slow, text)
+        assert walked(fast, text) == want
+        resumed = fast.lookup(text[:len(text) // 3], False)
+        assert fast.lookup(text, False, resumed).start == want[0]
+        ids = fast.encode(text, False)
+        assert np.array_equal(slow.encode(text, False), ids)
+        assert np.array_equal(ids, tok._whole(text, False))
+    assert fast._express and not slow._express
+
+    fast._chunks = counted = _CountedGets(fast._chunks)
+    reuse = fast.lookup(texts[5], False)
+    assert len(reuse.chunks) > 4 * prefix_tokens.EXPRESS_CHUNKS
+    assert counted.gets <= 2 * prefix_tokens.EXPRESS_CHUNKS, counted.gets
+
+
+def test_an_express_link_through_an_evicted_chunk_is_dropped_and_not_ridden() -> None:
+    """A chunk evicted from the middle of a known chain: the walk stops where a step by
+    step walk would (before it) and the link over it is gone; the ids stay exact."""
+    tok = PromptTokenizer(bench(), cache_chars=1)
+    p = PrefixTokens(tok._encoding, max_chars=1 << 24)
+    text = _conversation(2, 1)[0]
+    p.encode(text, False)
+    first = p.lookup(text, False)  # lays the links
+    assert len(first.chunks) > 3 * prefix_tokens.EXPRESS_CHUNKS
+    victim = first.path[prefix_tokens.EXPRESS_CHUNKS + 5]
+    links = [n for n, link in p._express.items() if victim in link.chunks]
+    assert links
+    p._chunks.pop(victim.key)  # what eviction does to the least recently used
+    p._live.discard(victim.node)
+    again = p.lookup(text, False)
+    before = first.path.index(victim)
+    assert [c.node for c in again.path] == [c.node for c in first.path[:before]]
+    assert not any(n in p._express for n in links)
+    assert np.array_equal(p.encode(text, False, again), tok._whole(text, False))
