@@ -4,10 +4,12 @@ real vLLM CPU server serving such a model, with each instance's load sampled."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from benchmarks.serving import loadgen  # the repository's runs: result files with figures
@@ -87,16 +89,38 @@ def word_server(word_model: str, tmp_path_factory: pytest.TempPathFactory) -> It
         srv.stop()
 
 
+@contextlib.contextmanager
+def _decoding(server: VllmServer, prompt: list[int]) -> Iterator[Callable[[], bool]]:
+    """A streamed request decoding to the context's end (EOS ignored), in the engine's
+    batch from its first token until the block exits (closing the stream aborts it).
+    Yields a check that it is decoding still: its next chunk carries no finish reason."""
+    body = {"model": server.name, "prompt": prompt, "stream": True, "ignore_eos": True,
+            "max_tokens": server.max_model_len - len(prompt), "temperature": 0.0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        lines = (x for x in r.iter_lines() if x.startswith("data: "))
+
+        def decoding() -> bool:
+            line = next(lines, "data: [DONE]")
+            return line != "data: [DONE]" and \
+                json.loads(line[6:])["choices"][0].get("finish_reason") is None
+
+        assert decoding(), "the background request never started"  # its first token
+        yield decoding
+
+
 @pytest.mark.vllm
 def test_multi_turn_run_against_vllm_serving_a_word_level_model(
-        word_server: VllmServer, word_model: str, tmp_path: Path,
+        word_server: VllmServer, word_model: str, word_src: TokenSource, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "word.json"
-    rc = loadgen.main(["--base-url", word_server.url, "--tokenizer", word_model,
-                             "--workload", "multi-turn", "--num-users", "3", "--turns-mean", "3",
-                             "--shared-system-prompt-len", "256", "--user-context-len", "128",
-                             "--turn-input-len", "32", "--output-len", str(OUT), "--seed", "21",
-                             "--sample-interval", "0.05", "--out", str(out), "--disable-tqdm"])
+    with _decoding(word_server, list(word_src.words[:8])) as still_decoding:
+        rc = loadgen.main(["--base-url", word_server.url, "--tokenizer", word_model,
+                           "--workload", "multi-turn", "--num-users", "3", "--turns-mean", "3",
+                           "--shared-system-prompt-len", "256", "--user-context-len", "128",
+                           "--turn-input-len", "32", "--output-len", str(OUT), "--seed", "21",
+                           "--sample-interval", "0.05", "--out", str(out), "--disable-tqdm"])
+        assert still_decoding(), "the background request ended before the run did"
     assert rc == 0
     printed = capsys.readouterr().out
     assert "sending token-id prompts on /v1/completions" in printed
@@ -121,7 +145,9 @@ def test_multi_turn_run_against_vllm_serving_a_word_level_model(
     util = doc["utilisation"]["per_instance"][word_server.url]
     # how many samples land is timing (the unit tests pin the statistics on scripted
     # gauges); the run lasts ~3 s (8-token answers gave 0.3 s, and under the full suite's
-    # load once not one sample), so at least one must, from the real server
+    # load once not one sample), so at least one must, from the real server; a request
+    # decoding through the whole run makes every one of them see the engine busy (the
+    # run's own requests alone left all 5 samples of one loaded run between requests)
     assert util["answered"] >= 1 and 0 < util["busy_fraction"] <= 1
     assert util["running_mean"] > 0 and 0 < util["kv_usage_max"] <= 1
     samples = doc["utilisation_samples"][word_server.url]
