@@ -29,8 +29,10 @@ and a dict lookup per chunk). A link is taken only while every chunk on it is st
 the cache (it is dropped otherwise); its chunks' recency is updated as a step-by-step walk
 would.
 
-Memory: at most ``max_chars`` characters of chunks (plus their ids), least recently used
-chunks dropped first. Thread-safe: lookups and inserts run under one lock on the
+Memory: at most ``max_chars`` characters of chunks (plus their ids and, per
+:data:`EXPRESS_CHUNKS` chunks of a chain, a link's few hundred bytes), least recently used
+chunks dropped first (a link goes with the chunk it starts from: its own chunks are used
+after that one on every walk, so they are not dropped before it). Thread-safe: lookups and inserts run under one lock on the
 router's tokenising worker threads; tokenising itself runs outside it.
 """
 
@@ -60,7 +62,7 @@ class _Chunk:
     text: str        # the chunk's characters past its first ``anchor_chars``
     end: int         # character offset where the chunk ends in the text
     ids: np.ndarray  # the chunk's token ids, ``[n]`` uint32
-    key: tuple[int, str]  # its key in ``PrefixTokens._chunks`` (the same object)
+    key: tuple[int, str]  # its key in ``PrefixTokens._chunks``
 
 
 @dataclass(frozen=True)
