@@ -16,6 +16,7 @@ Triton launch.
 from kvcentric.kernels.dispatch import (
     IMPLS,
     ImplChoice,
+    PagedCopy,
     explain_impl,
     pack_blocks,
     pack_blocks_layers,
@@ -30,6 +31,7 @@ from kvcentric.kernels.tensor_views import as_rows
 __all__ = [
     "IMPLS",
     "ImplChoice",
+    "PagedCopy",
     "as_rows",
     "explain_impl",
     "pack_blocks",

@@ -18,6 +18,11 @@ Implementations (``impl``):
 * ``"auto"``: Triton when the layers are on CUDA or ``TRITON_INTERPRET=1`` and
   Triton is installed, torch otherwise.
 
+:class:`PagedCopy` is :func:`pack_blocks` / :func:`unpack_blocks` validated once for a
+layer shape, its block ids and a rows shape, then run per layer: a step moves the same
+pages of every layer, and validating ids, rows and the implementation per layer cost
+several times the copy of a small page on CPU.
+
 These copy page by page. Between a CUDA layer and host objects, the connector uses
 :mod:`kvcentric.kernels.staged` instead (gather in HBM, one 2-D DMA per layer): page by
 page across PCIe is 5-30x slower there (``benchmarks/micro/gpu_path.py``).
@@ -254,6 +259,63 @@ def _unpack(
 ) -> None:
     groups, ids, rows, dim = _prepare(packed, block_ids, layers, block_dim, single, "packed")
     _copy(choose_impl(impl, groups, rows, dim), groups, ids, rows, dim, pack=False)
+
+
+_Sig = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+def _sig(t: torch.Tensor) -> _Sig:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+class PagedCopy:
+    """:func:`pack_blocks` / :func:`unpack_blocks` of ``block_ids`` between layers shaped
+    like ``kv_layer`` and rows shaped like ``rows``, validated here once (ids in range,
+    rows' shape, contiguity and device, the implementation, as those functions do).
+
+    :meth:`pack` and :meth:`unpack` then take any layer and rows with exactly the
+    template's shape, strides, dtype and device (``ValueError`` otherwise, nothing
+    copied), so the ids need no new check: every layer they index has the template's
+    blocks. Keeps the ids (on the layers' device where the copy indexes there), never a
+    reference to a layer or rows after a call returns."""
+
+    def __init__(self, kv_layer: torch.Tensor, block_ids: BlockIds, rows: torch.Tensor, *,
+                 block_dim: int = 0, impl: str = "auto") -> None:
+        groups, ids, typed, dim = _prepare(rows, block_ids, [kv_layer], block_dim, True,
+                                           "rows")
+        self.choice = choose_impl(impl, groups, typed, dim)
+        self.block_dim = dim
+        self._ids = ids if self.choice.name == "dma" else \
+            ids.to(kv_layer.device, non_blocking=True)
+        self._layer = _sig(kv_layer)
+        self._rows = _sig(rows)
+        self._typed = tuple(typed.shape)  # [n, 1, *block]: the rows as the copy reads them
+        self._dtype = kv_layer.dtype
+
+    def _check(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as the copy reads them, once both match the template."""
+        if _sig(kv_layer) != self._layer:
+            raise ValueError(f"kv_layer {_sig(kv_layer)} is not shaped like this copy's "
+                             f"{self._layer}")
+        if _sig(rows) != self._rows:
+            raise ValueError(f"rows {_sig(rows)} are not shaped like this copy's {self._rows}")
+        try:
+            return rows.view(self._dtype).view(self._typed) if rows.dtype != self._dtype \
+                else rows.view(self._typed)
+        except RuntimeError as exc:  # the base address is not aligned for the dtype
+            raise ValueError(f"rows are not aligned for {self._dtype}: {exc}") from exc
+
+    def pack(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy the blocks of ``kv_layer`` into ``rows`` (in place)."""
+        typed = self._check(kv_layer, rows)
+        _copy(self.choice, [LayerGroup(0, kv_layer.unsqueeze(0))], self._ids, typed,
+              self.block_dim, pack=True)
+
+    def unpack(self, rows: torch.Tensor, kv_layer: torch.Tensor) -> None:
+        """Copy ``rows`` into the blocks of ``kv_layer`` (in place; others untouched)."""
+        typed = self._check(kv_layer, rows)
+        _copy(self.choice, [LayerGroup(0, kv_layer.unsqueeze(0))], self._ids, typed,
+              self.block_dim, pack=False)
 
 
 def explain_impl(

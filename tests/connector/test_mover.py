@@ -178,3 +178,38 @@ def test_grouped_copies_use_each_layers_own_page_ids() -> None:
                 assert torch.equal(got[b], src[layer][b])
             else:
                 assert (got[b] == -1).all()
+
+
+def test_a_plan_checks_each_pages_ids_once_for_every_layer_of_one_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step moves the same pages of every layer: the ids of each (run, page) are checked
+    on the first layer of a shape and reused, for packing and unpacking alike; a layer of
+    another shape (a hybrid model's other KV cache group) gets its own check, and the
+    bytes are those of a plan that checks every layer."""
+    from kvcentric.kernels import dispatch
+
+    checked = []
+    real = dispatch.normalize_ids
+    monkeypatch.setattr(dispatch, "normalize_ids",
+                        lambda *a, **k: checked.append(1) or real(*a, **k))
+    geo = ObjectGeometry(LAYERS, PAGES, PAGE_BYTES)
+    arena = ctypes.create_string_buffer(2 * geo.object_bytes)
+    base = ctypes.addressof(arena)
+    ptrs, pages = [base, base + geo.object_bytes], [[3, 7], [1, 2]]
+    src = kv_layers()
+    plan = PagePlan(geo, ptrs, pages)  # one run of two objects: PAGES kernel calls a layer
+    for layer, kv in enumerate(src):
+        plan.pack_layer(layer, kv)
+    assert len(checked) == PAGES
+    dst = [torch.zeros_like(t) for t in src]
+    for layer, kv in enumerate(dst):
+        plan.unpack_layer(layer, kv)
+    assert len(checked) == 2 * PAGES
+    for layer in range(LAYERS):
+        assert torch.equal(dst[layer][[3, 7, 1, 2]], src[layer][[3, 7, 1, 2]])
+    wider = torch.zeros(BLOCKS + 2, *PAGE_SHAPE)  # same pages, more blocks: checked anew
+    plan.unpack_layer(0, wider)
+    assert len(checked) == 3 * PAGES
+    assert torch.equal(wider[[3, 7, 1, 2]], src[0][[3, 7, 1, 2]])
+    with pytest.raises(ValueError):  # a layer too small for the ids: refused, not copied
+        plan.unpack_layer(0, torch.zeros(5, *PAGE_SHAPE))

@@ -18,6 +18,7 @@ import torch
 
 from kvcentric import kernels
 from kvcentric.kernels import (
+    PagedCopy,
     as_rows,
     explain_impl,
     pack_blocks,
@@ -407,3 +408,56 @@ def test_staged_copies_need_a_cuda_layer() -> None:
         staged_unpack(host, torch.tensor([0, 1]), layer, block_dim=bd)
     with pytest.raises(ValueError, match="uint8 CPU tensor"):
         staged_pack(layer, torch.tensor([0, 1]), host.float(), block_dim=bd)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_paged_copy_validated_once_moves_every_layer_as_pack_blocks_does(
+        impl: str, layout: str) -> None:
+    """The connector's case: the same block ids of every layer to and from rows at other
+    places of one slab (object after object), validated on the first layer only."""
+    layers = [make_layer(layout, torch.bfloat16, "slice", start=1000 * i)[0] for i in range(3)]
+    bd = LAYOUTS[layout][1]
+    ids = ids_tensor("ragged")
+    row_bytes = layers[0].select(bd, 0).numel() * 2
+    slab = torch.zeros(len(layers), 3, row_bytes + 64, dtype=torch.uint8)
+    copy = PagedCopy(layers[0], ids, slab[0, :, 32:32 + row_bytes], block_dim=bd, impl=impl)
+    assert copy.choice == explain_impl(layers[0], ids, slab[0, :, 32:32 + row_bytes],
+                                       block_dim=bd, impl=impl)
+    for i, layer in enumerate(layers):
+        copy.pack(layer, slab[i, :, 32:32 + row_bytes])
+        want = torch.zeros(3, row_bytes, dtype=torch.uint8)
+        pack_blocks(layer, ids, want, block_dim=bd, impl=impl)
+        assert torch.equal(slab[i, :, 32:32 + row_bytes], want)
+    assert not slab[..., :32].any() and not slab[..., 32 + row_bytes:].any()
+    for i, layer in enumerate(layers):
+        target = make_layer(layout, torch.bfloat16, "slice")[0].zero_()  # same strides
+        copy.unpack(slab[i, :, 32:32 + row_bytes], target)
+        assert same(target.index_select(bd, ids), layer.index_select(bd, ids))
+        others = [b for b in range(NB) if b not in ID_SETS["ragged"]]
+        assert not bits(target.index_select(bd, torch.tensor(others))).any()
+
+
+def test_a_paged_copy_refuses_what_it_did_not_validate() -> None:
+    """Ids out of range are refused when it is made; a layer or rows of another shape,
+    stride, dtype or alignment at a call, before a byte is copied."""
+    layer, bd = make_layer("nhd", torch.float16, "contig")
+    ids = ids_tensor("ragged")
+    row_bytes = layer[0].numel() * 2
+    rows = torch.zeros(3, row_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="id"):
+        PagedCopy(layer, torch.tensor([0, NB]), rows)
+    copy = PagedCopy(layer, ids, rows)
+    smaller = layer[: NB - 1]  # fewer blocks: the checked ids could run past its end
+    bad_layers = [smaller, layer.to(torch.bfloat16), make_layer("nhd", torch.float16,
+                                                                 "padded")[0]]
+    for bad in bad_layers:
+        with pytest.raises(ValueError, match="not shaped like"):
+            copy.pack(bad, rows)
+        with pytest.raises(ValueError, match="not shaped like"):
+            copy.unpack(rows, bad)
+    slab = torch.zeros(3 * row_bytes + 1, dtype=torch.uint8)
+    for bad_rows in (rows[:2], torch.zeros(3, row_bytes + 2, dtype=torch.uint8)[:, 1:-1],
+                     slab[1:].view(3, row_bytes)):
+        with pytest.raises(ValueError):
+            copy.pack(layer, bad_rows)
+    assert not rows.any() and not slab.any()

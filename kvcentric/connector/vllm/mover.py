@@ -200,6 +200,10 @@ class PagePlan:
                                    dtype=torch.int64)
                 runs.append(_Run.of(view, ids, kernel))
         self._runs = self._groups[0]
+        # (run, page, pack, layer shape) -> the copy validated on the first layer of that
+        # shape: the other layers reuse its checked ids and implementation (copy threads
+        # may build one twice at once; either is valid)
+        self._copies: dict[tuple[int, int, bool, tuple[object, ...]], kernels.PagedCopy] = {}
 
     def page_ids(self) -> list[int]:
         """Every engine block id this plan writes or reads (SKIP excluded)."""
@@ -280,7 +284,8 @@ class PagePlan:
                         block_dim=k.block_dim, impl=k.pack_impl)
             return
         for j in range(self.geometry.pages_per_object):
-            self._move(run.view[:, layer, j], run.by_page[j], kv_layer, run.masked, pack=True)
+            self._move(run.view[:, layer, j], run.by_page[j], kv_layer, run.masked, pack=True,
+                       key=(id(run), j))
 
     def unpack_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Copy this layer's pages from the objects into ``kv_layer`` (SKIP pages are
@@ -296,18 +301,35 @@ class PagePlan:
                 continue
             for j in range(self.geometry.pages_per_object):
                 self._move(run.view[:, layer, j], run.by_page[j], kv_layer, run.masked,
-                           pack=False)
+                           pack=False, key=(id(run), j))
 
     def _move(self, rows: torch.Tensor, ids: torch.Tensor, kv_layer: torch.Tensor,
-              masked: bool, pack: bool) -> None:
+              masked: bool, pack: bool, key: tuple[int, int] | None = None) -> None:
+        """Page ``ids`` of ``kv_layer`` to or from ``rows``; ``key`` (run, page): the same
+        ids and rows shape for every layer, validated once per layer shape
+        (:class:`kvcentric.kernels.PagedCopy`)."""
         if masked:
             keep = (ids != SKIP).nonzero().flatten().tolist()
             for r in keep:  # rare: the one object a local prefix hit covers in part
                 self._move(rows[r:r + 1], ids[r:r + 1], kv_layer, False, pack)
             return
         k = self.kernel
+        if key is None:
+            if pack:
+                kernels.pack_blocks(kv_layer, ids, rows, block_dim=k.block_dim,
+                                    impl=k.pack_impl)
+            else:
+                kernels.unpack_blocks(rows, ids, kv_layer, block_dim=k.block_dim,
+                                      impl=k.unpack_impl)
+            return
+        at = (*key, pack, (tuple(kv_layer.shape), kv_layer.stride(), kv_layer.dtype,
+                           kv_layer.device))
+        copy = self._copies.get(at)
+        if copy is None:
+            copy = kernels.PagedCopy(kv_layer, ids, rows, block_dim=k.block_dim,
+                                     impl=k.pack_impl if pack else k.unpack_impl)
+            self._copies[at] = copy
         if pack:
-            kernels.pack_blocks(kv_layer, ids, rows, block_dim=k.block_dim, impl=k.pack_impl)
+            copy.pack(kv_layer, rows)
         else:
-            kernels.unpack_blocks(rows, ids, kv_layer, block_dim=k.block_dim,
-                                  impl=k.unpack_impl)
+            copy.unpack(rows, kv_layer)
