@@ -51,6 +51,7 @@ from kvcentric.kernels.tensor_views import (
     group_layers,
     normalize_ids,
     rows_view,
+    widen_pair,
 )
 from kvcentric.kernels.triton_gather import triton_pack, triton_unpack, unsupported_reason
 
@@ -291,6 +292,17 @@ class PagedCopy:
         self._rows = _sig(rows)
         self._typed = tuple(typed.shape)  # [n, 1, *block]: the rows as the copy reads them
         self._dtype = kv_layer.dtype
+        # torch's copy between a layer and rows on one device, as torch_pack/torch_unpack
+        # run it, with the integer width widen_pair picks for these strides taken here:
+        # it holds for every call whose two addresses are aligned to it (else the general
+        # path runs); an int64 index, made once
+        self._int: torch.dtype | None = None
+        if self.choice.name == "torch" and typed.device == kv_layer.device and \
+                not kv_layer.requires_grad:
+            wide, _ = widen_pair(kv_layer.unsqueeze(0), typed.movedim(0, 1 + dim), 1 + dim)
+            self._int = wide.dtype
+            self._width = wide.element_size()
+            self._index = self._ids.long()
 
     def _check(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` as the copy reads them, once both match the template."""
@@ -305,17 +317,35 @@ class PagedCopy:
         except RuntimeError as exc:  # the base address is not aligned for the dtype
             raise ValueError(f"rows are not aligned for {self._dtype}: {exc}") from exc
 
+    def _direct(self, kv_layer: torch.Tensor, typed: torch.Tensor, pack: bool) -> bool:
+        """The torch copy with the width chosen at construction; False where it does not
+        apply (another implementation, or an address not aligned to that width)."""
+        if self._int is None:
+            return False
+        w, dim = self._width, 1 + self.block_dim
+        layer, rows = kv_layer.unsqueeze(0), typed.movedim(0, dim)
+        if layer.data_ptr() % w or rows.data_ptr() % w:
+            return False
+        layer, rows = layer.view(self._int), rows.view(self._int)
+        if pack:
+            torch.index_select(layer, dim, self._index, out=rows)
+        else:
+            layer.index_copy_(dim, self._index, rows)
+        return True
+
     def pack(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> None:
         """Copy the blocks of ``kv_layer`` into ``rows`` (in place)."""
         typed = self._check(kv_layer, rows)
-        _copy(self.choice, [LayerGroup(0, kv_layer.unsqueeze(0))], self._ids, typed,
-              self.block_dim, pack=True)
+        if not self._direct(kv_layer, typed, pack=True):
+            _copy(self.choice, [LayerGroup(0, kv_layer.unsqueeze(0))], self._ids, typed,
+                  self.block_dim, pack=True)
 
     def unpack(self, rows: torch.Tensor, kv_layer: torch.Tensor) -> None:
         """Copy ``rows`` into the blocks of ``kv_layer`` (in place; others untouched)."""
         typed = self._check(kv_layer, rows)
-        _copy(self.choice, [LayerGroup(0, kv_layer.unsqueeze(0))], self._ids, typed,
-              self.block_dim, pack=False)
+        if not self._direct(kv_layer, typed, pack=False):
+            _copy(self.choice, [LayerGroup(0, kv_layer.unsqueeze(0))], self._ids, typed,
+                  self.block_dim, pack=False)
 
 
 def explain_impl(

@@ -429,6 +429,11 @@ def test_a_paged_copy_validated_once_moves_every_layer_as_pack_blocks_does(
         pack_blocks(layer, ids, want, block_dim=bd, impl=impl)
         assert torch.equal(slab[i, :, 32:32 + row_bytes], want)
     assert not slab[..., :32].any() and not slab[..., 32 + row_bytes:].any()
+    # rows aligned for bf16 but not for the integer width picked at 32 bytes in: the same
+    # bytes, by the general path
+    odd = torch.zeros(3, row_bytes + 64, dtype=torch.uint8)
+    copy.pack(layers[1], odd[:, 34:34 + row_bytes])
+    assert torch.equal(odd[:, 34:34 + row_bytes], slab[1, :, 32:32 + row_bytes])
     for i, layer in enumerate(layers):
         target = make_layer(layout, torch.bfloat16, "slice")[0].zero_()  # same strides
         copy.unpack(slab[i, :, 32:32 + row_bytes], target)
