@@ -43,6 +43,7 @@ from kvcentric.router.tokenize import PromptTokenizer
 from kvcentric.testing.models import build_model
 
 ANSWER_WORDS = 48  # an answer of about the capacity benchmark's 64 tokens
+SESSIONS = 8  # conversations at once, their turns interleaved as they arrive
 
 
 class Sessions:
@@ -114,8 +115,6 @@ def whole_round(tok: PromptTokenizer, texts: list[str]) -> dict[str, float]:
         cpus.append(time.process_time() - c0)
     return {"whole_cpu_ms": statistics.median(cpus) * 1e3}
 
-
-SESSIONS = 8
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,12 +43,11 @@ from tqdm import tqdm
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import ROOT
+from benchmarks.lib.workers import worker_on
 from kvcentric.config import StoreConfig
 from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.mover import ObjectGeometry
-from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
-from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.hashing import KeySpace
 from kvcentric.integrity import ObjectRef
 from kvcentric.kernels import explain_impl, pack_blocks, unpack_blocks
@@ -88,14 +87,8 @@ class Case:
         self.pages = [[i * k + j for j in range(k)] for i in range(objects)]
         self.nbytes = objects * self.engine.geometry.object_bytes
         self.cfg = cfg
-        self.saver = self._worker(self.src)
-        self.loader = self._worker(self.dst)
-
-    def _worker(self, kv: dict[str, torch.Tensor]) -> KVCentricWorker:
-        w = KVCentricWorker(ConnectorSettings(store=self.cfg), self.engine,
-                            open_store(self.cfg), list(kv))
-        w.register(kv)
-        return w
+        self.saver = worker_on(cfg, self.engine, self.src)
+        self.loader = worker_on(cfg, self.engine, self.dst)
 
     def refs(self, tag: str) -> list[ObjectRef]:
         return [ObjectRef(xxhash.xxh3_128_digest(f"{tag}-{i}".encode()), i, OBJECT_TOKENS)

@@ -41,15 +41,13 @@ import xxhash
 
 from benchmarks.lib import results_writer as rw
 from benchmarks.lib.paths import RESULTS
+from benchmarks.lib.workers import worker_on
 from kvcentric.config import StoreConfig
 from kvcentric.connector.vllm.engine_layout import EngineLayout
 from kvcentric.connector.vllm.mover import ObjectGeometry
-from kvcentric.connector.vllm.settings import ConnectorSettings
 from kvcentric.connector.vllm.transfers import StepPlan, TransferSpec
-from kvcentric.connector.vllm.worker import KVCentricWorker
 from kvcentric.hashing import KeySpace
 from kvcentric.integrity import ObjectRef
-from kvcentric.store import open_store
 from kvcentric.store.local import launcher
 from kvcentric.stored_layout import KVLayout
 
@@ -77,16 +75,9 @@ class Step:
         self.pages = [[i * k + j for j in range(k)] for i in range(objects)]
         self.ids = torch.tensor([p for ps in self.pages for p in ps])
         self.buf = torch.empty((LAYERS, len(self.ids), *shape[1:]), dtype=torch.bfloat16)
-        self.cfg = cfg
         self.run = uuid.uuid4().hex
-        self.saver = self._worker(self.src)
-        self.loader = self._worker(self.dst)
-
-    def _worker(self, kv: dict[str, torch.Tensor]) -> KVCentricWorker:
-        w = KVCentricWorker(ConnectorSettings(store=self.cfg), self.engine,
-                            open_store(self.cfg), list(kv))
-        w.register(kv)
-        return w
+        self.saver = worker_on(cfg, self.engine, self.src)
+        self.loader = worker_on(cfg, self.engine, self.dst)
 
     def refs(self, tag: str) -> list[ObjectRef]:
         """The objects of step ``tag``: keys of this Step's own (the store keeps the first
