@@ -262,10 +262,12 @@ def _unpack(
     _copy(choose_impl(impl, groups, rows, dim), groups, ids, rows, dim, pack=False)
 
 
-_Sig = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+TensorSig = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 
-def _sig(t: torch.Tensor) -> _Sig:
+def tensor_sig(t: torch.Tensor) -> TensorSig:
+    """What a :class:`PagedCopy` requires of every tensor it copies for: the template's
+    shape, strides, dtype and device."""
     return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
@@ -288,8 +290,8 @@ class PagedCopy:
         self.block_dim = dim
         self._ids = ids if self.choice.name == "dma" else \
             ids.to(kv_layer.device, non_blocking=True)
-        self._layer = _sig(kv_layer)
-        self._rows = _sig(rows)
+        self._layer = tensor_sig(kv_layer)
+        self._rows = tensor_sig(rows)
         self._typed = tuple(typed.shape)  # [n, 1, *block]: the rows as the copy reads them
         self._dtype = kv_layer.dtype
         # torch's copy between a layer and rows on one device, as torch_pack/torch_unpack
@@ -306,11 +308,12 @@ class PagedCopy:
 
     def _check(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` as the copy reads them, once both match the template."""
-        if _sig(kv_layer) != self._layer:
-            raise ValueError(f"kv_layer {_sig(kv_layer)} is not shaped like this copy's "
-                             f"{self._layer}")
-        if _sig(rows) != self._rows:
-            raise ValueError(f"rows {_sig(rows)} are not shaped like this copy's {self._rows}")
+        if tensor_sig(kv_layer) != self._layer:
+            raise ValueError(f"kv_layer {tensor_sig(kv_layer)} is not shaped like this "
+                             f"copy's {self._layer}")
+        if tensor_sig(rows) != self._rows:
+            raise ValueError(f"rows {tensor_sig(rows)} are not shaped like this copy's "
+                             f"{self._rows}")
         try:
             return rows.view(self._dtype).view(self._typed) if rows.dtype != self._dtype \
                 else rows.view(self._typed)

@@ -32,6 +32,7 @@ import torch
 from kvcentric import kernels
 from kvcentric.connector.vllm.transfers import SKIP
 from kvcentric.integrity import HEADER_BYTES
+from kvcentric.kernels.dispatch import TensorSig, tensor_sig
 from kvcentric.kernels.staged import (
     staged_pack,
     staged_pack_layers,
@@ -203,7 +204,7 @@ class PagePlan:
         # (run, page, pack, layer shape) -> the copy validated on the first layer of that
         # shape: the other layers reuse its checked ids and implementation (copy threads
         # may build one twice at once; either is valid)
-        self._copies: dict[tuple[int, int, bool, tuple[object, ...]], kernels.PagedCopy] = {}
+        self._copies: dict[tuple[int, int, bool, TensorSig], kernels.PagedCopy] = {}
 
     def page_ids(self) -> list[int]:
         """Every engine block id this plan writes or reads (SKIP excluded)."""
@@ -322,8 +323,7 @@ class PagePlan:
                 kernels.unpack_blocks(rows, ids, kv_layer, block_dim=k.block_dim,
                                       impl=k.unpack_impl)
             return
-        at = (*key, pack, (tuple(kv_layer.shape), kv_layer.stride(), kv_layer.dtype,
-                           kv_layer.device))
+        at = (*key, pack, tensor_sig(kv_layer))
         copy = self._copies.get(at)
         if copy is None:
             copy = kernels.PagedCopy(kv_layer, ids, rows, block_dim=k.block_dim,
